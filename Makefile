@@ -1,0 +1,37 @@
+# omniduplex: `make run` sets up .venv and runs the server; `make test` sets up .venv and runs the tests.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint unit system-deps bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[speech,dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Debian packages the tests need: a real redis-server and a real Chromium.
+system-deps:
+	@command -v redis-server >/dev/null && command -v chromium >/dev/null || \
+	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server chromium)
+
+run: setup
+	$(VENV)/bin/omniduplex serve
+
+lint: setup
+	$(VENV)/bin/ruff check session media runtime engines web loadtest tests
+	$(VENV)/bin/mypy
+
+unit: setup
+	$(PY) -m pytest -q
+
+test: setup system-deps lint unit
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,78 @@
+"""The `omniduplex` command line: serve, run, gateway, loadtest."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the realtime session server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--pipeline", default="voice-cascade", help="pipeline name or YAML path")
+    p.add_argument("--llm", default=None, help="local transformers causal LM dir for the responder")
+    p.add_argument("--redis-url", default=None, help="external Redis; default: an embedded redis-server")
+    p.add_argument("--data-dir", default="./.omniduplex", help="embedded Redis data directory")
+    p.add_argument("--api-keys", default=None, help="key:tenant,... (or env OMNIDUPLEX_API_KEYS)")
+    p.add_argument("--admin-key", default=None, help="admin API key (or env OMNIDUPLEX_ADMIN_KEY)")
+    p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without API keys")
+    p.add_argument("--advertise-url", default=None, help="URL other replicas/gateways reach this one at")
+    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--stun", action="append", default=[], help="STUN server URL (repeatable)")
+    p.add_argument("--turn", action="append", default=[], help="TURN server URL user:pass@host (repeatable)")
+    p.add_argument("--log-level", default="info")
+
+
+def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("run", help="run one request through a pipeline and write a WAV")
+    p.add_argument("--pipeline", default="qwen3-omni-tiny")
+    p.add_argument("--text", required=True)
+    p.add_argument("--out", default="out.wav")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--max-frames", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--edge-mode", action="append", default=[], metavar="FROM->TO=MODE",
+                   help="override an edge's mode, e.g. 'talker->code2wav=full'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omniduplex")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _run_parser(sub)
+    g = sub.add_parser("gateway", help="run a stateless gateway in front of replicas")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8080)
+    g.add_argument("--redis-url", required=True)
+    g.add_argument("--api-keys", default=None)
+    g.add_argument("--insecure", action="store_true")
+    sub.add_parser("loadtest", help="run the load generator (same as python -m loadtest)", add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["loadtest"]:
+        from loadtest.__main__ import main as loadtest_main
+
+        return loadtest_main(args_list[1:])
+    args = build_parser().parse_args(args_list)
+    if args.command == "serve":
+        from web.serve import serve
+
+        return serve(args)
+    if args.command == "run":
+        from web.run_once import run_once
+
+        return run_once(args)
+    if args.command == "gateway":
+        from web.gateway import run_gateway
+
+        return run_gateway(args)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
