@@ -33,8 +33,13 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--max-frames", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--edge-mode", action="append", default=[], metavar="FROM->TO=MODE",
-                   help="override an edge's mode, e.g. 'talker->code2wav=full'")
+    p.add_argument(
+        "--edge-mode",
+        action="append",
+        default=[],
+        metavar="FROM->TO=MODE",
+        help="override an edge's mode, e.g. 'talker->code2wav=full'",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

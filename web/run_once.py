@@ -69,13 +69,16 @@ async def _run(args: argparse.Namespace) -> int:
     samples = np.concatenate(audio) if audio else np.zeros(0, dtype=np.float32)
     out_path = Path(args.out)
     write_wav(out_path, samples, rate)
-    print(f"status: {getattr(status, 'status', '?')}" + (f" ({status.error})" if getattr(status, "error", None) else ""))
+    error = getattr(status, "error", None)
+    print(f"status: {getattr(status, 'status', '?')}" + (f" ({error})" if error else ""))
     print(f"text: {''.join(text)!r}")
     dur = len(samples) / rate
     print(f"audio: {dur:.2f} s at {rate} Hz -> {out_path}")
     if first_audio is not None:
-        print(f"time to first audio: {first_audio * 1000:.1f} ms; total {total * 1000:.1f} ms; "
-              f"RTF {total / dur if dur else float('nan'):.3f}")
+        print(
+            f"time to first audio: {first_audio * 1000:.1f} ms; total {total * 1000:.1f} ms; "
+            f"RTF {total / dur if dur else float('nan'):.3f}"
+        )
     print("timeline (ms since admission):")
     for stage, timing in (getattr(status, "timings", None) or {}).items():
         print(f"  {stage:<12} {timing}")

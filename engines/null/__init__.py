@@ -1,0 +1,1 @@
+"""No-model engines: the null benchmark pipeline and a passthrough."""

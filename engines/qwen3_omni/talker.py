@@ -1,0 +1,221 @@
+"""The talker stage: one codec frame (c0 + 15 code-predictor residuals) per step.
+
+Follows the talker-stage loop of QWEN3_OMNI.md §5: the codec embedding sum of frame t plus the
+text row t (the thinker's ``text_token`` rows, then ``tts_eos`` once, then ``tts_pad``) is the
+talker's next input. When the talker has caught up with the thinker it stalls
+(``wait_for_input``) instead of padding, as ``generate`` would only pad after ``tts_eos``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.cache_utils import DynamicCache
+
+from engines.qwen3_omni.model import LoadedModel, load_model
+from engines.qwen3_omni.sampling import (
+    SamplingParams,
+    apply_repetition_penalty,
+    make_generator,
+    mask_tokens,
+    select_token,
+)
+from engines.qwen3_omni.talker_prompt import special_text_rows
+from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
+from runtime.payloads import CodecCodes, Embeddings
+
+
+@dataclass(slots=True)
+class TalkerState:
+    request_id: str
+    sampling: SamplingParams
+    predictor_sampling: SamplingParams
+    generator: torch.Generator
+    min_frames: int
+    max_frames: int
+    prefill: torch.Tensor | None = None
+    texts: deque[tuple[torch.Tensor, bool]] = field(default_factory=deque)  # (row, is tts_eos)
+    text_ended: bool = False  # tts_eos consumed: tts_pad from now on
+    cache: DynamicCache | None = None
+    position: int = 0
+    pending: torch.Tensor | None = None  # codec embedding sum of the last frame, awaiting its text row
+    hidden: torch.Tensor | None = None
+    c0_history: list[int] = field(default_factory=list)
+    frames: int = 0
+    upstream_done: bool = False
+    done: bool = False
+
+
+def _as_tensor(value: Any, dtype: torch.dtype) -> torch.Tensor:
+    tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+    return tensor.to(dtype)
+
+
+class TalkerEngine(Engine):
+    """Qwen3-Omni talker + code predictor over ``transformers``, one cache per request."""
+
+    batchable = False
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        super().__init__(options)
+        self._loaded: LoadedModel | None = None
+        self._tts_pad: torch.Tensor | None = None
+        self._banned: torch.Tensor | None = None
+
+    @property
+    def loaded(self) -> LoadedModel:
+        if self._loaded is None:
+            self._loaded = load_model(self.options)
+        return self._loaded
+
+    def load(self) -> None:
+        loaded = self.loaded
+        with torch.inference_mode():
+            _bos, _eos, pad = special_text_rows(loaded)
+        self._tts_pad = pad.clone()
+        vocab = int(loaded.talker_config.text_config.vocab_size)
+        banned = torch.zeros(vocab, dtype=torch.bool)
+        # generate() suppresses [vocab - 1024, vocab) but codec EOS; codes at or above the
+        # codebook would not decode either.
+        banned[min(loaded.codebook_size, max(0, vocab - 1024)) :] = True
+        banned[loaded.ids.codec_eos] = False
+        self._banned = banned
+
+    def start(self, request: EngineRequest) -> TalkerState:
+        if self._tts_pad is None:
+            self.load()
+        params = request.params
+        greedy = bool(params.get("greedy", self.options.get("greedy", False)))
+        seed = params.get("seed")
+        max_frames = int(params.get("max_frames", self.options.get("max_frames", 4096)))
+        if max_frames < 1:
+            raise ValueError("qwen3_omni: max_frames must be >= 1")
+        return TalkerState(
+            request_id=request.request_id,
+            sampling=SamplingParams(
+                greedy=greedy,
+                temperature=float(self.options.get("temperature", 0.9)),
+                top_k=int(self.options.get("top_k", 50)),
+                top_p=float(self.options.get("top_p", 1.0)),
+                repetition_penalty=float(self.options.get("repetition_penalty", 1.05)),
+            ),
+            predictor_sampling=SamplingParams(greedy=greedy, temperature=1.0, top_k=50, top_p=0.8),
+            # Offset from the thinker's seed so the two streams differ yet stay reproducible.
+            generator=make_generator((int(seed) + 1) if seed is not None else secrets.randbits(62)),
+            min_frames=max(0, int(params.get("min_frames", self.options.get("min_frames", 0)))),
+            max_frames=max_frames,
+        )
+
+    def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
+        outputs = []
+        for item in batch:
+            state: TalkerState = item.state
+            self._ingest(state, item)
+            with torch.inference_mode():
+                outputs.append(self._advance(state))
+        return outputs
+
+    def _ingest(self, state: TalkerState, item: StepInput) -> None:
+        dtype = self.loaded.dtype
+        for chunk in item.chunks:
+            for payload in chunk.items:
+                if not isinstance(payload, Embeddings):
+                    continue
+                tensor = _as_tensor(payload.tensor, dtype)
+                if payload.role == "talker_prefill":
+                    state.prefill = tensor
+                elif payload.role in ("text_token", "tts_eos"):
+                    state.texts.append((tensor.reshape(1, 1, -1), payload.role == "tts_eos"))
+            if chunk.finished:
+                state.upstream_done = True
+        if item.upstream_finished:
+            state.upstream_done = True
+
+    def _next_text(self, state: TalkerState) -> torch.Tensor | None:
+        if state.texts:
+            row, is_eos = state.texts.popleft()
+            state.text_ended = state.text_ended or is_eos
+            return row
+        if state.text_ended or state.upstream_done:
+            assert self._tts_pad is not None
+            return self._tts_pad
+        return None
+
+    def _talk(self, state: TalkerState, embeds: torch.Tensor) -> None:
+        assert state.cache is not None
+        n = embeds.shape[1]
+        positions = torch.arange(state.position, state.position + n).view(1, 1, -1).expand(4, 1, -1)
+        out = self.loaded.model.talker.model(
+            inputs_embeds=embeds, position_ids=positions, cache=state.cache, use_cache=True
+        )
+        state.position += n
+        state.hidden = out.last_hidden_state[:, -1:]
+
+    def _advance(self, state: TalkerState) -> StepOutput:
+        if state.done:
+            return StepOutput(done=True)
+        if state.cache is None:
+            if state.prefill is None:
+                return StepOutput(done=True) if state.upstream_done else StepOutput(wait_for_input=True)
+            state.cache = self.loaded.talker_cache()
+            self._talk(state, state.prefill)
+            state.prefill = None
+        elif state.pending is not None:
+            text = self._next_text(state)
+            if text is None:
+                return StepOutput(wait_for_input=True)
+            self._talk(state, state.pending + text)
+            state.pending = None
+        return self._frame(state)
+
+    def _frame(self, state: TalkerState) -> StepOutput:
+        loaded = self.loaded
+        talker = loaded.model.talker
+        assert state.hidden is not None
+        logits = talker.codec_head(state.hidden).reshape(-1).float()
+        logits = apply_repetition_penalty(logits, state.c0_history, state.sampling.repetition_penalty)
+        banned = self._banned
+        if state.frames < state.min_frames and banned is not None:
+            banned = banned.clone()
+            banned[loaded.ids.codec_eos] = True
+        logits = mask_tokens(logits, banned)
+        c0 = select_token(logits, state.sampling, state.generator)
+        state.c0_history.append(c0)
+        if c0 == loaded.ids.codec_eos:
+            state.done = True
+            return StepOutput(done=True)
+        codes, codec_sum = self._residuals(state, c0)
+        state.frames += 1
+        state.pending = codec_sum
+        state.done = state.frames >= state.max_frames
+        return StepOutput(downstream=[CodecCodes(codes)], done=state.done)
+
+    def _residuals(self, state: TalkerState, c0: int) -> tuple[np.ndarray, torch.Tensor]:
+        """c1..c_{N-1} from the code predictor (fresh cache per frame) and the frame's embedding sum."""
+        loaded = self.loaded
+        talker = loaded.model.talker
+        predictor = talker.code_predictor
+        assert state.hidden is not None
+        first = talker.get_input_embeddings()(torch.tensor([[c0]]))
+        embeds = predictor.get_input_embeddings()
+        cache = loaded.predictor_cache()
+        out = predictor(inputs_embeds=torch.cat([state.hidden, first], dim=1), cache=cache, use_cache=True)
+        codes = [c0]
+        rows = [first]
+        groups = loaded.num_code_groups
+        for g in range(1, groups):
+            code = select_token(out.logits[:, -1], state.predictor_sampling, state.generator)
+            codes.append(code)
+            code_t = torch.tensor([[code]])
+            rows.append(embeds[g - 1](code_t))
+            if g < groups - 1:
+                out = predictor(input_ids=code_t, generation_steps=g, cache=cache, use_cache=True)
+        # One reduction over the stacked rows, as generate() sums them (same rounding).
+        total = torch.cat(rows, dim=1).sum(1, keepdim=True)
+        return np.asarray([codes], dtype=np.int64), total

@@ -1,0 +1,1 @@
+"""CPU speech engines: Silero VAD, faster-whisper ASR, a text responder, Piper TTS."""

@@ -1,0 +1,181 @@
+"""``world.tiny_jepa``: the pretrained tiny-jepa world model (PyPI ``tiny-jepa``, MIT), chunked.
+
+tiny-jepa is a real action-conditioned JEPA trained on OrbyWorld, a 32×32 grayscale world
+with five actions (stay/up/down/left/right): an encoder (frame → 32-d latent), a predictor
+(latent + action → next latent) and a decoder (latent → frame). It is pure numpy and takes
+~0.03 ms per imagine+decode step, so one engine step computes a whole chunk for every request
+of the batch at once (the MLPs run on the stacked latents).
+
+Per request the *rolling context* is the current latent plus an OrbyWorld environment seeded
+with the request's ``seed``. Every frame: the predictor rolls the latent forward with the held
+action and the decoder draws it. Imagined rollouts of this model blur within a few steps, so
+every ``reanchor_every`` frames the latent is pulled towards the encoding of the environment,
+which steps with the same actions (``anchor_weight`` 1.0 is a hard re-encode, 0.5 a soft
+pull that keeps the picture continuous). The decoded frames are dim; ``gain: auto`` scales
+each frame to full range. The output is the model's picture: blurry blobs, the agent moving
+with the keys; the distractor balls and pellet mostly do not survive its 32-d latent.
+
+Options: ``checkpoint`` (npz; default the ``orby_v1`` checkpoint inside the wheel),
+``chunk_frames`` (2), ``fps`` (30), ``reanchor_every`` (1), ``anchor_weight`` (0.5),
+``gain`` ("auto" or a number). Request params override ``chunk_frames``, ``fps`` and give
+``seed``, ``num_frames`` and ``flow`` (see :mod:`engines.world.controls`).
+Downstream: one ``Frames`` (uint8 ``[chunk_frames, 32, 32, 3]``) per chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engines.world.controls import DIRECTIONS, ChunkJob, ControlState
+from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
+from runtime.payloads import Frames
+
+SIZE = 32
+
+
+@dataclass(slots=True)
+class JepaRequest:
+    controls: ControlState
+    env: Any  # tiny_jepa.OrbyWorld
+    latent: np.ndarray  # float32 [32]: the rolling context
+    chunk_frames: int
+    fps: float
+    num_frames: int | None
+    frames_emitted: int = 0
+    frames_since_anchor: int = 0
+
+    def frames_left(self) -> int | None:
+        return None if self.num_frames is None else self.num_frames - self.frames_emitted
+
+
+def _positive_int(value: Any, name: str) -> int:
+    number = int(value)
+    if number <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return number
+
+
+class TinyJepaEngine(Engine):
+    """Chunked streaming over the pretrained tiny-jepa model (see the module docstring)."""
+
+    batchable = True
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        super().__init__(options)
+        self.chunk_frames = _positive_int(self.options.get("chunk_frames", 2), "chunk_frames")
+        self.fps = float(self.options.get("fps", 30.0))
+        self.reanchor_every = _positive_int(self.options.get("reanchor_every", 1), "reanchor_every")
+        self.anchor_weight = float(self.options.get("anchor_weight", 0.5))
+        if not 0.0 <= self.anchor_weight <= 1.0:
+            raise ValueError(f"anchor_weight must lie in [0, 1], got {self.anchor_weight}")
+        gain = self.options.get("gain", "auto")
+        self.gain: float | None = None if gain == "auto" else float(gain)
+        self._model: Any = None
+
+    def load(self) -> None:
+        import importlib.resources
+
+        from tiny_jepa import TinyJEPA
+
+        checkpoint = self.options.get("checkpoint")
+        if checkpoint:
+            self._model = TinyJEPA.load(str(checkpoint))
+            return
+        packaged = importlib.resources.files("tiny_jepa") / "checkpoints" / "orby_v1.npz"
+        with importlib.resources.as_file(packaged) as path:
+            self._model = TinyJEPA.load(str(path))
+
+    @property
+    def model(self) -> Any:
+        if self._model is None:
+            raise RuntimeError("TinyJepaEngine.load() must run before the first request")
+        return self._model
+
+    def start(self, request: EngineRequest) -> JepaRequest:
+        from tiny_jepa import OrbyWorld
+
+        params = request.params
+        env = OrbyWorld(seed=int(params.get("seed", 0)))
+        num_frames = params.get("num_frames")
+        return JepaRequest(
+            controls=ControlState.from_params(params),
+            env=env,
+            latent=self.model.encode(env.render()).astype(np.float32),
+            chunk_frames=_positive_int(params.get("chunk_frames", self.chunk_frames), "chunk_frames"),
+            fps=float(params.get("fps", self.fps)),
+            num_frames=None if num_frames is None else _positive_int(num_frames, "num_frames"),
+        )
+
+    def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
+        states: list[JepaRequest] = [item.state for item in batch]
+        jobs: list[ChunkJob | None] = []
+        for item, state in zip(batch, states, strict=True):
+            state.controls.absorb(item)
+            jobs.append(state.controls.next_job())
+        work = [(state, job) for state, job in zip(states, jobs, strict=True) if job is not None]
+        chunks = self._generate(work) if work else {}
+        outputs: list[StepOutput] = []
+        for state in states:
+            frames = chunks.get(id(state))
+            out = StepOutput()
+            if frames is not None:
+                out.downstream.append(Frames(frames=frames[0], fps=state.fps, chunk_index=frames[1]))
+            left = state.frames_left()
+            out.done = left is not None and left <= 0
+            out.wait_for_input = not out.done and not state.controls.has_more()
+            outputs.append(out)
+        return outputs
+
+    def _generate(self, work: list[tuple[JepaRequest, ChunkJob]]) -> dict[int, tuple[np.ndarray, int]]:
+        """One chunk for each (request, job), all requests' latents stepped together."""
+        from tiny_jepa import from_patches, one_hot, to_patches
+
+        nets = self.model.nets
+        counts = []
+        for state, _ in work:
+            left = state.frames_left()
+            counts.append(state.chunk_frames if left is None else min(state.chunk_frames, left))
+        actions = np.array([DIRECTIONS.index(job.direction) for _, job in work])
+        picked: list[list[np.ndarray]] = [[] for _ in work]
+        for t in range(max(counts)):
+            live = [i for i, count in enumerate(counts) if t < count]
+            latents = np.stack([work[i][0].latent for i in live])
+            step_in = np.concatenate([latents, one_hot(actions[live], len(DIRECTIONS))], axis=1)
+            latents = nets["pred"].forward(step_in).astype(np.float32)
+            anchors: list[int] = []
+            for row, i in enumerate(live):
+                state = work[i][0]
+                state.env.step(int(actions[i]))
+                state.frames_since_anchor += 1
+                if state.frames_since_anchor >= self.reanchor_every:
+                    state.frames_since_anchor = 0
+                    anchors.append(row)
+            if anchors:
+                observed = np.stack([work[live[row]][0].env.render() for row in anchors])
+                encoded = nets["enc"].forward(to_patches(observed)).astype(np.float32)
+                w = self.anchor_weight
+                latents[anchors] = (1.0 - w) * latents[anchors] + w * encoded
+            decoded = from_patches(nets["dec"].forward(latents))
+            for row, i in enumerate(live):
+                work[i][0].latent = latents[row]
+                picked[i].append(decoded[row])
+        out: dict[int, tuple[np.ndarray, int]] = {}
+        for (state, job), frames in zip(work, picked, strict=True):
+            state.frames_emitted += len(frames)
+            out[id(state)] = (self._to_rgb(np.stack(frames)), job.index)
+        return out
+
+    def _to_rgb(self, frames: np.ndarray) -> np.ndarray:
+        """[N, 32, 32] float → uint8 [N, 32, 32, 3] gray, with the configured gain."""
+        frames = np.clip(frames, 0.0, None)
+        if self.gain is None:
+            peak = frames.reshape(len(frames), -1).max(axis=1)
+            frames = frames / np.maximum(peak, 0.2)[:, None, None]
+        else:
+            frames = frames * self.gain
+        gray = (np.clip(frames, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
+        return np.repeat(gray[..., None], 3, axis=-1)

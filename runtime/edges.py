@@ -1,0 +1,114 @@
+"""Edge policies, pure: which items go downstream when, with which context.
+
+Both collectors work on opaque items (connector handles in the runtime, ints in tests) and
+say, per chunk, which items nothing will reference after that chunk has been consumed
+(``release``), so the connector data behind them can be freed early.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from runtime.spec import ChunkPolicy
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Chunk(Generic[T]):
+    items: list[T]
+    context: list[T] = field(default_factory=list)
+    finished: bool = False
+    index: int = 0
+    release: list[T] = field(default_factory=list)  # unreferenced once this chunk is consumed
+
+
+class AsyncChunker(Generic[T]):
+    """async_chunk: ``first`` items, then every ``steady`` items, with ``left_context`` before."""
+
+    def __init__(self, policy: ChunkPolicy) -> None:
+        self.policy = policy
+        self._pending: list[T] = []
+        self._tail: deque[T] = deque()
+        self._index = 0
+        self._finished = False
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def push(self, item: T) -> list[Chunk[T]]:
+        return self.extend([item])
+
+    def extend(self, items: list[T]) -> list[Chunk[T]]:
+        if self._finished:
+            raise RuntimeError("edge already finished")
+        self._pending.extend(items)
+        chunks: list[Chunk[T]] = []
+        while True:
+            size = self.policy.first if self._index == 0 else self.policy.steady
+            if len(self._pending) < size:
+                return chunks
+            taken, self._pending = self._pending[:size], self._pending[size:]
+            chunks.append(self._emit(taken, finished=False))
+
+    def finish(self) -> Chunk[T]:
+        """The remainder (possibly empty) with ``finished=True``; releases everything."""
+        if self._finished:
+            raise RuntimeError("edge already finished")
+        taken, self._pending = self._pending, []
+        chunk = self._emit(taken, finished=True)
+        self._finished = True
+        return chunk
+
+    def _emit(self, items: list[T], *, finished: bool) -> Chunk[T]:
+        context = list(self._tail)
+        release: list[T] = []
+        if finished:
+            release = [*context, *items]
+            self._tail.clear()
+        else:
+            self._tail.extend(items)
+            while len(self._tail) > self.policy.left_context:
+                release.append(self._tail.popleft())
+        chunk = Chunk(items, context, finished, self._index, release)
+        self._index += 1
+        return chunk
+
+
+class FullCollector(Generic[T]):
+    """full: nothing until upstream is done, then one finished chunk with every item."""
+
+    def __init__(self) -> None:
+        self._items: list[T] = []
+        self._finished = False
+
+    @property
+    def pending(self) -> int:
+        return len(self._items)
+
+    def push(self, item: T) -> list[Chunk[T]]:
+        return self.extend([item])
+
+    def extend(self, items: list[T]) -> list[Chunk[T]]:
+        if self._finished:
+            raise RuntimeError("edge already finished")
+        self._items.extend(items)
+        return []
+
+    def finish(self) -> Chunk[T]:
+        if self._finished:
+            raise RuntimeError("edge already finished")
+        self._finished = True
+        items, self._items = self._items, []
+        return Chunk(items, [], True, 0, list(items))
+
+
+def make_collector(mode: str, policy: ChunkPolicy) -> AsyncChunker[T] | FullCollector[T]:
+    if mode == "async_chunk":
+        return AsyncChunker(policy)
+    if mode == "full":
+        return FullCollector()
+    raise ValueError(f"unknown edge mode {mode!r}")

@@ -1,0 +1,303 @@
+"""The orchestrator: admission, cross-stage advancement, client-visible progress, cancellation.
+
+It owns nothing heavy: stages compute on their workers, connectors hold the payloads, and the
+orchestrator moves handles along edges (through each edge's chunk policy) and client payloads
+into the request's bounded stream. Every callback from a replica runs on the event loop and
+never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime.connectors import Connector, Handle, make_connectors
+from runtime.edges import AsyncChunker, Chunk, FullCollector, make_collector
+from runtime.engine import EngineRequest
+from runtime.metrics import RuntimeMetrics
+from runtime.payloads import Conditioning, Payload
+from runtime.progress import AdmissionError, FinalStatus, RequestHandle, RequestStatus, StageTiming
+from runtime.registry import engine_class
+from runtime.spec import EdgeSpec, PipelineSpec, load_pipeline
+from runtime.stage import Replica, Stage
+from runtime.worker import ChunkRef, ItemResult
+
+DEFAULT_STREAM_BUFFER = 64  # client-visible payloads buffered per request before its stages pause
+DEFAULT_INBOX_LIMIT = 32  # chunks waiting at a downstream stage before its upstream pauses
+
+
+@dataclass(eq=False, slots=True)
+class _EdgeRun:
+    spec: EdgeSpec
+    collector: AsyncChunker[Handle] | FullCollector[Handle]
+    target: Replica
+
+
+@dataclass(eq=False, slots=True)
+class _Run:
+    request_id: str
+    handle: RequestHandle
+    spec: PipelineSpec  # with this request's edge modes
+    replicas: dict[str, Replica]
+    admitted_at: float
+    timings: dict[str, StageTiming] = field(default_factory=dict)
+    edges_out: dict[str, list[_EdgeRun]] = field(default_factory=dict)
+    pending: set[str] = field(default_factory=set)  # stages not done yet
+    first_client_at: float | None = None
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        stream_buffer: int = DEFAULT_STREAM_BUFFER,
+        inbox_limit: int = DEFAULT_INBOX_LIMIT,
+    ) -> None:
+        if stream_buffer < 1 or inbox_limit < 1:
+            raise ValueError("stream_buffer and inbox_limit must be >= 1")
+        self.spec = spec
+        self.metrics = RuntimeMetrics()
+        self.connectors: dict[str, Connector] = {}
+        self.stages: dict[str, Stage] = {}
+        self._clock = clock
+        self._stream_buffer = stream_buffer
+        self._inbox_limit = inbox_limit
+        self._runs: dict[str, _Run] = {}
+        self._started = False
+        self._closed = False
+
+    @classmethod
+    def from_spec(cls, spec: PipelineSpec, **kwargs: Any) -> Orchestrator:
+        return cls(spec, **kwargs)
+
+    @classmethod
+    def from_pipeline(cls, name_or_path: str | Path, **kwargs: Any) -> Orchestrator:
+        return cls(load_pipeline(name_or_path), **kwargs)
+
+    @property
+    def capacity(self) -> int:
+        return self.spec.capacity()
+
+    @property
+    def live_requests(self) -> list[str]:
+        return list(self._runs)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            raise RuntimeError("orchestrator already started")
+        self._started = True
+        spec = self.spec
+        classes = {}
+        for stage in spec.stages:  # importing an engine module can be slow: not on the loop
+            classes[stage.name] = await asyncio.to_thread(engine_class, stage.engine)
+        kinds = {e.connector for e in spec.edges}
+        if any(s.budget.worker == "process" for s in spec.stages):
+            kinds.add("shm")
+        self.connectors = make_connectors(kinds)
+        for stage in spec.stages:
+            self.stages[stage.name] = Stage.build(
+                stage,
+                classes[stage.name],
+                connectors=self.connectors,
+                out_kinds=Counter(e.connector for e in spec.outgoing(stage.name)),
+                sink=self,
+                metrics=self.metrics,
+                clock=self._clock,
+                inbox_limit=self._inbox_limit,
+            )
+        results = await asyncio.gather(*(s.start() for s in self.stages.values()), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self._closed = True
+            await self._shutdown()
+            raise errors[0]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for run in list(self._runs.values()):
+            self._finalize(run, "cancelled", "orchestrator closed")
+        await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        await asyncio.gather(*(s.close() for s in self.stages.values()), return_exceptions=True)
+        for connector in self.connectors.values():
+            connector.close()
+
+    async def __aenter__(self) -> Orchestrator:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- client API ---------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        params: Mapping[str, Any],
+        *,
+        session_key: str | None = None,
+        request_id: str | None = None,
+        edge_modes: Mapping[str, str] | None = None,
+    ) -> RequestHandle:
+        """Admit a request; its handle streams client-visible payloads, then a RequestStatus."""
+        if not self._started or self._closed:
+            raise RuntimeError("orchestrator is not running (start() it, and not after close())")
+        spec = self.spec.with_edge_modes(edge_modes)
+        request_id = request_id or f"req_{uuid.uuid4().hex[:20]}"
+        if request_id in self._runs:
+            raise ValueError(f"request {request_id!r} is already live")
+        capacity = self.capacity
+        if len(self._runs) >= capacity:
+            raise AdmissionError(
+                f"pipeline {spec.name} is full: {len(self._runs)} live requests (max_concurrency {capacity})"
+            )
+        replicas = {name: stage.assign(session_key) for name, stage in self.stages.items()}
+        now = self._clock()
+        handle = RequestHandle(request_id, self._stream_buffer, on_drain=lambda: self._wake(request_id))
+        run = _Run(request_id, handle, spec, replicas, now, pending=set(replicas))
+        for edge in spec.edges:
+            collector: AsyncChunker[Handle] | FullCollector[Handle] = make_collector(edge.mode, edge.chunk)
+            run.edges_out.setdefault(edge.source, []).append(_EdgeRun(edge, collector, replicas[edge.target]))
+        self._runs[request_id] = run
+        request = EngineRequest(request_id, dict(params), session_key)
+        for stage in spec.stages:
+            incoming = spec.incoming(stage.name)
+            entry = stage.name == spec.entry
+            run.timings[stage.name] = replicas[stage.name].open_request(
+                request,
+                prewarm=entry or all(e.mode == "async_chunk" for e in incoming),
+                waiting=not entry,
+                incoming=len(incoming),
+                admitted_at=now,
+            )
+        return handle
+
+    async def append_input(self, request_id: str, payload: Payload) -> bool:
+        """Streaming input (audio, text, actions) for the entry stage of a live request."""
+        run = self._runs.get(request_id)
+        if run is None:
+            return False
+        return run.replicas[run.spec.entry].add_inputs(request_id, [payload])
+
+    async def update(self, request_id: str, update: Conditioning) -> bool:
+        """A prompt/conditioning change, delivered to every stage still working on the request."""
+        run = self._runs.get(request_id)
+        if run is None:
+            return False
+        delivered = [replica.add_update(request_id, update) for replica in run.replicas.values()]
+        return any(delivered)
+
+    async def cancel(self, request_id: str) -> bool:
+        """Stop every stage of a live request and free its connector data; False if not live."""
+        run = self._runs.get(request_id)
+        if run is None:
+            return False
+        self._finalize(run, "cancelled", None)
+        return True
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "pipeline": self.spec.name,
+            "running": self._started and not self._closed,
+            "live": len(self._runs),
+            "capacity": self.capacity,
+            "connectors": {kind: c.health() for kind, c in self.connectors.items()},
+            "stages": {
+                name: [
+                    {"replica": r.index, "ready": r.ready, "load": r.load, "restarts": r.restarts}
+                    for r in stage.replicas
+                ]
+                for name, stage in self.stages.items()
+            },
+        }
+
+    # -- StageSink (called by replicas on the loop) ------------------------------------------
+
+    def can_step(self, stage: str, request_id: str) -> bool:
+        run = self._runs.get(request_id)
+        if run is None or run.handle.full:
+            return False
+        limit = self._inbox_limit
+        return all(e.target.inbox_size(request_id) < limit for e in run.edges_out.get(stage, ()))
+
+    def on_result(self, stage: str, request_id: str, result: ItemResult) -> None:
+        run = self._runs.get(request_id)
+        if run is None:
+            for connector in self.connectors.values():
+                connector.cleanup(request_id)
+            return
+        if result.client:
+            if run.first_client_at is None:
+                run.first_client_at = self._clock()
+            for payload in result.client:
+                run.handle._push(payload)
+        edges = run.edges_out.get(stage, ())
+        if result.downstream:
+            for edge in edges:
+                handles = result.downstream.get(edge.spec.connector, [])
+                for chunk in edge.collector.extend(handles):
+                    self._deliver(run, edge, chunk)
+        if result.done:
+            for edge in edges:
+                self._deliver(run, edge, edge.collector.finish())
+            run.pending.discard(stage)
+            if not run.pending:
+                self._finalize(run, "completed", None)
+
+    def on_failed(self, stage: str, request_id: str, error: str) -> None:
+        run = self._runs.get(request_id)
+        if run is not None:
+            self._finalize(run, "failed", error)
+
+    def on_inbox_drained(self, stage: str, request_id: str) -> None:
+        run = self._runs.get(request_id)
+        if run is not None:
+            for edge in run.spec.incoming(stage):
+                run.replicas[edge.source].wake()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _deliver(self, run: _Run, edge: _EdgeRun, chunk: Chunk[Handle]) -> None:
+        ref = ChunkRef(
+            chunk.items, chunk.context, chunk.finished, chunk.index, edge.spec.source, chunk.release
+        )
+        edge.target.deliver(run.request_id, ref)
+
+    def _wake(self, request_id: str) -> None:
+        run = self._runs.get(request_id)
+        if run is not None:
+            for replica in run.replicas.values():
+                replica.wake()
+
+    def _finalize(self, run: _Run, status: FinalStatus, error: str | None) -> None:
+        if self._runs.pop(run.request_id, None) is None:
+            return
+        for replica in run.replicas.values():
+            replica.close_request(run.request_id, outcome=status)
+        for connector in self.connectors.values():
+            connector.cleanup(run.request_id)
+        now = self._clock()
+        first_client = None if run.first_client_at is None else (run.first_client_at - run.admitted_at) * 1e3
+        run.handle._close(
+            RequestStatus(
+                status=status,
+                error=error,
+                timings=run.timings,
+                request_id=run.request_id,
+                total_ms=(now - run.admitted_at) * 1e3,
+                first_client_ms=first_client,
+            )
+        )

@@ -1,0 +1,443 @@
+"""A stage: one engine, a resource budget and a pool of replicas, each with its own scheduler.
+
+A replica's scheduler is one task on the event loop. It picks runnable requests (new chunks,
+inputs or updates, or not waiting), up to ``max_batch``, packs them with pending starts and
+finishes into one :class:`~runtime.worker.WorkCall`, runs it on the replica's worker (thread or
+process; never the loop) and hands each request's result to the orchestrator (the *sink*).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from runtime.connectors import Connector
+from runtime.engine import Engine, EngineRequest
+from runtime.kv import SessionKVStore
+from runtime.metrics import RuntimeMetrics
+from runtime.payloads import Conditioning, Payload
+from runtime.progress import AdmissionError, StageTiming
+from runtime.spec import StageSpec
+from runtime.worker import ChunkRef, ItemResult, ThreadWorker, WorkCall, Worker, WorkerDied, WorkItem
+
+log = logging.getLogger(__name__)
+
+STICKY_KEYS = 65536  # session bindings remembered per stage (least recently used dropped)
+
+
+class StageSink(Protocol):
+    """What a replica reports to (and asks of) the orchestrator; all calls on the loop."""
+
+    def can_step(self, stage: str, request_id: str) -> bool: ...
+
+    def on_result(self, stage: str, request_id: str, result: ItemResult) -> None: ...
+
+    def on_failed(self, stage: str, request_id: str, error: str) -> None: ...
+
+    def on_inbox_drained(self, stage: str, request_id: str) -> None: ...
+
+
+@dataclass(eq=False, slots=True)
+class Slot:
+    """One request on one replica."""
+
+    request: EngineRequest
+    prewarm: bool  # start at admission (async_chunk downstream, entry) or at first input
+    waiting: bool  # do not step until something new arrives
+    incoming: int  # incoming edges
+    admitted_at: float
+    timing: StageTiming
+    chunks: list[ChunkRef] = field(default_factory=list)
+    inputs: list[Payload] = field(default_factory=list)
+    updates: list[Conditioning] = field(default_factory=list)
+    finished_edges: int = 0
+    start_sent: bool = False
+    in_flight: bool = False
+    closed: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.chunks or self.inputs or self.updates)
+
+
+class Replica:
+    def __init__(
+        self,
+        spec: StageSpec,
+        index: int,
+        worker: Worker,
+        *,
+        sink: StageSink,
+        metrics: RuntimeMetrics,
+        connectors: Mapping[str, Connector],
+        clock: Callable[[], float],
+        inbox_limit: int,
+    ) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.index = index
+        self.worker = worker
+        self._sink = sink
+        self._metrics = metrics
+        self._connectors = connectors
+        self._clock = clock
+        self._inbox_limit = inbox_limit
+        self._slots: OrderedDict[str, Slot] = OrderedDict()
+        self._finishes: dict[str, bool] = {}
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._inflight_ids: set[str] = set()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._restart_task: asyncio.Task[None] | None = None
+        self.ready = False
+        self.restarts = 0
+
+    @property
+    def load(self) -> int:
+        return len(self._slots)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.worker.open()
+        self.worker.watch(self._on_worker_died)
+        self.ready = True
+        self._task = asyncio.create_task(self._loop(), name=f"stage-{self.name}-{self.index}")
+
+    async def close(self) -> None:
+        self.ready = False
+        tasks = [t for t in (self._task, self._restart_task, *self._inflight) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.worker.close()
+
+    # -- requests (called by the orchestrator) -----------------------------------------------
+
+    def open_request(
+        self, request: EngineRequest, *, prewarm: bool, waiting: bool, incoming: int, admitted_at: float
+    ) -> StageTiming:
+        timing = StageTiming(replica=self.index)
+        self._slots[request.request_id] = Slot(request, prewarm, waiting, incoming, admitted_at, timing)
+        self._wake.set()
+        return timing
+
+    def deliver(self, request_id: str, chunk: ChunkRef) -> bool:
+        slot = self._slots.get(request_id)
+        if slot is None or slot.closed:
+            return False
+        slot.chunks.append(chunk)
+        if chunk.finished:
+            slot.finished_edges += 1
+        self._wake.set()
+        return True
+
+    def add_inputs(self, request_id: str, payloads: list[Payload]) -> bool:
+        slot = self._slots.get(request_id)
+        if slot is None or slot.closed:
+            return False
+        slot.inputs.extend(payloads)
+        self._wake.set()
+        return True
+
+    def add_update(self, request_id: str, update: Conditioning) -> bool:
+        slot = self._slots.get(request_id)
+        if slot is None or slot.closed:
+            return False
+        slot.updates.append(update)
+        self._wake.set()
+        return True
+
+    def inbox_size(self, request_id: str) -> int:
+        slot = self._slots.get(request_id)
+        return len(slot.chunks) if slot is not None else 0
+
+    def close_request(self, request_id: str, *, outcome: str = "cancelled") -> None:
+        """Stop a request here: never stepped again; the engine's finish runs on the worker."""
+        slot = self._slots.pop(request_id, None)
+        if slot is None:
+            return
+        self._close_slot(slot, outcome, finish=slot.start_sent)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            self._launch()
+            await self._wake.wait()
+            self._wake.clear()
+
+    def _launch(self) -> None:
+        while self.ready and len(self._inflight) < self.spec.budget.workers:
+            built = self._build_call()
+            if built is None:
+                return
+            call, slots = built
+            task = asyncio.create_task(self._execute(call, slots), name=f"step-{self.name}-{self.index}")
+            self._inflight.add(task)
+            task.add_done_callback(self._call_done)
+
+    def _call_done(self, task: asyncio.Task[None]) -> None:
+        self._inflight.discard(task)
+        self._wake.set()
+
+    def _build_call(self) -> tuple[WorkCall, list[Slot]] | None:
+        call = WorkCall()
+        for request_id in [r for r in self._finishes if r not in self._inflight_ids]:
+            call.finishes.append((request_id, self._finishes.pop(request_id)))
+        slots: list[Slot] = []
+        runnable = 0
+        max_batch = self.spec.budget.max_batch
+        for slot in self._slots.values():
+            if slot.closed or slot.in_flight:
+                continue
+            has_work = slot.has_work
+            include = False
+            if not slot.start_sent and (slot.prewarm or has_work):
+                call.starts.append(slot.request)
+                slot.start_sent = include = True
+            if (
+                slot.start_sent
+                and (has_work or not slot.waiting)
+                and self._sink.can_step(self.name, slot.request_id)
+            ):
+                runnable += 1
+                if len(call.items) < max_batch:
+                    call.items.append(self._take_item(slot))
+                    include = True
+            if include:
+                slot.in_flight = True
+                slots.append(slot)
+        if call.items:
+            # round robin: the requests stepped now go to the back of the line
+            for item in call.items:
+                self._slots.move_to_end(item.request_id)
+        self._metrics.queue(self.name, self.index, max(0, runnable - len(call.items)), len(self._slots))
+        if not (call.finishes or call.starts or call.items):
+            return None
+        return call, slots
+
+    def _take_item(self, slot: Slot) -> WorkItem:
+        drained = len(slot.chunks) >= self._inbox_limit
+        item = WorkItem(
+            slot.request_id,
+            slot.chunks,
+            slot.inputs,
+            slot.updates,
+            upstream_finished=slot.incoming > 0 and slot.finished_edges >= slot.incoming,
+        )
+        slot.chunks, slot.inputs, slot.updates = [], [], []
+        if drained:
+            self._sink.on_inbox_drained(self.name, slot.request_id)
+        return item
+
+    async def _execute(self, call: WorkCall, slots: list[Slot]) -> None:
+        ids = {slot.request_id for slot in slots}
+        self._inflight_ids |= ids
+        try:
+            result = await self.worker.run(call)
+        except asyncio.CancelledError:
+            raise
+        except WorkerDied as exc:
+            self._on_worker_died(str(exc))
+            return
+        except Exception as exc:
+            log.exception("stage %s replica %d: work call failed", self.name, self.index)
+            for slot in slots:
+                self._fail(slot, f"stage {self.name}: worker error: {type(exc).__name__}: {exc}")
+            return
+        finally:
+            for slot in slots:
+                slot.in_flight = False
+            self._inflight_ids -= ids
+        now = self._clock()
+        if result.batch:
+            self._metrics.step(self.name, self.index, result.batch, result.step_s)
+        failed = {item.request_id for item in result.items if item.error}
+        for slot in slots:
+            if slot.timing.started_ms is None and not slot.closed and slot.request_id not in failed:
+                slot.timing.started_ms = (now - slot.admitted_at) * 1e3
+        for item in result.items:
+            live = self._slots.get(item.request_id)
+            if live is None or live.closed:
+                self._release(item)
+                continue
+            self._apply(live, item, result.step_s, now)
+
+    def _apply(self, slot: Slot, item: ItemResult, step_s: float, now: float) -> None:
+        if item.error is not None:
+            self._fail(slot, item.error, finish=False)  # the host already finished it
+            return
+        timing = slot.timing
+        timing.steps += 1
+        timing.busy_ms += step_s * 1e3
+        produced = max((len(v) for v in item.downstream.values()), default=0) + len(item.client)
+        timing.outputs += produced
+        if produced and timing.first_output_ms is None:
+            timing.first_output_ms = (now - slot.admitted_at) * 1e3
+        slot.waiting = item.wait_for_input
+        if item.done:
+            self._slots.pop(slot.request_id, None)
+            self._close_slot(slot, "completed", finish=False)
+        self._sink.on_result(self.name, slot.request_id, item)
+
+    def _fail(self, slot: Slot, error: str, *, finish: bool = True) -> None:
+        if slot.closed:
+            return
+        self._slots.pop(slot.request_id, None)
+        self._close_slot(slot, "failed", finish=finish and slot.start_sent)
+        self._sink.on_failed(self.name, slot.request_id, error)
+
+    def _close_slot(self, slot: Slot, outcome: str, *, finish: bool) -> None:
+        slot.closed = True
+        now = self._clock()
+        slot.timing.done_ms = (now - slot.admitted_at) * 1e3
+        self._metrics.request(self.name, now - slot.admitted_at, outcome)
+        if finish:
+            self._finishes[slot.request_id] = True
+            self._wake.set()
+
+    def _release(self, item: ItemResult) -> None:
+        """Free what a step produced for a request that ended meanwhile (cancelled, failed):
+        the orchestrator already cleaned the request up, so whatever it holds now is garbage."""
+        for connector in self._connectors.values():
+            connector.cleanup(item.request_id)
+
+    # -- worker process death -----------------------------------------------------------------
+
+    def _on_worker_died(self, reason: str) -> None:
+        if self._restart_task is not None and not self._restart_task.done():
+            return
+        self.ready = False
+        log.error("stage %s replica %d: %s; restarting", self.name, self.index, reason)
+        self._finishes.clear()
+        for slot in list(self._slots.values()):
+            if slot.start_sent:
+                self._fail(slot, reason, finish=False)
+        self._restart_task = asyncio.create_task(self._restart(), name=f"restart-{self.name}-{self.index}")
+
+    async def _restart(self) -> None:
+        delay = 0.05
+        while True:
+            try:
+                await self.worker.restart()
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("stage %s replica %d: restart failed", self.name, self.index)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        self.restarts += 1
+        self.ready = True
+        self._wake.set()
+
+
+class Stage:
+    """A replica pool with sticky assignment by session key."""
+
+    def __init__(self, spec: StageSpec, replicas: list[Replica]) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.replicas = replicas
+        self._sticky: OrderedDict[str, int] = OrderedDict()
+
+    @classmethod
+    def build(
+        cls,
+        spec: StageSpec,
+        engine_cls: type[Engine],
+        *,
+        connectors: Mapping[str, Connector],
+        out_kinds: Mapping[str, int],
+        sink: StageSink,
+        metrics: RuntimeMetrics,
+        clock: Callable[[], float],
+        inbox_limit: int,
+    ) -> Stage:
+        metrics.add_stage(spec.name, spec.replicas)
+        replicas = []
+        for index in range(spec.replicas):
+            kv = SessionKVStore(spec.budget.kv_bytes)
+            worker: Worker
+            if spec.budget.worker == "process":
+                from runtime.process_worker import ProcessWorker
+                from runtime.shm import SharedMemoryConnector
+
+                shm = connectors["shm"]
+                assert isinstance(shm, SharedMemoryConnector)
+                worker = ProcessWorker(
+                    spec.name,
+                    engine_cls,
+                    spec.options,
+                    shm,
+                    out_kinds,
+                    index=index,
+                    kv_bytes=spec.budget.kv_bytes,
+                )
+            else:
+                worker = ThreadWorker(
+                    spec.name,
+                    engine_cls,
+                    spec.options,
+                    connectors,
+                    out_kinds,
+                    threads=spec.budget.workers,
+                    kv_store=kv,
+                    name=f"{spec.name}.{index}",
+                )
+            replicas.append(
+                Replica(
+                    spec,
+                    index,
+                    worker,
+                    sink=sink,
+                    metrics=metrics,
+                    connectors=connectors,
+                    clock=clock,
+                    inbox_limit=inbox_limit,
+                )
+            )
+        return cls(spec, replicas)
+
+    async def start(self) -> None:
+        await asyncio.gather(*(r.start() for r in self.replicas))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(r.close() for r in self.replicas), return_exceptions=True)
+
+    def assign(self, session_key: str | None) -> Replica:
+        """The replica for a new request: the session's replica while it has room, else the
+        least loaded one (which the session then sticks to)."""
+        cap = self.spec.budget.max_concurrency
+        if session_key is not None and session_key in self._sticky:
+            replica = self.replicas[self._sticky[session_key]]
+            self._sticky.move_to_end(session_key)
+            if replica.load < cap:
+                return replica
+        candidates = [r for r in self.replicas if r.load < cap]
+        if not candidates:
+            raise AdmissionError(
+                f"stage {self.name}: all {len(self.replicas)} replica(s) at max_concurrency {cap}"
+            )
+        replica = min(candidates, key=lambda r: (r.load, r.index))
+        if session_key is not None:
+            self._sticky[session_key] = replica.index
+            self._sticky.move_to_end(session_key)
+            while len(self._sticky) > STICKY_KEYS:
+                self._sticky.popitem(last=False)
+        return replica
+
+    def replica_for(self, session_key: str) -> int | None:
+        return self._sticky.get(session_key)

@@ -1,0 +1,35 @@
+"""OpenAI Realtime (GA) session core: sans-I/O, driven by `session/driver.py`."""
+
+from __future__ import annotations
+
+from session.realtime.config import SessionConfig, TurnDetection
+from session.realtime.core import CoreOptions, RealtimeSessionCore
+from session.realtime.effects import (
+    CancelResponse,
+    ClearAudioOutput,
+    Close,
+    CoreOutput,
+    DetectSpeech,
+    Effect,
+    PlayAudio,
+    StartResponse,
+    TranscribeInput,
+)
+from session.realtime.errors import ProtocolError
+
+__all__ = [
+    "CancelResponse",
+    "ClearAudioOutput",
+    "Close",
+    "CoreOptions",
+    "CoreOutput",
+    "DetectSpeech",
+    "Effect",
+    "PlayAudio",
+    "ProtocolError",
+    "RealtimeSessionCore",
+    "SessionConfig",
+    "StartResponse",
+    "TranscribeInput",
+    "TurnDetection",
+]

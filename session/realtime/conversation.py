@@ -1,0 +1,209 @@
+"""The conversation: ordered items with their stored audio, transcripts and text.
+
+User audio is kept as float32 16 kHz (what pipelines take); assistant audio as the exact
+wire bytes that were sent (so `conversation.item.truncate` positions match what the client
+counted). Items render to GA `ConversationItem` dicts with `to_wire`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from media.audio import VAD_RATE, WireFormat, b64encode_audio, resample
+from session.realtime.errors import INVALID_VALUE, ITEM_NOT_FOUND, UNSUPPORTED_CONTENT, ProtocolError
+
+ItemType = Literal["message", "function_call", "function_call_output"]
+ItemStatus = Literal["completed", "incomplete", "in_progress"]
+
+
+@dataclass(slots=True)
+class Content:
+    type: str  # input_text | input_audio | input_image | output_text | output_audio
+    text: str | None = None
+    transcript: str | None = None  # client-visible transcript
+    heard: str | None = None  # what ASR made of user audio, for history even if not shown
+    input_audio: np.ndarray | None = None  # user audio, float32 16 kHz
+    output_audio: bytearray | None = None  # assistant audio, wire bytes as sent
+    output_format: WireFormat | None = None
+    truncated: bool = False  # assistant audio cut by truncate: later audio is not stored
+    image_url: str | None = None
+    detail: str | None = None
+
+    def output_audio_ms(self) -> float:
+        if self.output_audio is None or self.output_format is None:
+            return 0.0
+        return self.output_format.duration_ms(len(self.output_audio))
+
+    def text_for_history(self) -> str:
+        if self.type in ("input_text", "output_text"):
+            return self.text or ""
+        if self.type in ("input_audio", "output_audio"):
+            return self.transcript or self.heard or ""
+        return ""
+
+    def to_wire(self, *, with_audio: bool, input_format: WireFormat | None) -> dict[str, Any]:
+        if self.type in ("input_text", "output_text"):
+            return {"type": self.type, "text": self.text or ""}
+        if self.type == "input_image":
+            out: dict[str, Any] = {"type": "input_image", "image_url": self.image_url}
+            if self.detail is not None:
+                out["detail"] = self.detail
+            return out
+        out = {"type": self.type, "transcript": self.transcript}
+        if with_audio:
+            if self.type == "output_audio" and self.output_audio is not None:
+                out["audio"] = b64encode_audio(bytes(self.output_audio))
+            elif self.type == "input_audio" and self.input_audio is not None and input_format is not None:
+                audio = resample(self.input_audio, VAD_RATE, input_format.rate)
+                out["audio"] = b64encode_audio(input_format.encode(audio))
+        return out
+
+
+@dataclass(slots=True)
+class Item:
+    id: str
+    type: ItemType
+    role: str | None = None
+    status: ItemStatus = "completed"
+    content: list[Content] = field(default_factory=list)
+    name: str | None = None
+    arguments: str | None = None
+    call_id: str | None = None
+    output: str | None = None
+    response_id: str | None = None  # the response that produced this (assistant) item
+
+    @property
+    def audio_16k(self) -> np.ndarray | None:
+        """User input audio of this item (all its audio parts), float32 16 kHz."""
+        parts = [c.input_audio for c in self.content if c.input_audio is not None]
+        return np.concatenate(parts) if parts else None
+
+    def text_for_history(self) -> str:
+        return " ".join(t for t in (c.text_for_history() for c in self.content) if t)
+
+    def to_wire(self, *, with_audio: bool = False, input_format: WireFormat | None = None) -> dict[str, Any]:
+        base: dict[str, Any] = {
+            "id": self.id,
+            "object": "realtime.item",
+            "type": self.type,
+            "status": self.status,
+        }
+        if self.type == "message":
+            base["role"] = self.role
+            base["content"] = [
+                c.to_wire(with_audio=with_audio, input_format=input_format) for c in self.content
+            ]
+        elif self.type == "function_call":
+            base.update(name=self.name, arguments=self.arguments or "", call_id=self.call_id)
+        else:
+            base.update(call_id=self.call_id, output=self.output or "")
+        return base
+
+
+class Conversation:
+    """Items in order, with `previous_item_id` placement."""
+
+    def __init__(self) -> None:
+        self._items: list[Item] = []
+        self._by_id: dict[str, Item] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, item_id: object) -> bool:
+        return item_id in self._by_id
+
+    @property
+    def items(self) -> list[Item]:
+        return list(self._items)
+
+    def last_id(self) -> str | None:
+        return self._items[-1].id if self._items else None
+
+    def get(self, item_id: str, param: str = "item_id") -> Item:
+        item = self._by_id.get(item_id)
+        if item is None:
+            raise ProtocolError(
+                ITEM_NOT_FOUND, f"Conversation item with id '{item_id}' does not exist.", param=param
+            )
+        return item
+
+    def check_insert(self, item: Item, previous_item_id: str | None) -> None:
+        """Raise if `insert` would fail (so callers can validate before changing state)."""
+        if item.id in self._by_id:
+            raise ProtocolError(
+                INVALID_VALUE, f"Conversation item with id '{item.id}' already exists.", param="item.id"
+            )
+        if previous_item_id not in (None, "root") and previous_item_id not in self._by_id:
+            raise ProtocolError(
+                ITEM_NOT_FOUND,
+                f"Previous item with id '{previous_item_id}' does not exist.",
+                param="previous_item_id",
+            )
+
+    def insert(self, item: Item, previous_item_id: str | None = None) -> str | None:
+        """Insert after `previous_item_id` (None: at the end, "root": first); return the id
+        of the item now before it."""
+        self.check_insert(item, previous_item_id)
+        if previous_item_id is None:
+            index = len(self._items)
+        elif previous_item_id == "root":
+            index = 0
+        else:
+            index = self._items.index(self._by_id[previous_item_id]) + 1
+        self._items.insert(index, item)
+        self._by_id[item.id] = item
+        return self._items[index - 1].id if index > 0 else None
+
+    def delete(self, item_id: str) -> Item:
+        item = self.get(item_id)
+        self._items.remove(item)
+        del self._by_id[item_id]
+        return item
+
+    def truncate(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
+        """Cut assistant audio at `audio_end_ms` and the transcript in proportion."""
+        item = self.get(item_id)
+        if item.type != "message" or item.role != "assistant":
+            raise ProtocolError(
+                UNSUPPORTED_CONTENT, "Only assistant messages with audio can be truncated.", param="item_id"
+            )
+        if content_index >= len(item.content) or item.content[content_index].type != "output_audio":
+            raise ProtocolError(
+                INVALID_VALUE,
+                f"Content part {content_index} of item '{item_id}' is not an audio part.",
+                param="content_index",
+            )
+        part = item.content[content_index]
+        total_ms = part.output_audio_ms()
+        if audio_end_ms > int(np.ceil(total_ms)):
+            raise ProtocolError(
+                INVALID_VALUE,
+                f"Audio content of {int(total_ms)}ms is already shorter than {audio_end_ms}ms.",
+                param="audio_end_ms",
+            )
+        if part.output_audio is not None and part.output_format is not None:
+            keep = min(len(part.output_audio), part.output_format.bytes_for_ms(audio_end_ms))
+            del part.output_audio[keep:]
+        fraction = 1.0 if total_ms <= 0 else min(1.0, audio_end_ms / total_ms)
+        if part.transcript is not None:
+            part.transcript = cut_text(part.transcript, fraction)
+        part.truncated = True
+        if item.status == "in_progress":
+            item.status = "incomplete"
+
+
+def cut_text(text: str, fraction: float) -> str:
+    """The first `fraction` of `text`, ended at a word boundary (an estimate of what was heard)."""
+    if fraction >= 1.0:
+        return text
+    cut = int(len(text) * max(fraction, 0.0))
+    if cut <= 0:
+        return ""
+    if cut < len(text) and not text[cut].isspace():
+        space = text.rfind(" ", 0, cut)
+        cut = space if space > 0 else 0
+    return text[:cut].rstrip()

@@ -1,0 +1,573 @@
+"""The sans-I/O OpenAI Realtime (GA) session core.
+
+Every entry point takes the current monotonic time (`now`, seconds) and returns a
+`CoreOutput`: server events (dicts, each with a unique `event_id`, in send order) and
+effects for the driver. The core opens no sockets, starts no tasks and reads no clock. See
+"session realtime core API" in docs/CONTRACTS.md for the driver's side.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from media.audio import VAD_RATE, AudioFormatError, b64decode_audio
+from session.realtime import errors as E
+from session.realtime.config import SessionConfig, TurnDetection
+from session.realtime.conversation import Content, Conversation, Item
+from session.realtime.effects import (
+    CancelResponse,
+    ClearAudioOutput,
+    Close,
+    CoreOutput,
+    StartResponse,
+    TranscribeInput,
+)
+from session.realtime.errors import ProtocolError
+from session.realtime.events import (
+    ConversationItemCreate,
+    ConversationItemDelete,
+    ConversationItemRetrieve,
+    ConversationItemTruncate,
+    InputAudioBufferAppend,
+    InputAudioBufferClear,
+    InputAudioBufferCommit,
+    OutputAudioBufferClear,
+    ResponseCancel,
+    ResponseCreate,
+    SessionUpdate,
+    parse_client_event,
+)
+from session.realtime.ids import IdFactory, random_id
+from session.realtime.input_audio import SAMPLES_PER_MS, InputAudio, ms_of
+from session.realtime.prompt import build_submit_params, item_from_client
+from session.realtime.response_request import resolve_response_request
+from session.realtime.responses import CancelReason, ResponseRun, ResponseStatus
+from session.realtime.server_events import Outbox
+from session.realtime.turns import SpeechDetector, SpeechStarted, SpeechStopped
+
+MIN_COMMIT_MS = 100
+
+
+@dataclass(slots=True)
+class CoreOptions:
+    """Server-side settings of a session (not visible to or changeable by the client)."""
+
+    config: SessionConfig = field(default_factory=SessionConfig)  # initial session config
+    max_duration_s: float = 3600.0
+    output_frame_ms: int = 40  # size of response.output_audio.delta payloads (20–100)
+    audio_out_via_track: bool = False  # WebRTC: audio out as PlayAudio effects, not deltas
+    # The pipeline's `Transcript` output transcribes the audio of StartResponse; if False,
+    # every committed item is transcribed with a TranscribeInput effect (when configured).
+    pipeline_transcribes_input: bool = True
+    session_id: str | None = None
+    new_id: IdFactory = random_id
+
+
+class RealtimeSessionCore:
+    def __init__(self, options: CoreOptions | None = None) -> None:
+        self.options = opts = options or CoreOptions()
+        self._new_id = opts.new_id
+        self.session_id = opts.session_id or self._new_id("sess")
+        self.conversation_id = self._new_id("conv")
+        self.config = opts.config.copy()
+        self.conversation = Conversation()
+        self._out = Outbox(self._new_id)
+        self._input = InputAudio(self.config.input_format)
+        self._vad = SpeechDetector()
+        self._speech_item_id: str | None = None
+        self._speech_start = 0
+        self._active: ResponseRun | None = None
+        self._prompt_items: OrderedDict[str, list[str]] = OrderedDict()  # response → audio items
+        self._transcribed: set[str] = set()
+        self._transcribe_requested: set[str] = set()
+        self._playing: ResponseRun | None = None  # track transport: audio still playing out
+        self._played_ms = 0.0
+        self._idle_deadline: float | None = None
+        self._voice_locked = False
+        self._started_at: float | None = None
+        self._expires_at_epoch = 0
+        self.closed = False
+        self._apply_turn_detection()
+
+    # --- properties ----------------------------------------------------------------------
+
+    @property
+    def active_response_id(self) -> str | None:
+        return self._active.id if self._active is not None else None
+
+    @property
+    def speaking(self) -> bool:
+        return self._vad.speaking
+
+    def session_object(self) -> dict[str, Any]:
+        return self.config.to_wire(session_id=self.session_id, expires_at=self._expires_at_epoch)
+
+    def next_deadline(self) -> float | None:
+        """The earliest `now` at which `tick` has something to do (None: nothing pending)."""
+        if self._started_at is None or self.closed:
+            return None
+        deadlines = [self._started_at + self.options.max_duration_s]
+        if self._idle_deadline is not None:
+            deadlines.append(self._idle_deadline)
+        return min(deadlines)
+
+    # --- entry points --------------------------------------------------------------------
+
+    def start(self, now: float, epoch: float) -> CoreOutput:
+        """Open the session: `session.created`. `epoch` is wall-clock seconds (for `expires_at`)."""
+        self._started_at = now
+        self._expires_at_epoch = int(epoch + self.options.max_duration_s)
+        self._out.event("session.created", session=self.session_object())
+        return self._out.drain()
+
+    def handle_client_event(self, raw: str | bytes | dict[str, Any], now: float) -> CoreOutput:
+        """One client event (raw JSON text or decoded dict)."""
+        if self._started_at is None:
+            raise RuntimeError("start() the session before feeding client events")
+        expired = self.check_expiry(now)
+        if self.closed:
+            return expired
+        event_id: str | None = None
+        try:
+            event = parse_client_event(raw)
+            event_id = event.event_id
+            self._dispatch(event, now)
+        except ProtocolError as err:
+            self._out.error(err, event_id if event_id is not None else err.event_id)
+        return self._out.drain()
+
+    def feed_input_audio(self, samples: np.ndarray, rate: int, now: float) -> CoreOutput:
+        """Mic audio from a media track (WebRTC), float32 mono at `rate`."""
+        if not self.closed:
+            self._input.append_samples(np.asarray(samples, dtype=np.float32), rate)
+            self._request_vad()
+        return self._out.drain()
+
+    def feed_vad(
+        self, probabilities: Sequence[float], now: float, *, start_sample: int | None = None
+    ) -> CoreOutput:
+        """Speech probabilities for frames handed out by `DetectSpeech`, in order. Pass the
+        effect's `start_sample` so scores that went stale (clear, VAD reconfigured) are dropped."""
+        if self.closed or self.config.turn_detection is None:
+            return self._out.drain()
+        td = self.config.turn_detection
+        starts = self._input.claim_scored(len(probabilities), start_sample)
+        for frame_start, p in zip(starts, probabilities, strict=False):
+            change = self._vad.feed(frame_start, float(p))
+            if isinstance(change, SpeechStarted):
+                self._on_speech_started(change, td, now)
+            elif isinstance(change, SpeechStopped):
+                self._on_speech_stopped(change, td, now)
+        if not self._vad.speaking:
+            self._input.drop_before(self._input.first_unscored - td.prefix_padding_ms * SAMPLES_PER_MS)
+        return self._out.drain()
+
+    def on_response_text(self, response_id: str, text: str, now: float | None = None) -> CoreOutput:
+        if self._active is not None and self._active.id == response_id:
+            self._active.on_text(text)
+        return self._out.drain()
+
+    def on_response_audio(self, response_id: str, samples: np.ndarray, rate: int, now: float) -> CoreOutput:
+        run = self._active
+        if run is not None and run.id == response_id:
+            run.on_audio(np.asarray(samples, dtype=np.float32), rate, now)
+            if (
+                self.options.audio_out_via_track
+                and run.audio_started_at is not None
+                and self._playing is not run
+            ):
+                self._playing, self._played_ms = run, 0.0
+        return self._out.drain()
+
+    def on_input_transcript(
+        self, target_id: str, text: str, *, final: bool = True, now: float | None = None
+    ) -> CoreOutput:
+        """Transcript of user audio; `target_id` is an item id (TranscribeInput) or a response
+        id (the pipeline's `Transcript` of the StartResponse audio: goes to its last audio item)."""
+        item_id = target_id
+        if target_id in self._prompt_items:
+            ids = self._prompt_items[target_id]
+            item_id = ids[-1] if ids else ""
+        if item_id not in self.conversation or item_id in self._transcribed:
+            return self._out.drain()
+        item = self.conversation.get(item_id)
+        index = next((k for k, c in enumerate(item.content) if c.type == "input_audio"), None)
+        if index is None:
+            return self._out.drain()
+        part = item.content[index]
+        enabled = self.config.transcription is not None
+        if not final:
+            if enabled and text:
+                self._out.event(
+                    "conversation.item.input_audio_transcription.delta",
+                    item_id=item_id,
+                    content_index=index,
+                    delta=text,
+                )
+            return self._out.drain()
+        self._transcribed.add(item_id)
+        part.heard = text
+        if enabled:
+            part.transcript = text
+            seconds = 0.0 if part.input_audio is None else len(part.input_audio) / VAD_RATE
+            self._out.event(
+                "conversation.item.input_audio_transcription.completed",
+                item_id=item_id,
+                content_index=index,
+                transcript=text,
+                usage={"type": "duration", "seconds": round(seconds, 3)},
+            )
+        return self._out.drain()
+
+    def on_input_transcript_failed(self, item_id: str, message: str) -> CoreOutput:
+        if item_id in self.conversation and item_id not in self._transcribed:
+            self._transcribed.add(item_id)
+            if self.config.transcription is not None:
+                self._out.event(
+                    "conversation.item.input_audio_transcription.failed",
+                    item_id=item_id,
+                    content_index=0,
+                    error={"type": "transcription_error", "code": "transcription_failed", "message": message},
+                )
+        return self._out.drain()
+
+    def on_response_done(
+        self,
+        response_id: str,
+        status: Literal["completed", "failed", "cancelled"],
+        error: str | None = None,
+        *,
+        now: float,
+        usage: dict[str, Any] | None = None,
+    ) -> CoreOutput:
+        """The pipeline finished `response_id`. Ignored for responses the core already ended."""
+        run = self._active
+        if run is not None and run.id == response_id:
+            final: ResponseStatus = "cancelled" if status == "cancelled" else status
+            self._end_response(final, now, reason="client_cancelled", error=error, usage=usage)
+        return self._out.drain()
+
+    def on_playout(self, response_id: str, played_ms: float, now: float) -> CoreOutput:
+        """Track transport: how much of `response_id`'s audio the peer has been sent so far."""
+        if self._playing is not None and self._playing.id == response_id:
+            self._played_ms = max(self._played_ms, played_ms)
+        return self._out.drain()
+
+    def on_playout_finished(self, response_id: str, now: float) -> CoreOutput:
+        """Track transport: all audio of `response_id` has been played out."""
+        run = self._playing
+        if run is not None and run.id == response_id and not run.active:
+            self._playing = None
+            self._out.event("output_audio_buffer.stopped", response_id=response_id)
+            self._arm_idle_timeout(now, remaining_s=0.0)
+        return self._out.drain()
+
+    def check_expiry(self, now: float) -> CoreOutput:
+        """Past the maximum duration: `error session_expired`, cancel, `Close(1001)`."""
+        if self.closed or self._started_at is None:
+            return self._out.drain()
+        if now - self._started_at >= self.options.max_duration_s:
+            minutes = round(self.options.max_duration_s / 60)
+            if self._active is not None:
+                self._cancel_active("client_cancelled", now)
+            self._out.error(
+                ProtocolError(
+                    E.SESSION_EXPIRED, f"Your session hit the maximum duration of {minutes} minutes."
+                )
+            )
+            self._out.effect(Close(1001, "session expired"))
+            self.closed = True
+        return self._out.drain()
+
+    def tick(self, now: float) -> CoreOutput:
+        """Timers: session expiry and the server VAD idle timeout."""
+        out = self.check_expiry(now)
+        if self.closed:
+            return out
+        td = self.config.turn_detection
+        if (
+            self._idle_deadline is not None
+            and now >= self._idle_deadline
+            and td is not None
+            and td.idle_timeout_ms
+            and self._active is None
+            and not self._vad.speaking
+        ):
+            self._idle_deadline = None
+            item_id = self._new_id("item")
+            a, b = self._input.start, self._input.end
+            self._out.event(
+                "input_audio_buffer.timeout_triggered",
+                item_id=item_id,
+                audio_start_ms=ms_of(a),
+                audio_end_ms=ms_of(b),
+            )
+            audio = self._input.take(a, b)
+            self._commit(item_id, audio, respond=True)
+            self._start_response(None, now)
+        out.extend(self._out.drain())
+        return out
+
+    # --- client events -------------------------------------------------------------------
+
+    def _dispatch(self, event: Any, now: float) -> None:
+        if isinstance(event, InputAudioBufferAppend):
+            self._append(event)
+        elif isinstance(event, SessionUpdate):
+            self._session_update(event)
+        elif isinstance(event, InputAudioBufferCommit):
+            self._manual_commit()
+        elif isinstance(event, InputAudioBufferClear):
+            self._input.clear()
+            self._vad.reset()
+            self._speech_item_id = None
+            self._out.event("input_audio_buffer.cleared")
+        elif isinstance(event, OutputAudioBufferClear):
+            self._clear_output(now)
+        elif isinstance(event, ConversationItemCreate):
+            self._item_create(event)
+        elif isinstance(event, ConversationItemRetrieve):
+            item = self.conversation.get(event.item_id)
+            wire = item.to_wire(with_audio=True, input_format=self.config.input_format)
+            self._out.event("conversation.item.retrieved", item=wire)
+        elif isinstance(event, ConversationItemDelete):
+            self.conversation.delete(event.item_id)
+            self._out.event("conversation.item.deleted", item_id=event.item_id)
+        elif isinstance(event, ConversationItemTruncate):
+            self.conversation.truncate(event.item_id, event.content_index, event.audio_end_ms)
+            self._out.event(
+                "conversation.item.truncated",
+                item_id=event.item_id,
+                content_index=event.content_index,
+                audio_end_ms=event.audio_end_ms,
+            )
+        elif isinstance(event, ResponseCreate):
+            self._start_response(event, now)
+        elif isinstance(event, ResponseCancel):
+            self._response_cancel(event, now)
+
+    def _session_update(self, event: SessionUpdate) -> None:
+        self.config = self.config.apply_update(event.session, voice_locked=self._voice_locked)
+        self._input.set_format(self.config.input_format)
+        self._apply_turn_detection()
+        self._out.event("session.updated", session=self.session_object())
+
+    def _apply_turn_detection(self) -> None:
+        td = self.config.turn_detection
+        self._input.set_vad(td is not None)
+        if td is None:
+            self._vad.reset()
+            self._speech_item_id = None
+            self._idle_deadline = None
+        else:
+            self._vad.configure(td.threshold, td.effective_silence_ms())
+
+    def _append(self, event: InputAudioBufferAppend) -> None:
+        try:
+            self._input.append_wire(b64decode_audio(event.audio))
+        except AudioFormatError as exc:
+            raise ProtocolError(
+                E.INVALID_VALUE, f"Invalid value for 'audio': {exc}.", param="audio"
+            ) from None
+        self._request_vad()
+
+    def _request_vad(self) -> None:
+        frames = self._input.next_frames()
+        if frames is not None:
+            self._out.effect(frames)
+
+    def _manual_commit(self) -> None:
+        self._input.flush()
+        if self._input.duration_ms < MIN_COMMIT_MS:
+            raise ProtocolError(
+                E.COMMIT_EMPTY,
+                f"Error committing input audio buffer: buffer too small. Expected at least {MIN_COMMIT_MS}ms "
+                f"of audio, but buffer only has {self._input.duration_ms}ms of audio.",
+            )
+        item_id = self._speech_item_id or self._new_id("item")
+        self._vad.reset()
+        self._speech_item_id = None
+        audio = self._input.take(self._input.start, self._input.end)
+        self._input.clear()
+        self._commit(item_id, audio, respond=False)
+
+    def _commit(self, item_id: str, audio: np.ndarray, *, respond: bool) -> Item:
+        item = Item(item_id, "message", role="user", content=[Content(type="input_audio", input_audio=audio)])
+        previous = self.conversation.insert(item)
+        self._out.event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous)
+        wire = item.to_wire()
+        self._out.event("conversation.item.added", previous_item_id=previous, item=wire)
+        self._out.event("conversation.item.done", previous_item_id=previous, item=wire)
+        if not (respond and self.options.pipeline_transcribes_input):
+            self._request_transcription(item)
+        return item
+
+    def _request_transcription(self, item: Item) -> None:
+        if self.config.transcription is None or item.id in self._transcribe_requested:
+            return
+        if item.id in self._transcribed or item.audio_16k is None:
+            return
+        self._transcribe_requested.add(item.id)
+        self._out.effect(TranscribeInput(item.id, item.audio_16k))
+
+    def _item_create(self, event: ConversationItemCreate) -> None:
+        item = item_from_client(
+            event.item,
+            new_id=self._new_id,
+            input_format=self.config.input_format,
+            output_format=self.config.output_format,
+        )
+        previous = self.conversation.insert(item, event.previous_item_id)
+        wire = item.to_wire()
+        self._out.event("conversation.item.added", previous_item_id=previous, item=wire)
+        self._out.event("conversation.item.done", previous_item_id=previous, item=wire)
+
+    def _clear_output(self, now: float) -> None:
+        if not self.options.audio_out_via_track:
+            raise ProtocolError(
+                E.INVALID_EVENT,
+                "output_audio_buffer.clear is only supported for WebRTC sessions.",
+                param="type",
+            )
+        if self._active is not None:
+            self._cancel_active("client_cancelled", now)
+        self._stop_playout()
+
+    # --- turns ---------------------------------------------------------------------------
+
+    def _on_speech_started(self, change: SpeechStarted, td: TurnDetection, now: float) -> None:
+        self._idle_deadline = None
+        self._speech_item_id = self._new_id("item")
+        self._speech_start = max(
+            self._input.start, change.start_sample - td.prefix_padding_ms * SAMPLES_PER_MS
+        )
+        self._out.event(
+            "input_audio_buffer.speech_started",
+            item_id=self._speech_item_id,
+            audio_start_ms=ms_of(self._speech_start),
+        )
+        if td.interrupt_response:
+            if self._active is not None:
+                self._cancel_active("turn_detected", now)
+            self._stop_playout()
+
+    def _on_speech_stopped(self, change: SpeechStopped, td: TurnDetection, now: float) -> None:
+        item_id = self._speech_item_id or self._new_id("item")
+        self._speech_item_id = None
+        self._out.event(
+            "input_audio_buffer.speech_stopped", item_id=item_id, audio_end_ms=ms_of(change.end_sample)
+        )
+        respond = td.create_response and self._active is None
+        audio = self._input.take(self._speech_start, change.commit_end)
+        self._commit(item_id, audio, respond=respond)
+        if respond:
+            self._start_response(None, now)
+
+    # --- responses -----------------------------------------------------------------------
+
+    def _start_response(self, event: ResponseCreate | None, now: float) -> None:
+        if self._active is not None:
+            raise ProtocolError(
+                E.ACTIVE_RESPONSE,
+                f"Conversation already has an active response in progress: {self._active.id}. "
+                "Wait until the response is finished before creating a new one.",
+            )
+        request = resolve_response_request(
+            event.response if event is not None else None,
+            config=self.config,
+            conversation=self.conversation,
+            new_id=self._new_id,
+            frame_ms=self.options.output_frame_ms,
+            via_track=self.options.audio_out_via_track,
+        )
+        settings = request.settings
+        params, stats = build_submit_params(
+            request.items,
+            instructions=request.instructions,
+            modalities=settings.modalities,
+            max_output_tokens=settings.max_output_tokens,
+        )
+        response_id = self._new_id("resp")
+        run = ResponseRun(
+            response_id,
+            settings,
+            outbox=self._out,
+            conversation=self.conversation,
+            item_id=self._new_id("item"),
+            conversation_id=self.conversation_id,
+            prompt=stats,
+        )
+        self._active = run
+        self._idle_deadline = None
+        self._prompt_items[response_id] = stats.audio_item_ids
+        while len(self._prompt_items) > 16:
+            self._prompt_items.popitem(last=False)
+        run.start()
+        self._out.effect(StartResponse(response_id, params))
+
+    def _response_cancel(self, event: ResponseCancel, now: float) -> None:
+        if self._active is None or (event.response_id is not None and event.response_id != self._active.id):
+            raise ProtocolError(
+                E.CANCEL_NOT_ACTIVE,
+                "Cancellation failed: no active response found.",
+                param="response_id" if event.response_id is not None else None,
+            )
+        self._cancel_active("client_cancelled", now)
+
+    def _cancel_active(self, reason: CancelReason, now: float) -> None:
+        run = self._active
+        assert run is not None
+        self._end_response("cancelled", now, reason=reason)
+        self._out.effect(CancelResponse(run.id))
+
+    def _end_response(
+        self,
+        status: ResponseStatus,
+        now: float,
+        *,
+        reason: CancelReason | None = None,
+        error: str | None = None,
+        usage: dict[str, Any] | None = None,
+    ) -> None:
+        run = self._active
+        assert run is not None
+        run.finish(status, now=now, reason=reason, error=error, reported_usage=usage)
+        self._active = None
+        if run.audio_started_at is not None:
+            self._voice_locked = True
+        if self.options.pipeline_transcribes_input:
+            for item_id in self._prompt_items.get(run.id, []):
+                if item_id in self.conversation and item_id not in self._transcribed:
+                    self._request_transcription(self.conversation.get(item_id))
+        if self.options.audio_out_via_track:
+            if run.audio_started_at is None:
+                self._arm_idle_timeout(now, remaining_s=0.0)
+        else:
+            started = run.audio_started_at
+            remaining = 0.0 if started is None else max(0.0, run.audio_ms / 1000.0 - (now - started))
+            self._arm_idle_timeout(now, remaining_s=remaining)
+
+    def _arm_idle_timeout(self, now: float, *, remaining_s: float) -> None:
+        td = self.config.turn_detection
+        if td is not None and td.idle_timeout_ms and self._active is None:
+            self._idle_deadline = now + remaining_s + td.idle_timeout_ms / 1000.0
+
+    def _stop_playout(self) -> None:
+        """Track transport: cut the audio still playing, truncate its item where it stopped."""
+        run = self._playing
+        if run is None:
+            return
+        self._playing = None
+        self._out.effect(ClearAudioOutput(run.id))
+        self._out.event("output_audio_buffer.cleared", response_id=run.id)
+        if run.item is not None and run.item.id in self.conversation:
+            played = int(min(self._played_ms, run.audio_ms))
+            self.conversation.truncate(run.item.id, 0, played)
+            self._out.event(
+                "conversation.item.truncated", item_id=run.item.id, content_index=0, audio_end_ms=played
+            )

@@ -1,0 +1,99 @@
+"""Effects: what the realtime core asks its driver to do (the core itself does no I/O).
+
+The driver performs them in order, off the event loop where they are heavy, and feeds the
+results back into the core (`feed_vad`, `on_response_*`, `on_input_transcript`, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class StartResponse:
+    """Submit a pipeline request. `params` follow the pipeline submit params of CONTRACTS.md:
+    `text` (str) or `audio` (float32 mono 16 kHz), plus `history`, `instructions`,
+    `modalities`, and `max_tokens` when limited. Progress comes back through
+    `on_response_text / on_response_audio / on_input_transcript / on_response_done`."""
+
+    response_id: str
+    params: dict[str, Any]
+
+
+@dataclass(slots=True)
+class CancelResponse:
+    """Cancel the pipeline request of `response_id` (the core already told the client)."""
+
+    response_id: str
+
+
+@dataclass(slots=True)
+class TranscribeInput:
+    """Transcribe a committed user audio item outside any response; answer with
+    `on_input_transcript(item_id, text)` or `on_input_transcript_failed(item_id, message)`."""
+
+    item_id: str
+    audio: np.ndarray  # float32 mono 16 kHz
+
+
+@dataclass(slots=True)
+class DetectSpeech:
+    """Score `samples` (float32 16 kHz, a whole number of 512-sample / 32 ms frames) with the
+    VAD and answer with `feed_vad(probabilities, now, start_sample=start_sample)`.
+    `reset`: the audio does not continue the previous frames (reset the VAD model state)."""
+
+    start_sample: int
+    samples: np.ndarray
+    reset: bool = False
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.samples) // 512
+
+
+@dataclass(slots=True)
+class PlayAudio:
+    """Track transport only (`audio_out_via_track`): queue model audio on the outgoing track.
+    Report playout back with `on_playout(response_id, played_ms, now)` and
+    `on_playout_finished(response_id, now)`."""
+
+    response_id: str
+    item_id: str
+    samples: np.ndarray  # float32 mono
+    sample_rate: int
+
+
+@dataclass(slots=True)
+class ClearAudioOutput:
+    """Track transport only: drop the audio of `response_id` still queued on the track."""
+
+    response_id: str
+
+
+@dataclass(slots=True)
+class Close:
+    """Close the connection (WebSocket close code; 1001 when the session expired)."""
+
+    code: int
+    reason: str = ""
+
+
+Effect = (
+    StartResponse | CancelResponse | TranscribeInput | DetectSpeech | PlayAudio | ClearAudioOutput | Close
+)
+
+
+@dataclass(slots=True)
+class CoreOutput:
+    """What one call into the core produced: server events (JSON-ready dicts, each with a
+    unique `event_id`, in send order) and effects for the driver (in order)."""
+
+    events: list[dict[str, Any]] = field(default_factory=list)
+    effects: list[Effect] = field(default_factory=list)
+
+    def extend(self, other: CoreOutput) -> None:
+        self.events.extend(other.events)
+        self.effects.extend(other.effects)

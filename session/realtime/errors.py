@@ -1,0 +1,48 @@
+"""Protocol errors of the realtime session core, shaped like OpenAI Realtime `error` events."""
+
+from __future__ import annotations
+
+from typing import Final
+
+INVALID_REQUEST: Final = "invalid_request_error"
+SERVER_ERROR: Final = "server_error"
+
+# Error codes (OpenAI's where OpenAI has one; the issue's list for the rest).
+INVALID_JSON: Final = "invalid_json"
+INVALID_EVENT: Final = "invalid_event"
+INVALID_VALUE: Final = "invalid_value"
+UNKNOWN_PARAMETER: Final = "unknown_parameter"
+MISSING_PARAMETER: Final = "missing_required_parameter"
+COMMIT_EMPTY: Final = "input_audio_buffer_commit_empty"
+ACTIVE_RESPONSE: Final = "conversation_already_has_active_response"
+CANCEL_NOT_ACTIVE: Final = "response_cancel_not_active"
+ITEM_NOT_FOUND: Final = "item_not_found"
+DUPLICATE_ITEM_ID: Final = "duplicate_item_id"
+UNSUPPORTED_CONTENT: Final = "unsupported_content_type"
+SESSION_EXPIRED: Final = "session_expired"
+
+
+class ProtocolError(Exception):
+    """A client request the core rejects; becomes one `error` server event.
+
+    Handlers raise it before changing any state, so a rejected event leaves the session as
+    it was.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str = INVALID_REQUEST,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.type = type
+        self.event_id: str | None = None  # the client event that failed, echoed in the error
+
+    def __repr__(self) -> str:
+        return f"ProtocolError(code={self.code!r}, param={self.param!r}, message={self.message!r})"

@@ -1,0 +1,159 @@
+"""The input audio buffer on one continuous 16 kHz timeline, and the VAD frame queue.
+
+Every input sample (base64 appends in any wire format, or samples from a media track) is
+resampled once, in a streaming resampler, to float32 16 kHz and placed on a session-wide
+timeline; `audio_start_ms` / `audio_end_ms` in events are positions on it. The buffer is
+the uncommitted stretch [start, end) of that timeline. VAD frames (512 samples, 32 ms) are
+cut from it and handed to the driver for scoring.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from media.audio import VAD_RATE, StreamingResampler, WireFormat
+from session.realtime.effects import DetectSpeech
+
+FRAME = 512  # samples per VAD frame at 16 kHz (32 ms), silero's window
+SAMPLES_PER_MS = VAD_RATE // 1000
+
+
+def ms_of(sample: int) -> int:
+    return sample // SAMPLES_PER_MS
+
+
+class InputAudio:
+    def __init__(self, fmt: WireFormat) -> None:
+        self.format = fmt
+        self._resampler = StreamingResampler(fmt.rate, VAD_RATE)
+        self._track_resampler: StreamingResampler | None = None
+        self._chunks: deque[np.ndarray] = deque()
+        self.start = 0  # timeline sample of the first buffered sample
+        self.end = 0  # timeline sample after the last buffered sample
+        self.vad_enabled = False
+        self._vad_cursor = 0  # next frame to hand out starts here
+        self._vad_reset = True
+        self._pending: deque[int] = deque()  # frame starts awaiting probabilities
+
+    # --- writing -------------------------------------------------------------------------
+
+    def set_format(self, fmt: WireFormat) -> None:
+        if fmt == self.format:
+            return
+        self._push(self._resampler.flush())
+        self.format = fmt
+        self._resampler = StreamingResampler(fmt.rate, VAD_RATE)
+
+    def append_wire(self, data: bytes) -> None:
+        """Decode wire bytes (raises `AudioFormatError`) and append them."""
+        samples = self.format.decode(data)
+        self._push(self._resampler.process(samples))
+
+    def append_samples(self, samples: np.ndarray, rate: int) -> None:
+        """Append float32 mono samples from a media track (any rate)."""
+        if self._track_resampler is None or self._track_resampler.src_rate != rate:
+            if self._track_resampler is not None:
+                self._push(self._track_resampler.flush())
+            self._track_resampler = StreamingResampler(rate, VAD_RATE)
+        self._push(self._track_resampler.process(samples))
+
+    def flush(self) -> None:
+        """Drain the resamplers (before a manual commit, so the last few ms are included)."""
+        self._push(self._resampler.flush())
+        if self._track_resampler is not None:
+            self._push(self._track_resampler.flush())
+
+    def _push(self, samples: np.ndarray) -> None:
+        if len(samples):
+            self._chunks.append(samples)
+            self.end += len(samples)
+
+    # --- reading -------------------------------------------------------------------------
+
+    @property
+    def duration_ms(self) -> int:
+        return ms_of(self.end - self.start)
+
+    def slice(self, a: int, b: int) -> np.ndarray:
+        """Timeline samples [a, b) that are still buffered."""
+        a, b = max(a, self.start), min(b, self.end)
+        if b <= a:
+            return np.zeros(0, dtype=np.float32)
+        out, pos = [], self.start
+        for chunk in self._chunks:
+            lo, hi = pos, pos + len(chunk)
+            if hi > a and lo < b:
+                out.append(chunk[max(a - lo, 0) : min(b - lo, len(chunk))])
+            pos = hi
+            if pos >= b:
+                break
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+
+    def take(self, a: int, b: int) -> np.ndarray:
+        """Remove and return [a, b) as committed audio: the buffer then starts at `b`."""
+        audio = self.slice(a, b)
+        self.drop_before(b)
+        return audio
+
+    def drop_before(self, sample: int) -> None:
+        """Forget buffered audio before `sample` (never audio that VAD still has to see)."""
+        if self.vad_enabled:
+            sample = min(sample, self._vad_cursor)
+        while self._chunks and self.start + len(self._chunks[0]) <= sample:
+            self.start += len(self._chunks.popleft())
+        if self._chunks and self.start < sample:
+            self._chunks[0] = self._chunks[0][sample - self.start :]
+            self.start = sample
+        self.start = max(self.start, min(sample, self.end))
+
+    def clear(self) -> None:
+        """Empty the buffer; frames awaiting scores are forgotten (late scores are ignored)."""
+        self._chunks.clear()
+        self.start = self.end
+        self._vad_cursor = self.end
+        self._pending.clear()
+        self._vad_reset = True
+
+    # --- VAD frames ----------------------------------------------------------------------
+
+    def set_vad(self, enabled: bool) -> None:
+        if enabled == self.vad_enabled:
+            return
+        self.vad_enabled = enabled
+        self._vad_cursor = self.end if enabled else 0
+        self._pending.clear()
+        self._vad_reset = True
+
+    @property
+    def first_unscored(self) -> int:
+        """Timeline sample of the oldest frame without a probability yet."""
+        return self._pending[0] if self._pending else self._vad_cursor
+
+    def next_frames(self) -> DetectSpeech | None:
+        """The whole frames not yet handed out for scoring, or None."""
+        if not self.vad_enabled:
+            return None
+        n = (self.end - self._vad_cursor) // FRAME
+        if n <= 0:
+            return None
+        start = self._vad_cursor
+        samples = self.slice(start, start + n * FRAME)
+        self._pending.extend(range(start, start + n * FRAME, FRAME))
+        self._vad_cursor += n * FRAME
+        reset, self._vad_reset = self._vad_reset, False
+        return DetectSpeech(start_sample=start, samples=samples, reset=reset)
+
+    def claim_scored(self, count: int, start_sample: int | None) -> list[int]:
+        """Match `count` probabilities to pending frames; return their start samples.
+
+        With `start_sample`, probabilities for frames no longer pending (stale after a clear
+        or a VAD reconfiguration) are skipped."""
+        if start_sample is not None:
+            while self._pending and self._pending[0] < start_sample:
+                self._pending.popleft()
+            if not self._pending or self._pending[0] != start_sample:
+                return []
+        n = min(count, len(self._pending))
+        return [self._pending.popleft() for _ in range(n)]

@@ -1,0 +1,55 @@
+"""Event ids of logged server events, and how they map to stream entries.
+
+The store owns the ``event_id`` of every client-visible server event: the session's writer
+stamps ``event_<tag>_<epoch>_<seq>`` where ``tag`` is 8 characters of the session id, ``epoch``
+the binding epoch of the writing replica (0 when unfenced) and ``seq`` a per-session counter
+that increases by one per event. The event is stored in the session's stream under the
+explicit entry id ``0-<seq>``, so resolving a client's ``last_event_id`` is arithmetic, with no
+index to keep: ``XRANGE events 0-<seq> +``. The first entry must carry exactly that event id
+(a different epoch at the same seq means the id was never made durable, e.g. it was lost with a
+dead replica) and the following seqs must be contiguous (no gap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EVENT_PREFIX = "event_"
+
+
+def session_tag(session_id: str) -> str:
+    body = session_id.split("_", 1)[-1]
+    return body[:8]
+
+
+@dataclass(frozen=True, slots=True)
+class EventRef:
+    tag: str
+    epoch: int
+    seq: int
+
+    @property
+    def stream_id(self) -> str:
+        return f"0-{self.seq}"
+
+
+def format_event_id(tag: str, epoch: int, seq: int) -> str:
+    return f"{EVENT_PREFIX}{tag}_{epoch}_{seq}"
+
+
+def parse_event_id(event_id: str) -> EventRef | None:
+    """The parts of a store-issued event id, or ``None`` if it is not one."""
+    if not event_id.startswith(EVENT_PREFIX):
+        return None
+    tag, sep1, rest = event_id[len(EVENT_PREFIX) :].partition("_")
+    epoch_s, sep2, seq_s = rest.partition("_")
+    if not (sep1 and sep2 and tag and epoch_s.isdigit() and seq_s.isdigit()):
+        return None
+    seq = int(seq_s)
+    if seq < 1:
+        return None
+    return EventRef(tag=tag, epoch=int(epoch_s), seq=seq)
+
+
+def seq_of_stream_id(stream_id: str) -> int:
+    return int(stream_id.partition("-")[2])

@@ -1,0 +1,353 @@
+"""The session store on Redis (the only store implementation).
+
+Per session (all keys share the hash tag ``{sess_…}``, see :mod:`session.store.keys`):
+
+* ``meta`` hash: ``tenant``, ``state``, ``config`` (JSON), ``created_at``, ``last_active``,
+  ``expires_at`` (the max-lifetime deadline), ``event_seq`` (last durable event seq),
+  ``resume_token_sha256``;
+* ``items`` hash (item id → item JSON) and ``order`` list (item ids in conversation order):
+  the conversation, transcripts included (they live in the items' content);
+* ``events`` stream: every client-visible server event, entry id ``0-<seq>``, fields ``i``
+  (event id) and ``e`` (event JSON), capped with ``XADD MAXLEN ~ stream_maxlen``. Audio deltas
+  are kept in full but only inside this bounded window (default 4,096 entries): recent enough
+  for any resume within the disconnect grace; older audio is gone while every item and
+  transcript stays for the session's life (see ``events_after`` → ``ReplayUnavailable``);
+* ``owner`` hash: the replica binding and its epoch (written by ``session.affinity``).
+
+Every key carries a PEXPIRE of ``min(idle TTL, time left to expires_at)``, refreshed by each
+writer flush, so Redis itself deletes an abandoned session.
+
+All mutations of a live session go through :meth:`SessionStore.apply_batch`: one Lua script,
+one round trip, atomic, idempotent on retry and fenced by the binding epoch. The buffering
+policy on top of it is :class:`session.store.event_log.SessionWriter`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from session.identity import new_resume_token, new_session_id, resume_token_matches, secret_digest
+from session.retention import RetentionPolicy
+from session.store.errors import (
+    ReplayUnavailable,
+    ResumeTokenInvalid,
+    SessionExists,
+    SessionGone,
+    SessionNotFound,
+    StaleEpoch,
+    StoreUnavailable,
+)
+from session.store.event_ids import parse_event_id, seq_of_stream_id, session_tag
+from session.store.keys import DEFAULT_PREFIX, SessionKeys, session_keys
+
+# (op, a, b, c): ("e", seq, event_id, event_json) | ("i", item_id, item_json, after) |
+# ("d", item_id, "", "") | ("m", field, value, "")  — ``after``: "" append, "^" first, else an item id
+BatchOp = tuple[str, str, str, str]
+MAX_OPS_PER_CALL = 1024
+
+_CREATE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+# KEYS: meta events items order owner; ARGV: epoch now ttl_ms maxlen nops, then 4 per op
+_APPLY_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return redis.error_reply('SESSION_GONE') end
+local epoch = tonumber(ARGV[1])
+if epoch > 0 then
+  local cur = redis.call('HGET', KEYS[5], 'epoch')
+  if (not cur) or tonumber(cur) ~= epoch then
+    return redis.error_reply('STALE_EPOCH ' .. tostring(cur))
+  end
+end
+local ttl = tonumber(ARGV[3])
+if ttl <= 0 then
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+  return redis.error_reply('SESSION_GONE expired')
+end
+local top = tonumber(redis.call('HGET', KEYS[1], 'event_seq') or '0')
+local n = tonumber(ARGV[5])
+for i = 0, n - 1 do
+  local b = 6 + i * 4
+  local op, a, x, y = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
+  if op == 'e' then
+    local seq = tonumber(a)
+    if seq > top then
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '0-' .. a, 'i', x, 'e', y)
+      top = seq
+    end
+  elseif op == 'i' then
+    if redis.call('HSET', KEYS[3], a, x) == 1 then
+      if y == '' then
+        redis.call('RPUSH', KEYS[4], a)
+      elseif y == '^' then
+        redis.call('LPUSH', KEYS[4], a)
+      elseif redis.call('LINSERT', KEYS[4], 'AFTER', y, a) <= 0 then
+        redis.call('RPUSH', KEYS[4], a)
+      end
+    end
+  elseif op == 'd' then
+    redis.call('HDEL', KEYS[3], a)
+    redis.call('LREM', KEYS[4], 0, a)
+  elseif op == 'm' then
+    redis.call('HSET', KEYS[1], a, x)
+  end
+end
+redis.call('HSET', KEYS[1], 'event_seq', top, 'last_active', ARGV[2])
+for k = 1, 5 do redis.call('PEXPIRE', KEYS[k], ttl) end
+return top
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRecord:
+    session_id: str
+    tenant: str
+    state: str
+    config: dict[str, Any]
+    created_at: float
+    last_active: float
+    expires_at: float
+    event_seq: int  # last durable event seq (the writer continues at event_seq + 1)
+
+    @classmethod
+    def from_hash(cls, session_id: str, h: dict[str, str]) -> SessionRecord:
+        return cls(
+            session_id=session_id,
+            tenant=h["tenant"],
+            state=h.get("state", "active"),
+            config=json.loads(h.get("config") or "{}"),
+            created_at=float(h["created_at"]),
+            last_active=float(h.get("last_active") or h["created_at"]),
+            expires_at=float(h["expires_at"]),
+            event_seq=int(h.get("event_seq") or 0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSnapshot:
+    """Everything needed to rebuild a session (config, state, conversation with transcripts)."""
+
+    record: SessionRecord
+    items: list[dict[str, Any]]
+
+
+@asynccontextmanager
+async def redis_errors() -> AsyncIterator[None]:
+    """Map transport failures to :class:`StoreUnavailable` (HTTP 503 at the edge)."""
+    try:
+        yield
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        raise StoreUnavailable(f"redis unavailable: {exc}") from exc
+
+
+class SessionStore:
+    """Session state in Redis. Stateless itself: any number of replicas can share one Redis."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        policy: RetentionPolicy | None = None,
+        stream_maxlen: int = 4096,
+        prefix: str = DEFAULT_PREFIX,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.redis = redis
+        self.policy = policy or RetentionPolicy()
+        self.stream_maxlen = stream_maxlen
+        self.prefix = prefix
+        self.clock = clock
+        self._create = redis.register_script(_CREATE_LUA)
+        self._apply = redis.register_script(_APPLY_LUA)
+
+    def keys(self, session_id: str) -> SessionKeys:
+        return session_keys(session_id, self.prefix)
+
+    async def load_scripts(self) -> None:
+        """Load the Lua scripts now, so the first flush is one round trip, not three."""
+        async with redis_errors():
+            for script in (self._create, self._apply):
+                script.sha = await self.redis.script_load(script.script)
+
+    # --- open / read ------------------------------------------------------------------------
+
+    async def create_session(
+        self, tenant: str, config: dict[str, Any] | None = None, *, session_id: str | None = None
+    ) -> tuple[SessionRecord, str]:
+        """A new session and its resume token (shown once; Redis keeps only its digest)."""
+        sid = session_id or new_session_id()
+        now = self.clock()
+        expires_at = self.policy.lifetime_deadline(now)
+        token = new_resume_token()
+        cfg = dict(config or {})
+        fields = {
+            "tenant": tenant,
+            "state": "active",
+            "config": json.dumps(cfg),
+            "created_at": repr(now),
+            "last_active": repr(now),
+            "expires_at": repr(expires_at),
+            "event_seq": "0",
+            "resume_token_sha256": secret_digest(token),
+        }
+        args: list[str] = [str(self.policy.key_ttl_ms(now, expires_at))]
+        for k, v in fields.items():
+            args += [k, v]
+        async with redis_errors():
+            created = await self._create(keys=[self.keys(sid).meta], args=args)
+        if not created:
+            raise SessionExists(sid)
+        record = SessionRecord(sid, tenant, "active", cfg, now, now, expires_at, 0)
+        return record, token
+
+    async def _meta(self, session_id: str) -> dict[str, str]:
+        async with redis_errors():
+            h = await self.redis.hgetall(self.keys(session_id).meta)
+        return {str(k): str(v) for k, v in h.items()}
+
+    async def get_session(self, tenant: str, session_id: str) -> SessionRecord:
+        """The session if it exists and belongs to ``tenant``; else :class:`SessionNotFound`."""
+        h = await self._meta(session_id)
+        if not h or h.get("tenant") != tenant:
+            raise SessionNotFound(session_id)
+        return SessionRecord.from_hash(session_id, h)
+
+    async def authorize_resume(self, tenant: str, session_id: str, token: str | None) -> SessionRecord:
+        """Tenant check, then a constant-time token check (:class:`ResumeTokenInvalid` → 403)."""
+        h = await self._meta(session_id)
+        if not h or h.get("tenant") != tenant:
+            raise SessionNotFound(session_id)
+        if not resume_token_matches(token, h.get("resume_token_sha256")):
+            raise ResumeTokenInvalid(session_id)
+        return SessionRecord.from_hash(session_id, h)
+
+    async def load_snapshot(self, tenant: str, session_id: str) -> SessionSnapshot:
+        """Record and items in one round trip (rebuild after restart or failover)."""
+        k = self.keys(session_id)
+        async with redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hgetall(k.meta)
+            pipe.lrange(k.order, 0, -1)
+            pipe.hgetall(k.items)
+            meta, order, items = await pipe.execute()
+        if not meta or meta.get("tenant") != tenant:
+            raise SessionNotFound(session_id)
+        ordered = [json.loads(items[i]) for i in order if i in items]
+        return SessionSnapshot(SessionRecord.from_hash(session_id, meta), ordered)
+
+    async def list_items(self, session_id: str) -> list[dict[str, Any]]:
+        k = self.keys(session_id)
+        async with redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.lrange(k.order, 0, -1)
+            pipe.hgetall(k.items)
+            order, items = await pipe.execute()
+        return [json.loads(items[i]) for i in order if i in items]
+
+    async def events_after(
+        self, session_id: str, last_event_id: str | None, *, limit: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Durable events after ``last_event_id`` in original order (one round trip).
+
+        ``None`` replays from the session's first event. Raises :class:`SessionNotFound` or
+        :class:`ReplayUnavailable` (``trimmed`` / ``unknown_event_id`` / ``gap``); the caller
+        then resyncs the client from :meth:`load_snapshot`. Events still buffered in this
+        process's writer are not here: use ``SessionWriter.events_after`` (flushes first).
+        """
+        ref = parse_event_id(last_event_id) if last_event_id is not None else None
+        if last_event_id is not None and (ref is None or ref.tag != session_tag(session_id)):
+            raise ReplayUnavailable(session_id, last_event_id, "unknown_event_id")
+        start_seq = ref.seq if ref is not None else 1
+        count = (limit if limit is not None else self.stream_maxlen * 2) + 1
+        k = self.keys(session_id)
+        async with redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hget(k.meta, "event_seq")
+            pipe.xrange(k.events, min=f"0-{start_seq}", max="+", count=count)
+            stored, entries = await pipe.execute()
+        if stored is None:
+            raise SessionNotFound(session_id)
+        if start_seq > int(stored) and ref is not None:
+            raise ReplayUnavailable(session_id, last_event_id, "unknown_event_id")
+        if not entries:
+            if ref is None:
+                return []  # no event logged yet
+            raise ReplayUnavailable(session_id, last_event_id, "trimmed")
+        first_seq = seq_of_stream_id(entries[0][0])
+        if first_seq != start_seq:
+            raise ReplayUnavailable(session_id, last_event_id, "trimmed")
+        if ref is not None:
+            if entries[0][1].get("i") != last_event_id:
+                raise ReplayUnavailable(session_id, last_event_id, "unknown_event_id")
+            entries = entries[1:]
+            expected = start_seq + 1
+        else:
+            expected = start_seq
+        out: list[dict[str, Any]] = []
+        for stream_id, fields in entries:
+            if seq_of_stream_id(stream_id) != expected:
+                raise ReplayUnavailable(session_id, last_event_id, "gap")
+            out.append(json.loads(fields["e"]))
+            expected += 1
+        return out
+
+    # --- write / end ------------------------------------------------------------------------
+
+    async def apply_batch(
+        self, session_id: str, ops: Sequence[BatchOp], *, epoch: int = 0, expires_at: float
+    ) -> int:
+        """Apply buffered ops atomically (fenced by ``epoch`` > 0); returns the durable event seq.
+
+        One EVALSHA per :data:`MAX_OPS_PER_CALL` ops; refreshes every key's TTL and
+        ``last_active``. Idempotent: a retried batch skips events already stored.
+        """
+        now = self.clock()
+        ttl_ms = self.policy.key_ttl_ms(now, expires_at)
+        k = self.keys(session_id)
+        top = 0
+        start = 0
+        while True:
+            chunk = ops[start : start + MAX_OPS_PER_CALL]
+            args: list[str | int] = [epoch, repr(now), ttl_ms, self.stream_maxlen, len(chunk)]
+            for op in chunk:
+                args.extend(op)
+            try:
+                async with redis_errors():
+                    top = int(await self._apply(keys=list(k.all()), args=args))
+            except ResponseError as exc:
+                msg = str(exc)
+                if msg.startswith("STALE_EPOCH"):
+                    current = msg.split(" ", 1)[1] if " " in msg else "None"
+                    raise StaleEpoch(session_id, epoch, int(current) if current.isdigit() else None) from exc
+                if msg.startswith("SESSION_GONE"):
+                    raise SessionGone(f"{session_id}: {msg}") from exc
+                raise
+            start += MAX_OPS_PER_CALL
+            if start >= len(ops):
+                return top
+
+    async def touch(self, session_id: str, *, epoch: int = 0, expires_at: float) -> int:
+        return await self.apply_batch(session_id, (), epoch=epoch, expires_at=expires_at)
+
+    async def delete_session(self, session_id: str) -> bool:
+        """Remove every key of the session (end, expiry, DELETE /v1/sessions/{id})."""
+        async with redis_errors():
+            return bool(await self.redis.delete(*self.keys(session_id).all()))
+
+    async def ttl_ms(self, session_id: str) -> int:
+        """Remaining PTTL of the session's meta key (-2 gone, -1 no TTL)."""
+        async with redis_errors():
+            return int(await self.redis.pttl(self.keys(session_id).meta))

@@ -1,0 +1,297 @@
+"""The async driver of one video connection: performs the core's effects on a runtime and a transport.
+
+Transport-agnostic: the web layer hands it client text frames and a :class:`VideoTransport`
+(a WebSocket adapter); it owns one task per generation (the *media loop*) and nothing else.
+
+The media loop keeps at most one chunk demanded and not yet sent, so nothing queues up between
+the model and the socket: demand → generate → upscale → encode (worker thread) → wait for the
+chunk's due time → ``video.chunk_metadata`` + binary frame → demand the next one just in time.
+A client that stops reading blocks the send; no further chunk is demanded, so generation
+pauses and memory stays flat; a send blocked for ``stall_timeout_s`` ends the session with an
+``error`` (``client_stalled``) and close code 1008 where the socket still takes them.
+Metadata and its binary frame go out under one lock, so a control reply (pong, queued) can
+slip in between chunks but never between a chunk's two frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from media.video import ChunkEncoder, make_encoder
+from runtime.payloads import Action, Conditioning, Frames, Payload
+from runtime.progress import AdmissionError, RequestHandle, RequestStatus
+from session.video.core import (
+    CancelGeneration,
+    CloseConnection,
+    Output,
+    StartGeneration,
+    VideoSessionCore,
+)
+from session.video.events import ErrorCode, ServerEvent
+from session.video.pacing import ChunkPacer
+
+log = logging.getLogger(__name__)
+
+DEMAND = "demand"  # engines.world.controls.DEMAND: one more chunk, please
+
+
+class VideoTransport(Protocol):
+    async def send_text(self, text: str) -> None: ...
+
+    async def send_bytes(self, data: bytes) -> None: ...
+
+    async def close(self, code: int, reason: str) -> None: ...
+
+
+class WorldRuntime(Protocol):
+    """The part of :class:`runtime.orchestrator.Orchestrator` a video session uses."""
+
+    async def submit(
+        self, params: Mapping[str, Any], *, session_key: str | None = None, request_id: str | None = None
+    ) -> RequestHandle: ...
+
+    async def append_input(self, request_id: str, payload: Payload) -> bool: ...
+
+    async def update(self, request_id: str, update: Conditioning) -> bool: ...
+
+    async def cancel(self, request_id: str) -> bool: ...
+
+
+RuntimeProvider = Callable[[str], Awaitable[WorldRuntime]]  # pipeline name → started runtime
+
+
+class _Stalled(Exception):
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(f"send blocked for {waited_s:.1f} s")
+        self.waited_s = waited_s
+
+
+@dataclass(slots=True)
+class DriverStats:
+    chunks_received: int = 0  # chunks out of the runtime
+    chunks_sent: int = 0
+    bytes_sent: int = 0
+    demands: int = 0
+    send_blocked_s: float = 0.0  # longest single wait for the socket
+
+
+class VideoSessionDriver:
+    def __init__(
+        self,
+        core: VideoSessionCore,
+        transport: VideoTransport,
+        runtimes: RuntimeProvider,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.core = core
+        self.stats = DriverStats()
+        self._transport = transport
+        self._runtimes = runtimes
+        self._clock = clock
+        self._limits = core.limits
+        self._send_lock = asyncio.Lock()
+        self._runtime: WorldRuntime | None = None
+        self._media: asyncio.Task[None] | None = None
+        self._closed = asyncio.Event()
+        self._dead = False  # the socket is unusable (stalled or gone): drop further sends
+
+    # -- fed by the transport -----------------------------------------------------------------
+
+    async def handle_text(self, text: str) -> None:
+        await self._perform(self.core.handle_text(text, self._clock()))
+
+    async def handle_binary(self, data: bytes) -> None:
+        await self._perform(self.core.handle_binary(len(data)))
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    async def close(self) -> None:
+        """The transport is gone (or the server shuts down): stop generating, end the media loop."""
+        self._dead = True
+        for out in self.core.on_closed():
+            if isinstance(out, CancelGeneration):
+                await self._cancel(out.request_id)
+        media, self._media = self._media, None
+        if media is not None:
+            media.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await media
+        self._closed.set()
+
+    # -- effects ------------------------------------------------------------------------------
+
+    async def _perform(self, outputs: list[Output]) -> None:
+        try:
+            for out in outputs:
+                if isinstance(out, ServerEvent):
+                    await self._send(out.to_json())
+                elif isinstance(out, StartGeneration):
+                    self._start_media(out)
+                elif isinstance(out, CancelGeneration):
+                    await self._cancel(out.request_id)
+                elif isinstance(out, CloseConnection):
+                    await self._close_transport(out)
+        except _Stalled as stall:
+            await self._on_stall(stall.waited_s)
+
+    def _start_media(self, start: StartGeneration) -> None:
+        self._media = asyncio.create_task(
+            self._media_loop(start, self._media), name=f"video-media-{start.request_id}"
+        )
+
+    async def _cancel(self, request_id: str) -> None:
+        if self._runtime is not None:
+            await self._runtime.cancel(request_id)
+
+    async def _send(self, *frames: str | bytes) -> None:
+        """Send frames back to back; :class:`_Stalled` if the socket blocks too long."""
+        if self._dead:
+            return
+        async with self._send_lock:
+            for frame in frames:
+                started = self._clock()
+                try:
+                    async with asyncio.timeout(self._limits.stall_timeout_s):
+                        if isinstance(frame, bytes):
+                            await self._transport.send_bytes(frame)
+                        else:
+                            await self._transport.send_text(frame)
+                except TimeoutError:
+                    raise _Stalled(self._clock() - started) from None
+                waited = self._clock() - started
+                self.stats.send_blocked_s = max(self.stats.send_blocked_s, waited)
+                self.stats.bytes_sent += len(frame)
+
+    async def _on_stall(self, waited_s: float) -> None:
+        if self._dead:
+            return
+        self._dead = True
+        log.warning(
+            "video session %s: %s", self.core.session_id, f"client stopped reading for {waited_s:.1f} s"
+        )
+        outputs = self.core.on_stalled(waited_s)
+        for out in outputs:
+            if isinstance(out, CancelGeneration):
+                await self._cancel(out.request_id)
+        # Best effort: the socket may never drain, so the error and close frame get a grace period.
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self._limits.close_grace_s):
+                for out in outputs:
+                    if isinstance(out, ServerEvent):
+                        await self._transport.send_text(out.to_json())
+                    elif isinstance(out, CloseConnection):
+                        await self._transport.close(out.code, out.reason)
+        self._closed.set()
+        media = self._media
+        if media is not None and media is not asyncio.current_task():
+            media.cancel()
+
+    async def _close_transport(self, out: CloseConnection) -> None:
+        self._dead = True
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self._limits.close_grace_s):
+                await self._transport.close(out.code, out.reason)
+        self._closed.set()
+
+    # -- the media loop -----------------------------------------------------------------------
+
+    async def _media_loop(self, start: StartGeneration, previous: asyncio.Task[None] | None) -> None:
+        if previous is not None:  # the last generation ended (the core says so); let it tidy up
+            await asyncio.wait([previous])
+        try:
+            runtime = await self._runtimes(start.pipeline)
+            handle = await runtime.submit(
+                start.params, session_key=self.core.session_id, request_id=start.request_id
+            )
+        except asyncio.CancelledError:
+            raise
+        except AdmissionError as exc:
+            await self._perform(self.core.on_start_failed(ErrorCode.CAPACITY, str(exc)))
+            return
+        except Exception as exc:
+            log.exception("video session %s: could not start %s", self.core.session_id, start.pipeline)
+            await self._perform(
+                self.core.on_start_failed(ErrorCode.GENERATION_FAILED, f"{type(exc).__name__}: {exc}")
+            )
+            return
+        self._runtime = runtime
+        encoder: ChunkEncoder | None = None
+        try:
+            encoder = await asyncio.to_thread(
+                make_encoder, start.format, start.width, start.height, start.fps
+            )
+            await self._perform(self.core.on_started())
+            await self._pump(runtime, handle, encoder, start)
+        except asyncio.CancelledError:
+            await runtime.cancel(start.request_id)
+            raise
+        except _Stalled as stall:
+            await self._on_stall(stall.waited_s)
+        except Exception as exc:
+            log.exception("video session %s: media loop failed", self.core.session_id)
+            await runtime.cancel(start.request_id)
+            await self._perform(self.core.on_generation_end("failed", f"{type(exc).__name__}: {exc}"))
+        finally:
+            if encoder is not None:
+                encoder.close()
+
+    async def _pump(
+        self, runtime: WorldRuntime, handle: RequestHandle, encoder: ChunkEncoder, start: StartGeneration
+    ) -> None:
+        pacer = ChunkPacer()
+        demanded_at = await self._demand(runtime)
+        async for out in handle:
+            if isinstance(out, RequestStatus):
+                await self._perform(self.core.on_generation_end(out.status, out.error))
+                return
+            if not isinstance(out, Frames):
+                continue
+            self.stats.chunks_received += 1
+            encoded = await asyncio.to_thread(encoder.encode, out.frames)
+            now = self._clock()
+            if demanded_at is not None:
+                pacer.observe_latency(now - demanded_at)
+            await self._sleep_until(pacer.send_at(now))
+            fps = out.fps or start.fps
+            sent_at = self._clock()
+            events = self.core.on_chunk(out.chunk_index, encoded, encoder.mime_type, fps, sent_at)
+            await self._send(*(event.to_json() for event in events), encoded.data)
+            self.stats.chunks_sent += 1
+            pacer.sent(sent_at, encoded.frame_count / fps)
+            await self._sleep_until(pacer.demand_at(self._clock()))
+            demanded_at = await self._demand(runtime)
+        # the stream ended without a status: the runtime went away
+        await self._perform(self.core.on_generation_end("failed", "the runtime ended the stream"))
+
+    async def _demand(self, runtime: WorldRuntime) -> float | None:
+        """Send pending interactions, then demand one chunk; when it was demanded (None: not)."""
+        demand = self.core.take_demand()
+        if demand is None:
+            return None
+        request_id = demand.request_id
+        if demand.prompt is not None:
+            await runtime.update(request_id, Conditioning({"prompt": demand.prompt}))
+        for kind, key in demand.keys.before:
+            await runtime.append_input(request_id, Action(kind, key))
+        await runtime.append_input(request_id, Action(DEMAND, 1))
+        for kind, key in demand.keys.after:
+            await runtime.append_input(request_id, Action(kind, key))
+        self.stats.demands += 1
+        return self._clock()
+
+    async def _sleep_until(self, deadline: float) -> None:
+        delay = deadline - self._clock()
+        if delay > 0:
+            await asyncio.sleep(delay)

@@ -1,0 +1,81 @@
+"""Real models: Piper speaks, faster-whisper listens; the words must survive exactly."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import soxr
+
+from engines.speech.asr import normalize_transcript
+from tests.engines_speech.conftest import SENTENCE, words
+
+
+def test_normalize_transcript() -> None:
+    assert normalize_transcript("  Hello  world.\n Again ") == "Hello world. Again"
+
+
+@pytest.mark.parametrize(
+    "sentence",
+    [
+        SENTENCE,
+        "Hello, how are you today?",
+        "Please send the report to Alice by Friday.",
+        "What time does the train leave tomorrow morning?",
+        "I would like a cup of coffee, please.",
+    ],
+)
+def test_piper_to_whisper_round_trip_is_exact(
+    asr: Any, speak16k: Callable[[str], np.ndarray], sentence: str
+) -> None:
+    assert asr.transcribe(speak16k(sentence)) == sentence
+
+
+def test_natural_voice_round_trips_word_for_word(asr: Any) -> None:
+    """With Piper's default noise (what the pipeline speaks) case may vary, words do not."""
+    from engines.speech.tts import TtsConfig, shared_tts
+
+    voice = shared_tts(TtsConfig())
+    for _ in range(3):
+        audio = soxr.resample(voice.synthesize_all(SENTENCE), voice.sample_rate, 16000)
+        assert words(asr.transcribe(np.asarray(audio, dtype=np.float32))) == words(SENTENCE)
+
+
+def test_asr_on_silence_and_tiny_input(asr: Any) -> None:
+    assert asr.transcribe(np.zeros(800, dtype=np.float32)) == ""  # under 100 ms: not decoded
+    assert len(asr.transcribe(np.zeros(16000, dtype=np.float32)).split()) <= 1
+
+
+def test_tts_output_is_plausible_speech(tts: Any) -> None:
+    assert tts.sample_rate == 22050
+    audio = tts.synthesize_all(SENTENCE)
+    assert audio.dtype == np.float32
+    assert 1.5 < audio.size / tts.sample_rate < 5.0  # ~2.8 s for nine words
+    assert float(np.sqrt(np.mean(audio**2))) > 0.05
+    assert float(np.max(np.abs(audio))) <= 1.0
+    assert list(tts.synthesize(" ... ")) == []
+
+
+def test_speech_timings(asr: Any, tts: Any, sentence16k: np.ndarray) -> None:
+    """Prints the figures the design notes quote; bounds are loose, for loaded machines."""
+    asr.transcribe(sentence16k)  # warm
+    t0 = time.perf_counter()
+    asr.transcribe(sentence16k)
+    asr_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    first = next(iter(tts.synthesize("You said:")))
+    first_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    audio = tts.synthesize_all(SENTENCE)
+    rtf = (time.perf_counter() - t0) / (audio.size / tts.sample_rate)
+    print(
+        f"ASR {sentence16k.size / 16000:.2f} s utterance: {asr_s * 1000:.0f} ms; "
+        f"TTS first clause ({first.size / tts.sample_rate:.2f} s audio): {first_s * 1000:.0f} ms; "
+        f"TTS RTF {rtf:.3f}"
+    )
+    assert asr_s < 5.0
+    assert first_s < 2.0
+    assert rtf < 1.0

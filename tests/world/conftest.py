@@ -1,0 +1,129 @@
+"""A real server on loopback for world-model tests: starlette + uvicorn + the real orchestrator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from websockets.asyncio.client import ClientConnection, connect
+
+from session.video.config import VideoConfig, VideoLimits
+from session.video.runtimes import OrchestratorPool
+from web.video import VideoService
+
+
+@dataclass
+class WorldServer:
+    url: str  # http://127.0.0.1:PORT
+    service: VideoService
+    pool: OrchestratorPool
+
+    @property
+    def ws_url(self) -> str:
+        return self.url.replace("http://", "ws://") + "/v1/realtime/video"
+
+
+async def serve(config: VideoConfig) -> AsyncIterator[WorldServer]:
+    pool = OrchestratorPool()
+    service = VideoService(pool, config)
+    app = Starlette(routes=service.routes())
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws="websockets-sansio", lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="test-uvicorn")
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+        yield WorldServer(f"http://127.0.0.1:{port}", service, pool)
+    finally:
+        await service.close()
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+        await pool.close()
+        sock.close()
+
+
+@pytest.fixture
+async def world_server() -> AsyncIterator[WorldServer]:
+    async for server in serve(VideoConfig()):
+        yield server
+
+
+@pytest.fixture
+async def stall_server() -> AsyncIterator[WorldServer]:
+    """Short stall timeout, big frames: a non-reading client fills the socket quickly."""
+    limits = replace(VideoLimits(), stall_timeout_s=1.5, close_grace_s=3.0)
+    async for server in serve(VideoConfig(limits=limits)):
+        yield server
+
+
+@dataclass
+class Chunk:
+    meta: dict[str, Any]
+    data: bytes
+    events_before: list[dict[str, Any]] = field(default_factory=list)  # non-chunk events since the last chunk
+
+
+class VideoClient:
+    """A protocol-checking client: every chunk_metadata must be followed at once by its binary frame."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.events: list[dict[str, Any]] = []  # every JSON event, in order
+        self._since_chunk: list[dict[str, Any]] = []
+
+    async def send(self, event: dict[str, Any]) -> None:
+        await self.ws.send(json.dumps(event))
+
+    async def event(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The next JSON event (a binary frame here is a protocol violation)."""
+        message = await asyncio.wait_for(self.ws.recv(), timeout)
+        assert isinstance(message, str), f"binary frame without chunk_metadata before it ({len(message)} bytes)"
+        event = json.loads(message)
+        self.events.append(event)
+        return event
+
+    async def expect(self, kind: str, timeout: float = 10.0) -> dict[str, Any]:
+        """Skip to the next event of ``kind`` (chunks in between are read and checked)."""
+        while True:
+            event = await self.event(timeout)
+            if event["type"] == "video.chunk_metadata":
+                await self._binary_for(event, timeout)
+                continue
+            if event["type"] == kind:
+                return event
+
+    async def chunk(self, timeout: float = 10.0) -> Chunk:
+        """The next chunk: its metadata and binary frame; other events seen on the way are kept."""
+        while True:
+            event = await self.event(timeout)
+            if event["type"] == "video.chunk_metadata":
+                data = await self._binary_for(event, timeout)
+                chunk = Chunk(event, data, self._since_chunk)
+                self._since_chunk = []
+                return chunk
+            if event["type"] in ("session.done", "error"):
+                raise AssertionError(f"stream ended while waiting for a chunk: {event}")
+            self._since_chunk.append(event)
+
+    async def _binary_for(self, meta: dict[str, Any], timeout: float) -> bytes:
+        data = await asyncio.wait_for(self.ws.recv(), timeout)
+        assert isinstance(data, bytes), f"chunk_metadata not followed by a binary frame but by {data!r}"
+        assert len(data) == meta["byte_length"]
+        return data
+
+
+async def open_client(server: WorldServer, **kwargs: Any) -> VideoClient:
+    ws = await connect(server.ws_url, max_size=2**24, **kwargs)
+    return VideoClient(ws)

@@ -1,0 +1,110 @@
+"""The ASGI app: routes only; all state lives in the ServerContext built by the lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+
+from session.identity import api_key_from_request, authenticate
+from web.context import ServerContext, server_context
+from web.realtime_ws import error_body, realtime_endpoint
+from web.settings import ServerSettings
+
+
+def ctx_of(request: Request) -> ServerContext:
+    ctx: ServerContext = request.app.state.ctx
+    return ctx
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    ctx = ctx_of(request)
+    if not ctx.ready:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    try:
+        await ctx.redis.ping()
+    except Exception as exc:
+        return JSONResponse({"status": "redis unavailable", "error": str(exc)}, status_code=503)
+    return JSONResponse({"status": "ready", "pipeline": ctx.spec.name, "sessions": len(ctx.sessions)})
+
+
+async def models(request: Request) -> Response:
+    ctx = ctx_of(request)
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [{"id": ctx.spec.name, "object": "model", "created": 0, "owned_by": "omniduplex"}],
+        }
+    )
+
+
+async def client_secrets(request: Request) -> Response:
+    """`POST /v1/realtime/client_secrets`: a short-lived `ek_` key scoped to a session config."""
+    ctx = ctx_of(request)
+    principal = await authenticate(
+        api_key_from_request(request.headers.get("authorization")), ctx.api_keys, None
+    )
+    if principal is None and ctx.open_mode:
+        from session.identity import Principal
+
+        principal = Principal("default")
+    if principal is None:
+        return error_body(401, "invalid_api_key", "Missing or invalid API key.")
+    try:
+        body: dict[str, Any] = await request.json() if await request.body() else {}
+    except ValueError:
+        return error_body(400, "invalid_json", "The body is not valid JSON.")
+    if not isinstance(body, dict):
+        return error_body(400, "invalid_value", "The body must be a JSON object.")
+    ttl = ctx.settings.ephemeral_ttl_s
+    expires = body.get("expires_after")
+    if isinstance(expires, dict) and "seconds" in expires:
+        seconds = expires["seconds"]
+        if not isinstance(seconds, int) or not 10 <= seconds <= 7200:
+            return error_body(400, "invalid_value", "expires_after.seconds must be an integer in [10, 7200].")
+        ttl = float(seconds)
+    session = body.get("session") or {"type": "realtime"}
+    if not isinstance(session, dict):
+        return error_body(400, "invalid_value", "session must be an object.")
+    from session.realtime.config import SessionConfig, SessionIn
+
+    try:
+        effective = SessionConfig(model=ctx.spec.name).apply_update(SessionIn.model_validate(session))
+    except Exception as exc:
+        return error_body(400, "invalid_value", f"session: {exc}")
+    secret = await ctx.ephemeral.create(principal.tenant, session, ttl_s=ttl)
+    wire = effective.to_wire(session_id="", expires_at=int(secret.expires_at))
+    wire.pop("id", None)
+    return JSONResponse({"value": secret.value, "expires_at": int(secret.expires_at), "session": wire})
+
+
+def routes() -> list[BaseRoute]:
+    return [
+        Route("/healthz", healthz),
+        Route("/readyz", readyz),
+        Route("/v1/models", models),
+        Route("/v1/realtime/client_secrets", client_secrets, methods=["POST"]),
+        WebSocketRoute("/v1/realtime", realtime_endpoint),
+    ]
+
+
+def create_app(settings: ServerSettings) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        started = time.monotonic()
+        async with server_context(settings) as ctx:
+            app.state.ctx = ctx
+            app.state.started = started
+            yield
+
+    return Starlette(routes=routes(), lifespan=lifespan)

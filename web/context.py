@@ -1,0 +1,114 @@
+"""What one server process holds: the pipeline's orchestrator, Redis, credentials, speech models.
+
+Built once in the app's lifespan; the routes only translate bytes to calls on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from redis.asyncio import Redis
+
+from runtime.orchestrator import Orchestrator
+from runtime.spec import PipelineSpec, load_pipeline
+from session.identity import ApiKeyMap, EphemeralKeys
+from web.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SpeechModels:
+    """Models the session driver uses outside the pipeline (loaded once, shared)."""
+
+    vad: Any = None  # engines.speech.vad.SileroVad
+    asr: Any = None  # engines.speech.asr.WhisperAsr
+
+    def new_vad_stream(self) -> Any:
+        return None if self.vad is None else self.vad.new_stream()
+
+
+def _load_speech_models(settings: ServerSettings) -> SpeechModels:
+    models = SpeechModels()
+    if settings.vad:
+        try:
+            from engines.speech.vad import SileroVad
+
+            models.vad = SileroVad()
+        except Exception:  # the speech extra is optional
+            log.warning("Silero VAD unavailable: server_vad turn detection will not trigger", exc_info=True)
+    try:
+        from engines.speech.asr import AsrConfig, shared_asr
+
+        models.asr = shared_asr(AsrConfig())
+    except Exception:
+        log.warning("faster-whisper unavailable: input transcription disabled", exc_info=True)
+    return models
+
+
+def pipeline_spec(settings: ServerSettings) -> PipelineSpec:
+    spec = load_pipeline(settings.pipeline)
+    if not settings.llm:
+        return spec
+    stages = [
+        replace(stage, options={**stage.options, "llm": settings.llm})
+        if stage.engine == "speech.responder"
+        else stage
+        for stage in spec.stages
+    ]
+    return replace(spec, stages=type(spec.stages)(stages))
+
+
+@dataclass(slots=True)
+class ServerContext:
+    settings: ServerSettings
+    api_keys: ApiKeyMap
+    spec: PipelineSpec
+    orchestrator: Orchestrator
+    redis: Redis
+    ephemeral: EphemeralKeys
+    speech: SpeechModels
+    sessions: dict[str, Any] = field(default_factory=dict)  # session id → live driver
+    ready: bool = False
+
+    @property
+    def open_mode(self) -> bool:
+        return len(self.api_keys) == 0
+
+    @property
+    def pipeline_transcribes_input(self) -> bool:
+        return any(stage.engine == "speech.asr" for stage in self.spec.stages)
+
+
+@contextlib.asynccontextmanager
+async def server_context(settings: ServerSettings) -> Any:
+    """Start everything a server needs; stop it all on exit."""
+    from session.store.embedded import redis_connection
+
+    api_keys = ApiKeyMap.parse(settings.api_keys) if settings.api_keys else ApiKeyMap()
+    spec = pipeline_spec(settings)
+    async with redis_connection(settings.redis_url, data_dir=settings.data_dir) as redis:
+        speech = await asyncio.to_thread(_load_speech_models, settings)
+        orchestrator = Orchestrator.from_spec(spec)
+        await orchestrator.start()
+        ctx = ServerContext(
+            settings=settings,
+            api_keys=api_keys,
+            spec=spec,
+            orchestrator=orchestrator,
+            redis=redis,
+            ephemeral=EphemeralKeys(redis),
+            speech=speech,
+        )
+        ctx.ready = True
+        try:
+            yield ctx
+        finally:
+            ctx.ready = False
+            for driver in list(ctx.sessions.values()):
+                driver.request_close(1001, "server shutting down")
+            await orchestrator.close()

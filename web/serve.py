@@ -1,0 +1,55 @@
+"""`omniduplex serve`: checks the bind against the credentials, then runs uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from web.app import create_app
+from web.auth import is_loopback_host
+from web.settings import ServerSettings
+
+log = logging.getLogger("omniduplex")
+
+
+def check_bind(settings: ServerSettings) -> str | None:
+    """Why this bind must not start, or None."""
+    if settings.api_keys or is_loopback_host(settings.host) or settings.insecure:
+        return None
+    return (
+        f"refusing to serve on {settings.host} without API keys: set OMNIDUPLEX_API_KEYS=key:tenant,... "
+        "(or --api-keys), or pass --insecure"
+    )
+
+
+def uvicorn_config(settings: ServerSettings, log_level: str = "info") -> uvicorn.Config:
+    return uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        ws="websockets",
+        ws_max_size=settings.max_message_bytes,
+        ws_ping_interval=20.0,
+        ws_ping_timeout=20.0,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    settings = ServerSettings.from_args(args)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO))
+    problem = check_bind(settings)
+    if problem:
+        print(f"omniduplex: {problem}", file=sys.stderr)
+        return 2
+    if not settings.api_keys:
+        log.warning(
+            "no API keys configured: the server is OPEN to anyone who can reach %s (loopback)", settings.host
+        )
+    uvicorn.Server(uvicorn_config(settings, log_level=str(args.log_level))).run()
+    return 0

@@ -1,0 +1,46 @@
+"""Server settings, from the command line or from tests."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    pipeline: str = "voice-cascade"
+    llm: str | None = None
+    redis_url: str | None = None  # None: an embedded redis-server in data_dir
+    data_dir: str = "./.omniduplex"
+    api_keys: str = ""  # "key:tenant,..."; empty: open, loopback only
+    admin_key: str | None = None
+    insecure: bool = False
+    advertise_url: str | None = None
+    max_sessions: int = 64
+    max_message_bytes: int = 2 * 1024 * 1024  # a frame over this closes with 1009
+    session_max_duration_s: float = 3600.0
+    ephemeral_ttl_s: float = 600.0
+    vad: bool = True  # load Silero for server_vad (tests of pure protocol paths may turn it off)
+    stun: list[str] = field(default_factory=list)
+    turn: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_args(cls, args: object) -> ServerSettings:
+        get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+        return cls(
+            host=get("host", "127.0.0.1"),
+            port=get("port", 8000),
+            pipeline=get("pipeline", "voice-cascade"),
+            llm=get("llm"),
+            redis_url=get("redis_url"),
+            data_dir=get("data_dir", "./.omniduplex"),
+            api_keys=get("api_keys") or os.environ.get("OMNIDUPLEX_API_KEYS", ""),
+            admin_key=get("admin_key") or os.environ.get("OMNIDUPLEX_ADMIN_KEY"),
+            insecure=bool(get("insecure", False)),
+            advertise_url=get("advertise_url"),
+            max_sessions=get("max_sessions", 64),
+            stun=list(get("stun", []) or []),
+            turn=list(get("turn", []) or []),
+        )

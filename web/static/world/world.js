@@ -1,0 +1,181 @@
+// World-model demo client for /v1/realtime/video (format "jpeg").
+// Each video.chunk_metadata is followed by one binary frame holding the chunk's JPEGs back to
+// back (frame_byte_lengths says where each ends); frames are drawn 1/fps apart.
+
+const MOVE_KEYS = new Set(["w", "a", "s", "d", "arrowup", "arrowdown", "arrowleft", "arrowright"]);
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  ws: null,
+  config: null,
+  pendingMeta: null,        // metadata waiting for its binary frame
+  playout: [],              // {bitmap, chunkIndex, due}
+  framesDrawn: 0,
+  lastChunk: -1,
+  drawTimes: [],
+  held: new Set(),
+  waitingActions: new Map(), // event_id -> {sentAt, appliesAt}
+  latencies: [],
+  eventSeq: 0,
+  decoding: Promise.resolve(),
+};
+window.__world = state; // for tests and the curious
+
+function log(line) {
+  const el = $("log");
+  el.textContent = `${new Date().toISOString().slice(11, 23)} ${line}\n` + el.textContent.slice(0, 4000);
+}
+
+function send(event) {
+  if (state.ws && state.ws.readyState === WebSocket.OPEN) state.ws.send(JSON.stringify(event));
+}
+
+function start() {
+  stop();
+  const size = Number($("size").value) || 256;
+  const url = new URL("/v1/realtime/video", location.href);
+  url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
+  const ws = new WebSocket(url);
+  ws.binaryType = "arraybuffer";
+  state.ws = ws;
+  ws.onopen = () => {
+    send({
+      type: "session.start", model: $("model").value, format: "jpeg",
+      width: size, height: size, fps: Number($("fps").value) || 30, seed: Number($("seed").value) || 0,
+      prompt: $("prompt").value || "",
+    });
+    $("status").textContent = "starting";
+  };
+  ws.onmessage = (msg) => (typeof msg.data === "string" ? onEvent(JSON.parse(msg.data)) : onBinary(msg.data));
+  ws.onclose = (ev) => {
+    $("status").textContent = `closed (${ev.code}${ev.reason ? ": " + ev.reason : ""})`;
+    $("stop").disabled = true;
+    $("send-prompt").disabled = true;
+    if (state.ws === ws) state.ws = null;
+  };
+  $("stop").disabled = false;
+  $("screen").focus();
+}
+
+function stop() {
+  if (state.ws) {
+    send({ type: "session.stop" });
+    state.ws.close(1000, "client stopped");
+    state.ws = null;
+  }
+  state.playout = [];
+  state.pendingMeta = null;
+}
+
+function onEvent(event) {
+  switch (event.type) {
+    case "video.start": {
+      state.config = event.config;
+      const canvas = $("screen");
+      canvas.width = event.config.width;
+      canvas.height = event.config.height;
+      $("status").textContent = `streaming ${event.config.model}`;
+      $("send-prompt").disabled = !event.config.prompt_updates;
+      log(`started ${event.request_id} ${JSON.stringify(event.config)}`);
+      break;
+    }
+    case "video.chunk_metadata":
+      state.pendingMeta = event;
+      break;
+    case "session.interaction.queued": {
+      const waiting = state.waitingActions.get(event.event_id);
+      if (waiting) waiting.appliesAt = event.applies_at_chunk;
+      break;
+    }
+    case "session.interaction.applied":
+      break;
+    case "session.done":
+      $("status").textContent = `done (${event.reason}, ${event.frames} frames)`;
+      break;
+    case "error":
+      log(`error ${event.code}: ${event.message}`);
+      break;
+    default:
+      break;
+  }
+}
+
+function onBinary(buffer) {
+  const meta = state.pendingMeta;
+  state.pendingMeta = null;
+  if (!meta || meta.format !== "jpeg") return;
+  // decode in arrival order, one chunk after the other
+  state.decoding = state.decoding.then(() => enqueueChunk(meta, buffer)).catch((err) => log(`decode: ${err}`));
+}
+
+async function enqueueChunk(meta, buffer) {
+  const lengths = meta.frame_byte_lengths || [buffer.byteLength];
+  const frameMs = 1000 / meta.fps;
+  let offset = 0;
+  const decoded = lengths.map((len) => {
+    const blob = new Blob([buffer.slice(offset, offset + len)], { type: "image/jpeg" });
+    offset += len;
+    return createImageBitmap(blob);
+  });
+  const bitmaps = await Promise.all(decoded);
+  const now = performance.now();
+  // Play right after what is queued, but never let the queue grow past one chunk behind.
+  const tail = state.playout.length ? state.playout[state.playout.length - 1].due + frameMs : now;
+  let due = Math.max(now, Math.min(tail, now + frameMs * lengths.length));
+  bitmaps.forEach((bitmap, i) => {
+    state.playout.push({ bitmap, chunkIndex: meta.chunk_index, first: i === 0, due });
+    due += frameMs;
+  });
+}
+
+function render() {
+  const now = performance.now();
+  const ctx = $("screen").getContext("2d");
+  while (state.playout.length && state.playout[0].due <= now) {
+    const frame = state.playout.shift();
+    ctx.imageSmoothingEnabled = false;
+    ctx.drawImage(frame.bitmap, 0, 0, ctx.canvas.width, ctx.canvas.height);
+    frame.bitmap.close();
+    state.framesDrawn += 1;
+    state.lastChunk = frame.chunkIndex;
+    state.drawTimes.push(now);
+    if (frame.first) noteApplied(frame.chunkIndex, now);
+  }
+  while (state.drawTimes.length && state.drawTimes[0] < now - 1000) state.drawTimes.shift();
+  $("fps-out").textContent = state.drawTimes.length;
+  $("chunk").textContent = state.lastChunk >= 0 ? state.lastChunk : "–";
+  requestAnimationFrame(render);
+}
+
+function noteApplied(chunkIndex, now) {
+  for (const [id, waiting] of state.waitingActions) {
+    if (waiting.appliesAt !== undefined && chunkIndex >= waiting.appliesAt) {
+      const latency = now - waiting.sentAt;
+      state.latencies.push(latency);
+      $("latency").textContent = latency.toFixed(0);
+      state.waitingActions.delete(id);
+    }
+  }
+}
+
+function keyEvent(kind, ev) {
+  const key = ev.key.toLowerCase();
+  if (!MOVE_KEYS.has(key) || ev.target === $("prompt")) return;
+  ev.preventDefault();
+  if (ev.repeat) return; // the server coalesces repeats anyway; no need to send them
+  if (kind === "keydown") state.held.add(key); else state.held.delete(key);
+  $("keys").textContent = state.held.size ? [...state.held].join(" ") : "–";
+  const eventId = `key_${++state.eventSeq}`;
+  if (kind === "keydown") state.waitingActions.set(eventId, { sentAt: performance.now() });
+  send({ type: "session.interaction", event_id: eventId, actions: [{ event: kind, key: ev.key, t_ms: performance.now() }] });
+}
+
+document.addEventListener("keydown", (ev) => keyEvent("keydown", ev));
+document.addEventListener("keyup", (ev) => keyEvent("keyup", ev));
+$("start").addEventListener("click", start);
+$("stop").addEventListener("click", stop);
+$("send-prompt").addEventListener("click", () => {
+  send({ type: "session.interaction", event_id: `prompt_${++state.eventSeq}`, prompt: $("prompt").value });
+});
+requestAnimationFrame(render);
+if (new URLSearchParams(location.search).has("autostart")) start();
