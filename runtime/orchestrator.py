@@ -30,6 +30,7 @@ from runtime.worker import ChunkRef, ItemResult
 
 DEFAULT_STREAM_BUFFER = 64  # client-visible payloads buffered per request before its stages pause
 DEFAULT_INBOX_LIMIT = 32  # chunks waiting at a downstream stage before its upstream pauses
+DEFAULT_INPUT_LIMIT = 256  # appended inputs waiting at the entry stage before append_input waits
 
 
 @dataclass(eq=False, slots=True)
@@ -60,9 +61,10 @@ class Orchestrator:
         clock: Callable[[], float] = time.monotonic,
         stream_buffer: int = DEFAULT_STREAM_BUFFER,
         inbox_limit: int = DEFAULT_INBOX_LIMIT,
+        input_limit: int = DEFAULT_INPUT_LIMIT,
     ) -> None:
-        if stream_buffer < 1 or inbox_limit < 1:
-            raise ValueError("stream_buffer and inbox_limit must be >= 1")
+        if min(stream_buffer, inbox_limit, input_limit) < 1:
+            raise ValueError("stream_buffer, inbox_limit and input_limit must be >= 1")
         self.spec = spec
         self.metrics = RuntimeMetrics()
         self.connectors: dict[str, Connector] = {}
@@ -70,6 +72,7 @@ class Orchestrator:
         self._clock = clock
         self._stream_buffer = stream_buffer
         self._inbox_limit = inbox_limit
+        self._input_limit = input_limit
         self._runs: dict[str, _Run] = {}
         self._started = False
         self._closed = False
@@ -186,11 +189,18 @@ class Orchestrator:
         return handle
 
     async def append_input(self, request_id: str, payload: Payload) -> bool:
-        """Streaming input (audio, text, actions) for the entry stage of a live request."""
+        """Streaming input (audio, text, actions) for the entry stage of a live request.
+
+        Waits while ``input_limit`` earlier inputs are still unconsumed (backpressure on a
+        producer that outpaces the entry stage); False when the request is not live.
+        """
         run = self._runs.get(request_id)
         if run is None:
             return False
-        return run.replicas[run.spec.entry].add_inputs(request_id, [payload])
+        replica = run.replicas[run.spec.entry]
+        if not await replica.wait_input_room(request_id, self._input_limit):
+            return False
+        return replica.add_inputs(request_id, [payload])
 
     async def update(self, request_id: str, update: Conditioning) -> bool:
         """A prompt/conditioning change, delivered to every stage still working on the request."""

@@ -58,6 +58,7 @@ class Slot:
     start_sent: bool = False
     in_flight: bool = False
     closed: bool = False
+    input_room: asyncio.Event = field(default_factory=asyncio.Event)  # set when inputs were taken
 
     @property
     def request_id(self) -> str:
@@ -156,6 +157,17 @@ class Replica:
         self._wake.set()
         return True
 
+    async def wait_input_room(self, request_id: str, limit: int) -> bool:
+        """Wait until the request holds fewer than ``limit`` unconsumed inputs; False if it ended."""
+        while True:
+            slot = self._slots.get(request_id)
+            if slot is None or slot.closed:
+                return False
+            if len(slot.inputs) < limit:
+                return True
+            slot.input_room.clear()
+            await slot.input_room.wait()
+
     def inbox_size(self, request_id: str) -> int:
         slot = self._slots.get(request_id)
         return len(slot.chunks) if slot is not None else 0
@@ -238,6 +250,7 @@ class Replica:
             upstream_finished=slot.incoming > 0 and slot.finished_edges >= slot.incoming,
         )
         slot.chunks, slot.inputs, slot.updates = [], [], []
+        slot.input_room.set()
         if drained:
             self._sink.on_inbox_drained(self.name, slot.request_id)
         return item
@@ -301,6 +314,7 @@ class Replica:
 
     def _close_slot(self, slot: Slot, outcome: str, *, finish: bool) -> None:
         slot.closed = True
+        slot.input_room.set()
         now = self._clock()
         slot.timing.done_ms = (now - slot.admitted_at) * 1e3
         self._metrics.request(self.name, now - slot.admitted_at, outcome)

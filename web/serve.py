@@ -30,7 +30,7 @@ def uvicorn_config(settings: ServerSettings, log_level: str = "info") -> uvicorn
         create_app(settings),
         host=settings.host,
         port=settings.port,
-        ws="websockets",
+        ws="websockets-sansio",
         ws_max_size=settings.max_message_bytes,
         ws_ping_interval=20.0,
         ws_ping_timeout=20.0,

@@ -317,3 +317,34 @@ async def test_start_failure_and_metrics_snapshot() -> None:
         assert snap["sink"]["step_ms"]["p50"] >= 0 and snap["sink"]["queue_depth"] == 0
         health = good.health()
         assert health["live"] == 0 and health["stages"]["gen"][0]["ready"] is True
+
+
+async def test_append_input_waits_while_the_entry_stage_lags() -> None:
+    async with running(three_stage(gen_step=0.02), input_limit=3) as orch:
+        handle = await orch.submit({"stream": True})
+
+        async def produce() -> None:
+            for value in range(12):
+                assert await orch.append_input(handle.request_id, Action("emit", value))
+            assert await orch.append_input(handle.request_id, Action("end"))
+
+        producer = asyncio.create_task(produce())
+        await asyncio.sleep(0.06)
+        assert not producer.done()  # 13 inputs cannot all be queued: the producer waits
+        assert orch.stages["gen"].replicas[0]._slots[handle.request_id].inputs.__len__() <= 3
+        outputs, status = await handle.collect()
+        await producer
+        assert status.status == "completed"
+        assert texts(outputs) == [str(v) for v in range(12)]
+
+
+async def test_cancel_releases_a_waiting_append_input() -> None:
+    async with running(three_stage(gen_step=0.05), input_limit=1) as orch:
+        handle = await orch.submit({"stream": True})
+        await orch.append_input(handle.request_id, Action("emit", 1))
+        await orch.append_input(handle.request_id, Action("emit", 2))
+        blocked = asyncio.create_task(orch.append_input(handle.request_id, Action("emit", 3)))
+        await asyncio.sleep(0)
+        await orch.cancel(handle.request_id)
+        assert await blocked in (True, False)
+        assert (await handle.wait()).status == "cancelled"
