@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -28,7 +29,9 @@ class ServerSettings:
 
     @classmethod
     def from_args(cls, args: object) -> ServerSettings:
-        get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+        def get(name: str, default: Any = None) -> Any:
+            return getattr(args, name, default)
+
         return cls(
             host=get("host", "127.0.0.1"),
             port=get("port", 8000),

@@ -41,4 +41,5 @@ class SessionEntry:
 
     @property
     def nbytes(self) -> int:
-        return cache_nbytes(self.cache) + sum(t.numel() * t.element_size() for t in self.accept_hidden.values())
+        hidden = sum(t.numel() * t.element_size() for t in self.accept_hidden.values())
+        return cache_nbytes(self.cache) + hidden

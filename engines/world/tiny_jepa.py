@@ -4,7 +4,7 @@ tiny-jepa is a real action-conditioned JEPA trained on OrbyWorld, a 32×32 grays
 with five actions (stay/up/down/left/right): an encoder (frame → 32-d latent), a predictor
 (latent + action → next latent) and a decoder (latent → frame). It is pure numpy and takes
 ~0.03 ms per imagine+decode step, so one engine step computes a whole chunk for every request
-of the batch at once (the MLPs run on the stacked latents).
+of the batch (each request's rows on their own, so its frames do not depend on the batch).
 
 Per request the *rolling context* is the current latent plus an OrbyWorld environment seeded
 with the request's ``seed``. Every frame: the predictor rolls the latent forward with the held
@@ -34,7 +34,6 @@ from engines.world.controls import DIRECTIONS, ChunkJob, ControlState
 from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
 from runtime.payloads import Frames
 
-SIZE = 32
 
 
 @dataclass(slots=True)
@@ -131,43 +130,43 @@ class TinyJepaEngine(Engine):
         return outputs
 
     def _generate(self, work: list[tuple[JepaRequest, ChunkJob]]) -> dict[int, tuple[np.ndarray, int]]:
-        """One chunk for each (request, job), all requests' latents stepped together."""
+        """One chunk for each (request, job).
+
+        Each request's rows go through the MLPs on their own: a stacked matmul rounds
+        differently with the batch size, and a session's frames must not depend on which
+        other sessions shared its step (batch invariance; the step still amortizes scheduling).
+        """
+        out: dict[int, tuple[np.ndarray, int]] = {}
+        for state, job in work:
+            left = state.frames_left()
+            count = state.chunk_frames if left is None else min(state.chunk_frames, left)
+            if count > 0:
+                out[id(state)] = (
+                    self._to_rgb(self._rollout(state, DIRECTIONS.index(job.direction), count)),
+                    job.index,
+                )
+        return out
+
+    def _rollout(self, state: JepaRequest, action: int, count: int) -> np.ndarray:
+        """``count`` frames of ``state`` under ``action``: predict, re-anchor, decode."""
         from tiny_jepa import from_patches, one_hot, to_patches
 
         nets = self.model.nets
-        counts = []
-        for state, _ in work:
-            left = state.frames_left()
-            counts.append(state.chunk_frames if left is None else min(state.chunk_frames, left))
-        actions = np.array([DIRECTIONS.index(job.direction) for _, job in work])
-        picked: list[list[np.ndarray]] = [[] for _ in work]
-        for t in range(max(counts)):
-            live = [i for i, count in enumerate(counts) if t < count]
-            latents = np.stack([work[i][0].latent for i in live])
-            step_in = np.concatenate([latents, one_hot(actions[live], len(DIRECTIONS))], axis=1)
-            latents = nets["pred"].forward(step_in).astype(np.float32)
-            anchors: list[int] = []
-            for row, i in enumerate(live):
-                state = work[i][0]
-                state.env.step(int(actions[i]))
-                state.frames_since_anchor += 1
-                if state.frames_since_anchor >= self.reanchor_every:
-                    state.frames_since_anchor = 0
-                    anchors.append(row)
-            if anchors:
-                observed = np.stack([work[live[row]][0].env.render() for row in anchors])
-                encoded = nets["enc"].forward(to_patches(observed)).astype(np.float32)
-                w = self.anchor_weight
-                latents[anchors] = (1.0 - w) * latents[anchors] + w * encoded
-            decoded = from_patches(nets["dec"].forward(latents))
-            for row, i in enumerate(live):
-                work[i][0].latent = latents[row]
-                picked[i].append(decoded[row])
-        out: dict[int, tuple[np.ndarray, int]] = {}
-        for (state, job), frames in zip(work, picked, strict=True):
-            state.frames_emitted += len(frames)
-            out[id(state)] = (self._to_rgb(np.stack(frames)), job.index)
-        return out
+        action_row = one_hot([action], len(DIRECTIONS))
+        frames = []
+        latent = state.latent[None]
+        for _ in range(count):
+            latent = nets["pred"].forward(np.concatenate([latent, action_row], axis=1)).astype(np.float32)
+            state.env.step(action)
+            state.frames_since_anchor += 1
+            if state.frames_since_anchor >= self.reanchor_every:
+                state.frames_since_anchor = 0
+                observed = nets["enc"].forward(to_patches(state.env.render()[None])).astype(np.float32)
+                latent = (1.0 - self.anchor_weight) * latent + self.anchor_weight * observed
+            frames.append(from_patches(nets["dec"].forward(latent))[0])
+        state.latent = latent[0]
+        state.frames_emitted += count
+        return np.stack(frames)
 
     def _to_rgb(self, frames: np.ndarray) -> np.ndarray:
         """[N, 32, 32] float → uint8 [N, 32, 32, 3] gray, with the configured gain."""

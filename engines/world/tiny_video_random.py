@@ -10,7 +10,7 @@ machine with no GPU and no model hub:
     decoder: latent → 8×8×3 → ×4 nearest → 32×32 RGB
 
 One step generates one chunk of ``chunk_frames`` frames autoregressively for every request of
-the batch at once; the prompt (and held key, as an action embedding) in force when the chunk
+the batch (request by request: batch-invariant output); the prompt (and held key, as an action embedding) in force when the chunk
 was demanded conditions the whole chunk (see :mod:`engines.world.controls`), so an update
 changes the output from the next chunk on and never earlier. Deterministic for a ``seed``.
 
@@ -158,36 +158,34 @@ class TinyVideoRandomEngine(Engine):
         return outputs
 
     def _generate(self, work: list[tuple[VideoRequest, ChunkJob]]) -> dict[int, tuple[np.ndarray, int]]:
+        """One chunk per (request, job). Requests run one by one through the model: batched
+        matmuls round differently with the batch size, and a session's frames must not depend
+        on who shared its step (batch invariance)."""
+        import torch
+
+        out: dict[int, tuple[np.ndarray, int]] = {}
+        with torch.inference_mode():
+            for state, job in work:
+                left = state.frames_left()
+                count = state.chunk_frames if left is None else min(state.chunk_frames, left)
+                if count > 0:
+                    out[id(state)] = (self._rollout(state, job, count), job.index)
+        return out
+
+    def _rollout(self, state: VideoRequest, job: ChunkJob, count: int) -> np.ndarray:
         import torch
 
         model = self.model
-        counts = []
-        for state, _ in work:
-            left = state.frames_left()
-            counts.append(state.chunk_frames if left is None else min(state.chunk_frames, left))
-        with torch.inference_mode():
-            conds = []
-            for state, job in work:
-                if state.conditioning is None or state.prompt != job.prompt:
-                    state.conditioning = model.encode_prompt(job.prompt)
-                    state.prompt = job.prompt
-                conds.append(state.conditioning)
-            actions = torch.tensor([DIRECTIONS.index(job.direction) for _, job in work])
-            cond = torch.stack(conds) + model.action_embedding(actions)
-            picked: list[list[Any]] = [[] for _ in work]
-            for t in range(max(counts)):
-                live = [i for i, count in enumerate(counts) if t < count]
-                context = torch.stack([work[i][0].context for i in live])
-                latent = model.next_latent(cond[live], context)
-                noise = torch.stack([torch.randn(self.dim, generator=work[i][0].generator) for i in live])
-                latent = latent + self.noise * noise
-                frames = model.decode(latent)
-                for row, i in enumerate(live):
-                    state = work[i][0]
-                    state.context = torch.cat([state.context[1:], latent[row : row + 1]], dim=0)
-                    picked[i].append(frames[row])
-        out: dict[int, tuple[np.ndarray, int]] = {}
-        for (state, job), frames in zip(work, picked, strict=True):
-            state.frames_emitted += len(frames)
-            out[id(state)] = (torch.stack(frames).numpy(), job.index)
-        return out
+        if state.conditioning is None or state.prompt != job.prompt:
+            state.conditioning = model.encode_prompt(job.prompt)
+            state.prompt = job.prompt
+        action = torch.tensor([DIRECTIONS.index(job.direction)])
+        cond = state.conditioning[None] + model.action_embedding(action)
+        frames = []
+        for _ in range(count):
+            latent = model.next_latent(cond, state.context[None])
+            latent = latent + self.noise * torch.randn(1, self.dim, generator=state.generator)
+            frames.append(model.decode(latent)[0])
+            state.context = torch.cat([state.context[1:], latent], dim=0)
+        state.frames_emitted += count
+        return torch.stack(frames).numpy()

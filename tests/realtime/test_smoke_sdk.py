@@ -22,7 +22,11 @@ async def test_text_turn_over_sdk(server: LiveServer) -> None:
     async with client.realtime.connect(model="voice-cascade") as conn:
         await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
         await conn.conversation.item.create(
-            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "good morning"}]}
+            item={
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "good morning"}],
+            }
         )
         await conn.response.create()
         text = []
