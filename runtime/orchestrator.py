@@ -309,5 +309,6 @@ class Orchestrator:
                 request_id=run.request_id,
                 total_ms=(now - run.admitted_at) * 1e3,
                 first_client_ms=first_client,
-            )
+            ),
+            drop_unread=status == "cancelled",
         )

@@ -44,6 +44,7 @@ class RequestHandle:
     """The client side of one request: ``async for out in handle`` yields client-visible
     payloads and, last, the :class:`RequestStatus`.
 
+    On cancel the payloads not read yet are dropped: the status follows at once.
     The buffer is bounded (``bound`` payloads): while it is full the request's stages are not
     stepped, so a consumer that stops reading stalls its own request, never memory. A stage step
     may overshoot the bound by what that one step produced.
@@ -64,9 +65,11 @@ class RequestHandle:
         self._buffer.append(payload)
         self._event.set()
 
-    def _close(self, status: RequestStatus) -> None:
+    def _close(self, status: RequestStatus, *, drop_unread: bool = False) -> None:
         if self._status is None:
             self._status = status
+            if drop_unread:  # a cancelled response's queued audio must not be played
+                self._buffer.clear()
             self._event.set()
 
     @property

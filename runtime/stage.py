@@ -196,6 +196,7 @@ class Replica:
             if built is None:
                 return
             call, slots = built
+            self._inflight_ids |= {slot.request_id for slot in slots}  # before the next build
             task = asyncio.create_task(self._execute(call, slots), name=f"step-{self.name}-{self.index}")
             self._inflight.add(task)
             task.add_done_callback(self._call_done)
@@ -215,20 +216,20 @@ class Replica:
             if slot.closed or slot.in_flight:
                 continue
             has_work = slot.has_work
-            include = False
-            if not slot.start_sent and (slot.prewarm or has_work):
-                call.starts.append(slot.request)
-                slot.start_sent = include = True
-            if (
-                slot.start_sent
-                and (has_work or not slot.waiting)
-                and self._sink.can_step(self.name, slot.request_id)
-            ):
+            needs_start = not slot.start_sent and (slot.prewarm or has_work)
+            if not (slot.start_sent or needs_start):
+                continue
+            wants_step = (has_work or not slot.waiting) and self._sink.can_step(self.name, slot.request_id)
+            if wants_step:
                 runnable += 1
-                if len(call.items) < max_batch:
-                    call.items.append(self._take_item(slot))
-                    include = True
-            if include:
+                if len(call.items) >= max_batch:
+                    continue  # batch full: start and step it together in a later call
+            if needs_start:
+                call.starts.append(slot.request)
+                slot.start_sent = True
+            if wants_step:
+                call.items.append(self._take_item(slot))
+            if needs_start or wants_step:
                 slot.in_flight = True
                 slots.append(slot)
         if call.items:
@@ -257,7 +258,6 @@ class Replica:
 
     async def _execute(self, call: WorkCall, slots: list[Slot]) -> None:
         ids = {slot.request_id for slot in slots}
-        self._inflight_ids |= ids
         try:
             result = await self.worker.run(call)
         except asyncio.CancelledError:

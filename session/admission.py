@@ -5,16 +5,17 @@ Outcomes: :class:`Admitted`, :class:`Queued` (position, estimated wait) or :clas
 waits in the queue until admitted or until its deadline (default 10 s).
 
 Redis layout (one hash tag ``{omni:adm}``, so the scripts stay in one Cluster slot; they name
-tenant keys they read from the queue, which is legal only because of that shared slot):
+keys they learn from the data, e.g. a dead holder's tenant set, which is legal only because of
+that shared slot):
 
-* ``holders:r:<replica>`` / ``holders:t:<tenant>``: zsets of admitted session ids, scored by
-  their lease deadline (ms, Redis ``TIME``). The replica renews all its holders in one call
-  every ``holder_lease_s / 3``; the holders of a dead replica lapse and are reaped by the
-  next script that touches those keys. That is how a kill -9 gives its slots back;
+* ``leases``: zset session id → lease deadline (ms, Redis ``TIME``) of every admitted
+  session. A replica renews all its holders in one call every ``holder_lease_s / 3``; every
+  script first reaps lapsed leases from all sets. That is how a kill -9 gives its slots back;
+* ``holders:r:<replica>`` / ``holders:t:<tenant>``: zsets of admitted session ids (the counts);
 * ``holder``: hash session id → ``tenant \\t replica \\t start_ms``;
-* ``queue:<replica>`` (zset by arrival number), ``tickets:<replica>`` (zset by ticket lease
-  deadline: a waiter re-polls every ``poll_interval_s`` and lapses when it stops) and
-  ``ticket`` (hash session id → ``tenant key \\t tenant limit``);
+* ``queue:<replica>``: zset of waiting session ids by arrival number; ``tickets``: zset session
+  id → ticket deadline (a waiter re-polls every ``poll_interval_s``; one that stops lapses);
+  ``ticket``: hash session id → ``tenant key \\t tenant limit \\t replica``;
 * ``stats``: EWMA of how long sessions hold a slot (for the estimated wait).
 
 Fairness: FIFO per replica queue, but a ticket whose tenant is at its limit does not block
@@ -36,68 +37,71 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from session.store.aio import cancel_and_wait, wait_event
 from session.store.redis_store import redis_errors
 
 CODE_AT_CAPACITY = "server_at_capacity"
 _BATCH_MAX = 256
 
+# Shared by every script. ARGV[1] is always the key prefix ("omni:{adm}:").
 _REAP_LUA = """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local function reap_holders(key, hm, now)
-  local dead = redis.call('ZRANGEBYSCORE', key, '-inf', now)
-  for _, sid in ipairs(dead) do redis.call('HDEL', hm, sid) end
-  if #dead > 0 then redis.call('ZREMRANGEBYSCORE', key, '-inf', now) end
-end
-local function reap_tickets(q, tk, tm, now)
-  local dead = redis.call('ZRANGEBYSCORE', tk, '-inf', now)
-  for _, sid in ipairs(dead) do
-    redis.call('ZREM', q, sid)
-    redis.call('HDEL', tm, sid)
+local P = ARGV[1]
+local LEASES, HM, TICKETS, TM = P .. 'leases', P .. 'holder', P .. 'tickets', P .. 'ticket'
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function forget_holder(sid)
+  local meta = redis.call('HGET', HM, sid)
+  if meta then
+    local tenant, replica = string.match(meta, '^(.*)\\t(.*)\\t%d+$')
+    redis.call('ZREM', P .. 'holders:t:' .. tenant, sid)
+    redis.call('ZREM', P .. 'holders:r:' .. replica, sid)
+    redis.call('HDEL', HM, sid)
   end
-  if #dead > 0 then redis.call('ZREMRANGEBYSCORE', tk, '-inf', now) end
+  redis.call('ZREM', LEASES, sid)
+  return meta
 end
+local function forget_ticket(sid)
+  local meta = redis.call('HGET', TM, sid)
+  if meta then
+    local replica = string.match(meta, '\\t([^\\t]*)$')
+    redis.call('ZREM', P .. 'queue:' .. replica, sid)
+    redis.call('HDEL', TM, sid)
+  end
+  redis.call('ZREM', TICKETS, sid)
+end
+for _, sid in ipairs(redis.call('ZRANGEBYSCORE', LEASES, '-inf', now)) do forget_holder(sid) end
+for _, sid in ipairs(redis.call('ZRANGEBYSCORE', TICKETS, '-inf', now)) do forget_ticket(sid) end
 """
 
-# KEYS: rh q tk hm tm seq stats tenant_keys...
-# ARGV: replica rlimit hlease tlease maxq default_hold n, then 5 per request:
+# KEYS: leases holder tickets ticket seq stats rh q tenant_keys...
+# ARGV: prefix replica rlimit hlease tlease maxq default_hold n, then 5 per request:
 #       sid tenant tenant_key_index tenant_limit mode(1 = may queue)
-_DECIDE_LUA = (
-    _REAP_LUA
-    + """
-local now = now_ms()
-local rh, q, tk, hm, tm, seqk, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local replica, rlimit = ARGV[1], tonumber(ARGV[2])
-local hlease, tlease, maxq = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local hold = tonumber(redis.call('HGET', stats, 'hold_ewma_ms') or ARGV[6])
-reap_holders(rh, hm, now)
-reap_tickets(q, tk, tm, now)
+_DECIDE_LUA = _REAP_LUA + """
+local seqk, stats, rh, q = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local replica, rlimit = ARGV[2], tonumber(ARGV[3])
+local hlease, tlease, maxq = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local hold = tonumber(redis.call('HGET', stats, 'hold_ewma_ms') or ARGV[7])
 local ractive = redis.call('ZCARD', rh)
 local tcache = {}
 local function tactive(key)
   local c = tcache[key]
   if c == nil then
-    reap_holders(key, hm, now)
     c = redis.call('ZCARD', key)
     tcache[key] = c
   end
   return c
 end
-local function drop_ticket(sid)
-  redis.call('ZREM', q, sid)
-  redis.call('ZREM', tk, sid)
-  redis.call('HDEL', tm, sid)
-end
 local out = {}
-local n = tonumber(ARGV[7])
+local function emit(a, b, c, d)
+  table.insert(out, a); table.insert(out, b); table.insert(out, c); table.insert(out, d)
+end
+local n = tonumber(ARGV[8])
 for i = 0, n - 1 do
-  local b = 8 + i * 5
+  local b = 9 + i * 5
   local sid, tenant, tkey = ARGV[b], ARGV[b + 1], KEYS[tonumber(ARGV[b + 2])]
   local tlimit, mode = tonumber(ARGV[b + 3]), ARGV[b + 4]
   if redis.call('ZSCORE', rh, sid) then
-    table.insert(out, 1); table.insert(out, 0); table.insert(out, 0); table.insert(out, '')
+    emit(1, 0, 0, '')
   else
     local rank = redis.call('ZRANK', q, sid)
     local ahead = {}
@@ -105,10 +109,10 @@ for i = 0, n - 1 do
     elseif rank > 0 then ahead = redis.call('ZRANGE', q, 0, rank - 1) end
     local ahead_r, per_tenant = 0, {}
     for _, other in ipairs(ahead) do
-      local meta = redis.call('HGET', tm, other)
+      local meta = redis.call('HGET', TM, other)
       if meta then
-        local sep = string.find(meta, '\\t', 1, true)
-        local okey, olimit = string.sub(meta, 1, sep - 1), tonumber(string.sub(meta, sep + 1))
+        local okey, olimit = string.match(meta, '^([^\\t]*)\\t(%d+)\\t')
+        olimit = tonumber(olimit)
         local seen = per_tenant[okey] or 0
         if tactive(okey) + seen < olimit then
           ahead_r = ahead_r + 1
@@ -120,101 +124,69 @@ for i = 0, n - 1 do
     local r_ok = ractive + ahead_r < rlimit
     local t_ok = t_now + (per_tenant[tkey] or 0) < tlimit
     if r_ok and t_ok then
-      local deadline = now + hlease
-      redis.call('ZADD', rh, deadline, sid)
-      redis.call('ZADD', tkey, deadline, sid)
-      redis.call('HSET', hm, sid, tenant .. '\\t' .. replica .. '\\t' .. now)
+      redis.call('ZADD', LEASES, now + hlease, sid)
+      redis.call('ZADD', rh, now, sid)
+      redis.call('ZADD', tkey, now, sid)
+      redis.call('HSET', HM, sid, tenant .. '\\t' .. replica .. '\\t' .. now)
       ractive = ractive + 1
       tcache[tkey] = t_now + 1
-      if rank ~= false then drop_ticket(sid) end
-      table.insert(out, 1); table.insert(out, 0); table.insert(out, 0); table.insert(out, '')
+      if rank ~= false then forget_ticket(sid) end
+      emit(1, 0, 0, '')
     else
       local reason = r_ok and 'tenant_limit' or 'replica_full'
       local slots = r_ok and math.max(tlimit, 1) or math.max(rlimit, 1)
       if mode == '1' and (rank ~= false or redis.call('ZCARD', q) < maxq) then
         if rank == false then
           redis.call('ZADD', q, redis.call('INCR', seqk), sid)
-          redis.call('HSET', tm, sid, tkey .. '\\t' .. tlimit)
+          redis.call('HSET', TM, sid, tkey .. '\\t' .. tlimit .. '\\t' .. replica)
           rank = redis.call('ZCARD', q) - 1
         end
-        redis.call('ZADD', tk, now + tlease, sid)
+        redis.call('ZADD', TICKETS, now + tlease, sid)
         local pos = rank + 1
-        table.insert(out, 2); table.insert(out, pos)
-        table.insert(out, math.floor(pos * hold / slots)); table.insert(out, reason)
+        emit(2, pos, math.floor(pos * hold / slots), reason)
       else
         if mode == '1' then reason = 'queue_full' end
-        if rank ~= false then drop_ticket(sid) end
-        table.insert(out, 3); table.insert(out, math.floor(hold / slots)); table.insert(out, 0)
-        table.insert(out, reason)
+        if rank ~= false then forget_ticket(sid) end
+        emit(3, math.floor(hold / slots), 0, reason)
       end
     end
   end
 end
 return out
 """
-)
 
-# KEYS: hm stats q tk tm; ARGV: prefix sid
-_RELEASE_LUA = (
-    _REAP_LUA
-    + """
-local now = now_ms()
-local hm, stats, q, tk, tm = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local prefix, sid = ARGV[1], ARGV[2]
-redis.call('ZREM', q, sid); redis.call('ZREM', tk, sid); redis.call('HDEL', tm, sid)
-local meta = redis.call('HGET', hm, sid)
+# KEYS: leases holder tickets ticket stats; ARGV: prefix sid
+_RELEASE_LUA = _REAP_LUA + """
+local sid = ARGV[2]
+forget_ticket(sid)
+local meta = forget_holder(sid)
 if not meta then return 0 end
-local tenant, replica, start = string.match(meta, '^(.*)\\t(.*)\\t(%d+)$')
-redis.call('ZREM', prefix .. 'holders:t:' .. tenant, sid)
-redis.call('ZREM', prefix .. 'holders:r:' .. replica, sid)
-redis.call('HDEL', hm, sid)
-local held = now - tonumber(start)
-local old = tonumber(redis.call('HGET', stats, 'hold_ewma_ms') or held)
-redis.call('HSET', stats, 'hold_ewma_ms', math.floor(old * 0.8 + held * 0.2))
+local held = now - tonumber(string.match(meta, '\\t(%d+)$'))
+local old = tonumber(redis.call('HGET', KEYS[5], 'hold_ewma_ms') or held)
+redis.call('HSET', KEYS[5], 'hold_ewma_ms', math.floor(old * 0.8 + held * 0.2))
 return 1
 """
-)
 
-# KEYS: rh hm; ARGV: prefix lease_ms
-_RENEW_LUA = (
-    _REAP_LUA
-    + """
-local now = now_ms()
-local rh, hm = KEYS[1], KEYS[2]
+# KEYS: leases holder tickets ticket rh; ARGV: prefix lease_ms
+_RENEW_LUA = _REAP_LUA + """
 local deadline = now + tonumber(ARGV[2])
-reap_holders(rh, hm, now)
 local n = 0
-for _, sid in ipairs(redis.call('ZRANGE', rh, 0, -1)) do
-  local meta = redis.call('HGET', hm, sid)
-  if meta then
-    local tenant = string.match(meta, '^(.*)\\t.*\\t%d+$')
-    redis.call('ZADD', rh, 'XX', deadline, sid)
-    redis.call('ZADD', ARGV[1] .. 'holders:t:' .. tenant, 'XX', deadline, sid)
+for _, sid in ipairs(redis.call('ZRANGE', KEYS[5], 0, -1)) do
+  if redis.call('ZADD', LEASES, 'XX', 'CH', deadline, sid) == 1 or redis.call('ZSCORE', LEASES, sid) then
     n = n + 1
-  else
-    redis.call('ZREM', rh, sid)
   end
 end
 return n
 """
-)
 
-# KEYS: rh q tk hm tm [tenant_key]; returns replica_active queued holders tickets [tenant_active]
-_COUNTS_LUA = (
-    _REAP_LUA
-    + """
-local now = now_ms()
-reap_holders(KEYS[1], KEYS[4], now)
-reap_tickets(KEYS[2], KEYS[3], KEYS[5], now)
-local out = {redis.call('ZCARD', KEYS[1]), redis.call('ZCARD', KEYS[2]),
-             redis.call('HLEN', KEYS[4]), redis.call('HLEN', KEYS[5])}
-if KEYS[6] then
-  reap_holders(KEYS[6], KEYS[4], now)
-  table.insert(out, redis.call('ZCARD', KEYS[6]))
-end
+# KEYS: leases holder tickets ticket rh q [tenant_key]
+# returns replica_active queued holders tickets [tenant_active]
+_COUNTS_LUA = _REAP_LUA + """
+local out = {redis.call('ZCARD', KEYS[5]), redis.call('ZCARD', KEYS[6]),
+             redis.call('HLEN', HM), redis.call('ZCARD', TICKETS)}
+if KEYS[7] then table.insert(out, redis.call('ZCARD', KEYS[7])) end
 return out
 """
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,8 +279,13 @@ class AdmissionController:
 
     @property
     def _base_keys(self) -> list[str]:
-        r, p = self.replica_id, self._p
-        return [f"{p}holders:r:{r}", f"{p}queue:{r}", f"{p}tickets:{r}", f"{p}holder", f"{p}ticket"]
+        """Keys every script declares (it reaps lapsed leases and tickets first)."""
+        p = self._p
+        return [f"{p}leases", f"{p}holder", f"{p}tickets", f"{p}ticket"]
+
+    @property
+    def _replica_keys(self) -> list[str]:
+        return [f"{self._p}holders:r:{self.replica_id}", f"{self._p}queue:{self.replica_id}"]
 
     def tenant_limit(self, tenant: str) -> int:
         limit = self._tenant_limit
@@ -329,10 +306,7 @@ class AdmissionController:
     async def close(self) -> None:
         """Stop renewing (held slots then lapse unless released); cancel undecided requests."""
         for task in (self._renewer, self._drainer):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_and_wait(task)
         self._renewer = self._drainer = None
         for req in self._pending:
             req.future.cancel()
@@ -383,9 +357,10 @@ class AdmissionController:
                     self._orphans.append(req.session_id)
 
     async def _decide_batch(self, batch: list[_Request]) -> list[Decision]:
-        keys = [*self._base_keys, f"{self._p}seq", f"{self._p}stats"]
+        keys = [*self._base_keys, f"{self._p}seq", f"{self._p}stats", *self._replica_keys]
         index: dict[str, int] = {}
         args: list[Any] = [
+            self._p,
             self.replica_id,
             self.replica_limit,
             int(self.holder_lease_s * 1000),
@@ -442,15 +417,13 @@ class AdmissionController:
                 await self.leave_queue(session_id)
                 retry = max(1, min(60, math.ceil(decision.estimated_wait_ms / 1000)))
                 return Rejected(session_id, "queue_timeout", retry)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._freed.wait(), min(remaining, self.poll_interval_s))
+            await wait_event(self._freed, min(remaining, self.poll_interval_s))
 
     # --- release and housekeeping ---------------------------------------------------------------
 
     async def release(self, session_id: str) -> bool:
         """Give the slot back (close, error, grace expiry, shutdown); also leaves the queue."""
-        r, p = self.replica_id, self._p
-        keys = [f"{p}holder", f"{p}stats", f"{p}queue:{r}", f"{p}tickets:{r}", f"{p}ticket"]
+        keys = [*self._base_keys, f"{self._p}stats"]
         async with redis_errors():
             released = bool(await self._release(keys=keys, args=[self._p, session_id]))
         self.round_trips += 1
@@ -459,25 +432,27 @@ class AdmissionController:
         return released
 
     async def leave_queue(self, session_id: str) -> None:
-        r, p = self.replica_id, self._p
+        p = self._p
         async with redis_errors():
             pipe = self.redis.pipeline(transaction=True)
-            pipe.zrem(f"{p}queue:{r}", session_id)
-            pipe.zrem(f"{p}tickets:{r}", session_id)
+            pipe.zrem(f"{p}queue:{self.replica_id}", session_id)
+            pipe.zrem(f"{p}tickets", session_id)
             pipe.hdel(f"{p}ticket", session_id)
             await pipe.execute()
 
     async def renew(self) -> int:
         """Extend the lease of every slot this replica holds (one round trip)."""
         async with redis_errors():
-            keys = [self._base_keys[0], f"{self._p}holder"]
+            keys = [*self._base_keys, self._replica_keys[0]]
             return int(await self._renew(keys=keys, args=[self._p, int(self.holder_lease_s * 1000)]))
 
     async def counts(self, tenant: str | None = None) -> AdmissionCounts:
         """Live counters after reaping lapsed leases and tickets."""
-        keys = self._base_keys + ([self._tenant_key(tenant)] if tenant is not None else [])
+        keys = [*self._base_keys, *self._replica_keys]
+        if tenant is not None:
+            keys.append(self._tenant_key(tenant))
         async with redis_errors():
-            raw = await self._counts(keys=keys, args=[])
+            raw = await self._counts(keys=keys, args=[self._p])
         values = [int(v) for v in raw]
         return AdmissionCounts(
             replica_active=values[0],

@@ -19,7 +19,6 @@ lease lapsed cannot write to a session that moved.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -27,6 +26,7 @@ from typing import Literal
 
 from redis.asyncio import Redis
 
+from session.store.aio import cancel_and_wait
 from session.store.keys import DEFAULT_PREFIX, session_keys
 from session.store.redis_store import redis_errors
 
@@ -209,10 +209,7 @@ class ReplicaLease:
 
     async def stop(self, *, deregister: bool = True) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         if deregister:
             await self.registry.deregister(self.info.replica_id)
 

@@ -58,6 +58,19 @@ class AudioSink(Protocol):
     def clear(self, response_id: str) -> None: ...
 
 
+class DriverObserver(Protocol):
+    """Metrics hooks (web/metrics.py): one call per response start, first audio and end, and
+    per error event; never per audio frame."""
+
+    def response_started(self) -> None: ...
+
+    def first_audio(self, seconds: float) -> None: ...
+
+    def response_finished(self, status: str, seconds: float) -> None: ...
+
+    def error(self, code: str) -> None: ...
+
+
 SendEvent = Callable[[dict[str, Any]], Awaitable[None]]
 CloseTransport = Callable[[int, str], Awaitable[None]]
 EventSink = Callable[[list[dict[str, Any]]], None]
@@ -69,6 +82,7 @@ class DriverOptions:
     session_key: str | None = None  # sticky key for the orchestrator (the session id)
     clock: Callable[[], float] = time.monotonic
     epoch: Callable[[], float] = time.time
+    observer: DriverObserver | None = None  # metrics hooks
 
 
 @dataclass(slots=True)
@@ -204,6 +218,8 @@ class RealtimeDriver:
                 if event.get("type") == "error":
                     code = str(event.get("error", {}).get("code"))
                     self.stats.errors[code] = self.stats.errors.get(code, 0) + 1
+                    if self.options.observer is not None:
+                        self.options.observer.error(code)
                 try:
                     self._outbox.put_nowait(event)
                 except asyncio.QueueFull:
@@ -302,6 +318,11 @@ class RealtimeDriver:
 
     async def _run_response(self, resp: _Response, params: dict[str, Any]) -> None:
         rid = resp.response_id
+        observer = self.options.observer
+        started = self.now()
+        awaiting_audio = observer is not None
+        if observer is not None:
+            observer.response_started()
         try:
             if self._orch is None:
                 self.apply(self.core.on_response_done(rid, "failed", "no pipeline", now=self.now()))
@@ -316,12 +337,17 @@ class RealtimeDriver:
                 await self._orch.cancel(handle.request_id)
             async for out in handle:
                 if isinstance(out, AudioChunk):
+                    if awaiting_audio and observer is not None:
+                        awaiting_audio = False
+                        observer.first_audio(self.now() - started)
                     self.apply(self.core.on_response_audio(rid, out.samples, out.sample_rate, self.now()))
                 elif isinstance(out, TextDelta):
                     self.apply(self.core.on_response_text(rid, out.text, self.now()))
                 elif isinstance(out, Transcript):
                     self.apply(self.core.on_input_transcript(rid, out.text, final=out.final, now=self.now()))
                 elif isinstance(out, RequestStatus):
+                    if observer is not None:
+                        observer.response_finished(out.status, self.now() - started)
                     self.apply(self.core.on_response_done(rid, out.status, out.error, now=self.now()))
         except asyncio.CancelledError:
             raise

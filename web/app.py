@@ -16,6 +16,7 @@ from session.identity import api_key_from_request, authenticate
 from web.context import ServerContext, server_context
 from web.realtime_ws import error_body, realtime_endpoint
 from web.settings import ServerSettings
+from web.webrtc import WebRtcService
 
 
 def ctx_of(request: Request) -> ServerContext:
@@ -88,10 +89,18 @@ async def client_secrets(request: Request) -> Response:
     return JSONResponse({"value": secret.value, "expires_at": int(secret.expires_at), "session": wire})
 
 
+async def metrics(request: Request) -> Response:
+    """`GET /metrics`: Prometheus text exposition of this process."""
+    from web.metrics import METRICS_CONTENT_TYPE
+
+    return Response(ctx_of(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
 def routes() -> list[BaseRoute]:
     return [
         Route("/healthz", healthz),
         Route("/readyz", readyz),
+        Route("/metrics", metrics),
         Route("/v1/models", models),
         Route("/v1/realtime/client_secrets", client_secrets, methods=["POST"]),
         WebSocketRoute("/v1/realtime", realtime_endpoint),
@@ -99,12 +108,18 @@ def routes() -> list[BaseRoute]:
 
 
 def create_app(settings: ServerSettings) -> Starlette:
+    webrtc = WebRtcService(settings)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         started = time.monotonic()
         async with server_context(settings) as ctx:
             app.state.ctx = ctx
             app.state.started = started
-            yield
+            app.state.webrtc = webrtc
+            try:
+                yield
+            finally:
+                await webrtc.close()
 
-    return Starlette(routes=routes(), lifespan=lifespan)
+    return Starlette(routes=routes() + webrtc.routes(), lifespan=lifespan)

@@ -22,6 +22,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--stun", action="append", default=[], help="STUN server URL (repeatable)")
     p.add_argument("--turn", action="append", default=[], help="TURN server URL user:pass@host (repeatable)")
+    p.add_argument(
+        "--edge-mode",
+        action="append",
+        default=[],
+        metavar="FROM->TO=MODE",
+        help="override an edge's mode for every request, e.g. 'talker->code2wav=full'",
+    )
     p.add_argument("--log-level", default="info")
 
 

@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from runtime.orchestrator import Orchestrator
 from runtime.spec import PipelineSpec, load_pipeline
 from session.identity import ApiKeyMap, EphemeralKeys
+from web.metrics import ServerMetrics, loop_lag_watcher
 from web.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def _load_speech_models(settings: ServerSettings) -> SpeechModels:
 
 
 def pipeline_spec(settings: ServerSettings) -> PipelineSpec:
-    spec = load_pipeline(settings.pipeline)
+    spec = load_pipeline(settings.pipeline).with_edge_modes(settings.edge_modes or None)
     if not settings.llm:
         return spec
     stages = [
@@ -73,6 +74,7 @@ class ServerContext:
     ephemeral: EphemeralKeys
     speech: SpeechModels
     sessions: dict[str, Any] = field(default_factory=dict)  # session id → live driver
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
     ready: bool = False
 
     @property
@@ -104,9 +106,12 @@ async def server_context(settings: ServerSettings) -> Any:
             ephemeral=EphemeralKeys(redis),
             speech=speech,
         )
+        ctx.metrics.bind_runtime(orchestrator.metrics)
+        ctx.metrics.bind_sessions(lambda: len(ctx.sessions))
         ctx.ready = True
         try:
-            yield ctx
+            async with loop_lag_watcher(ctx.metrics):
+                yield ctx
         finally:
             ctx.ready = False
             for driver in list(ctx.sessions.values()):

@@ -77,7 +77,7 @@ def build_driver(
         vad=ctx.speech.new_vad_stream(),
         transcriber=ctx.speech.asr,
         audio_sink=audio_sink,
-        options=DriverOptions(session_key=session_id),
+        options=DriverOptions(session_key=session_id, observer=ctx.metrics),
     )
 
 
@@ -86,11 +86,13 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
     subprotocols = offered_subprotocols(websocket)
     principal = await principal_for(ctx, websocket.headers, subprotocols)
     if principal is None:
+        ctx.metrics.admission("invalid_api_key")
         await websocket.send_denial_response(
             error_body(401, "invalid_api_key", "Missing or invalid API key (Authorization: Bearer <key>).")
         )
         return
     if len(ctx.sessions) >= ctx.settings.max_sessions:
+        ctx.metrics.admission("server_busy")
         await websocket.send_denial_response(
             error_body(503, "server_busy", f"All {ctx.settings.max_sessions} session slots are in use.")
         )
@@ -98,8 +100,10 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
     try:
         config = initial_config(ctx, websocket.query_params.get("model"), principal)
     except Exception as exc:
+        ctx.metrics.admission("invalid_session_config")
         await websocket.send_denial_response(error_body(400, "invalid_session_config", str(exc)))
         return
+    ctx.metrics.admission("admitted")
     await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in subprotocols else None)
 
     async def send(event: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ class ServerSettings:
     vad: bool = True  # load Silero for server_vad (tests of pure protocol paths may turn it off)
     stun: list[str] = field(default_factory=list)
     turn: list[str] = field(default_factory=list)
+    edge_modes: dict[str, str] = field(default_factory=dict)  # "from->to" → mode, for every request
 
     @classmethod
     def from_args(cls, args: object) -> ServerSettings:
@@ -46,4 +47,16 @@ class ServerSettings:
             max_sessions=get("max_sessions", 64),
             stun=list(get("stun", []) or []),
             turn=list(get("turn", []) or []),
+            edge_modes=parse_edge_modes(get("edge_mode", []) or []),
         )
+
+
+def parse_edge_modes(items: list[str]) -> dict[str, str]:
+    """``["talker->code2wav=full"]`` → ``{"talker->code2wav": "full"}``."""
+    modes: dict[str, str] = {}
+    for item in items:
+        edge, sep, mode = item.partition("=")
+        if not sep or "->" not in edge:
+            raise ValueError(f"--edge-mode {item!r}: expected FROM->TO=MODE")
+        modes[edge.strip()] = mode.strip()
+    return modes

@@ -19,7 +19,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from session.video.config import VideoConfig
 from session.video.core import VideoSessionCore
-from session.video.driver import RuntimeProvider, VideoSessionDriver
+from session.video.driver import RuntimeProvider, TransportClosed, VideoSessionDriver
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +33,22 @@ class WebSocketVideoTransport:
         self._ws = websocket
 
     async def send_text(self, text: str) -> None:
-        await self._ws.send_text(text)
+        try:
+            await self._ws.send_text(text)
+        except (WebSocketDisconnect, RuntimeError, OSError) as exc:  # peer gone, or closed by us
+            raise TransportClosed(str(exc)) from exc
 
     async def send_bytes(self, data: bytes) -> None:
-        await self._ws.send_bytes(data)
+        try:
+            await self._ws.send_bytes(data)
+        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+            raise TransportClosed(str(exc)) from exc
 
     async def close(self, code: int, reason: str) -> None:
-        await self._ws.close(code, reason[:120])  # a close reason must fit in 123 bytes
+        try:
+            await self._ws.close(code, reason[:120])  # a close reason must fit in 123 bytes
+        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+            raise TransportClosed(str(exc)) from exc
 
 
 class VideoService:

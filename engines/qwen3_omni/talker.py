@@ -60,7 +60,7 @@ def _as_tensor(value: Any, dtype: torch.dtype) -> torch.Tensor:
 class TalkerEngine(Engine):
     """Qwen3-Omni talker + code predictor over ``transformers``, one cache per request."""
 
-    batchable = False
+    batchable = True
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
@@ -113,13 +113,29 @@ class TalkerEngine(Engine):
         )
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
-        outputs = []
-        for item in batch:
-            state: TalkerState = item.state
-            self._ingest(state, item)
-            with torch.inference_mode():
-                outputs.append(self._advance(state))
-        return outputs
+        """One frame per request. The talker forward runs per request (caches of different
+        lengths); the code predictor, 15 of the 16 passes of a frame, runs once for the batch."""
+        outputs: list[StepOutput | None] = [None] * len(batch)
+        framing: list[tuple[int, TalkerState, int]] = []
+        with torch.inference_mode():
+            for i, item in enumerate(batch):
+                state: TalkerState = item.state
+                self._ingest(state, item)
+                outputs[i] = self._advance(state)
+                if outputs[i] is None:
+                    c0 = self._first_code(state)
+                    if c0 is None:
+                        outputs[i] = StepOutput(done=True)
+                    else:
+                        framing.append((i, state, c0))
+            if framing:
+                codes, sums = self._residuals([s for _, s, _ in framing], [c for _, _, c in framing])
+                for row, (i, state, _c0) in enumerate(framing):
+                    state.frames += 1
+                    state.pending = sums[row : row + 1]
+                    state.done = state.frames >= state.max_frames
+                    outputs[i] = StepOutput(downstream=[CodecCodes(codes[row : row + 1])], done=state.done)
+        return [out if out is not None else StepOutput() for out in outputs]
 
     def _ingest(self, state: TalkerState, item: StepInput) -> None:
         dtype = self.loaded.dtype
@@ -157,7 +173,7 @@ class TalkerEngine(Engine):
         state.position += n
         state.hidden = out.last_hidden_state[:, -1:]
 
-    def _advance(self, state: TalkerState) -> StepOutput:
+    def _advance(self, state: TalkerState) -> StepOutput | None:
         if state.done:
             return StepOutput(done=True)
         if state.cache is None:
@@ -172,9 +188,10 @@ class TalkerEngine(Engine):
                 return StepOutput(wait_for_input=True)
             self._talk(state, state.pending + text)
             state.pending = None
-        return self._frame(state)
+        return None  # the hidden state is ready: sample this frame
 
-    def _frame(self, state: TalkerState) -> StepOutput:
+    def _first_code(self, state: TalkerState) -> int | None:
+        """c0 from the codec head (repetition penalty, suppression); None at codec EOS."""
         loaded = self.loaded
         talker = loaded.model.talker
         assert state.hidden is not None
@@ -189,33 +206,33 @@ class TalkerEngine(Engine):
         state.c0_history.append(c0)
         if c0 == loaded.ids.codec_eos:
             state.done = True
-            return StepOutput(done=True)
-        codes, codec_sum = self._residuals(state, c0)
-        state.frames += 1
-        state.pending = codec_sum
-        state.done = state.frames >= state.max_frames
-        return StepOutput(downstream=[CodecCodes(codes)], done=state.done)
+            return None
+        return c0
 
-    def _residuals(self, state: TalkerState, c0: int) -> tuple[np.ndarray, torch.Tensor]:
-        """c1..c_{N-1} from the code predictor (fresh cache per frame) and the frame's embedding sum."""
+    def _residuals(
+        self, states: Sequence[TalkerState], c0s: Sequence[int]
+    ) -> tuple[np.ndarray, torch.Tensor]:
+        """c1..c_{N-1} of every row from the code predictor (a fresh cache per frame, all rows at
+        the same positions, so they batch), and each frame's codec embedding sum [B, 1, D]."""
         loaded = self.loaded
         talker = loaded.model.talker
         predictor = talker.code_predictor
-        assert state.hidden is not None
-        first = talker.get_input_embeddings()(torch.tensor([[c0]]))
+        hidden = torch.cat([s.hidden for s in states if s.hidden is not None], dim=0)
+        first = talker.get_input_embeddings()(torch.tensor([[c] for c in c0s]))
         embeds = predictor.get_input_embeddings()
         cache = loaded.predictor_cache()
-        out = predictor(inputs_embeds=torch.cat([state.hidden, first], dim=1), cache=cache, use_cache=True)
-        codes = [c0]
+        out = predictor(inputs_embeds=torch.cat([hidden, first], dim=1), cache=cache, use_cache=True)
+        codes = [list(c0s)]
         rows = [first]
         groups = loaded.num_code_groups
         for g in range(1, groups):
-            code = select_token(out.logits[:, -1], state.predictor_sampling, state.generator)
-            codes.append(code)
-            code_t = torch.tensor([[code]])
+            logits = out.logits[:, -1]
+            step = [select_token(logits[b], s.predictor_sampling, s.generator) for b, s in enumerate(states)]
+            codes.append(step)
+            code_t = torch.tensor([[c] for c in step])
             rows.append(embeds[g - 1](code_t))
             if g < groups - 1:
                 out = predictor(input_ids=code_t, generation_steps=g, cache=cache, use_cache=True)
         # One reduction over the stacked rows, as generate() sums them (same rounding).
         total = torch.cat(rows, dim=1).sum(1, keepdim=True)
-        return np.asarray([codes], dtype=np.int64), total
+        return np.asarray(codes, dtype=np.int64).T.copy(), total

@@ -46,7 +46,7 @@ def resize_frames(frames: np.ndarray, target: DecodeTarget) -> np.ndarray:
     if target.mode == "nearest":
         rows = _nearest_index(h, target.height)
         cols = _nearest_index(w, target.width)
-        return np.ascontiguousarray(frames[:, rows][:, :, cols])
+        return np.take(np.take(frames, rows, axis=1), cols, axis=2)  # faster than fancy indexing
     import torch
 
     with torch.inference_mode():

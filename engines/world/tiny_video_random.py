@@ -10,13 +10,16 @@ machine with no GPU and no model hub:
     decoder: latent → 8×8×3 → ×4 nearest → 32×32 RGB
 
 One step generates one chunk of ``chunk_frames`` frames autoregressively for every request of
-the batch (request by request: batch-invariant output); the prompt (and held key, as an action embedding) in force when the chunk
-was demanded conditions the whole chunk (see :mod:`engines.world.controls`), so an update
-changes the output from the next chunk on and never earlier. Deterministic for a ``seed``.
+the batch (request by request: batch-invariant output); the prompt (and held key, as an action
+embedding) in force when the chunk was demanded conditions the whole chunk (see
+:mod:`engines.world.controls`), so an update changes the output from the next chunk on and
+never earlier. Deterministic for a ``seed``.
 
 Options: ``chunk_frames`` (2), ``fps`` (30), ``context_frames`` (8), ``dim`` (64),
-``layers`` (2), ``weight_seed`` (0), ``noise`` (0.3). Request params: ``prompt``, ``seed``,
-``chunk_frames``, ``fps``, ``num_frames``, ``flow``.
+``layers`` (2), ``weight_seed`` (0), ``noise`` (0.3), ``num_threads`` (1: torch's intra-op
+threads, process-wide, as the tiny Qwen3-Omni engine sets them; with two threads a 9×64 matmul
+took tens of ms on a busy 2-core machine, waiting on the thread pool). Request params:
+``prompt``, ``seed``, ``chunk_frames``, ``fps``, ``num_frames``, ``flow``.
 Downstream: one ``Frames`` (uint8 ``[chunk_frames, 32, 32, 3]``) per chunk.
 """
 
@@ -106,9 +109,14 @@ class TinyVideoRandomEngine(Engine):
         self.layers = int(self.options.get("layers", 2))
         self.weight_seed = int(self.options.get("weight_seed", 0))
         self.noise = float(self.options.get("noise", 0.3))
+        self.num_threads = int(self.options.get("num_threads", 1))
         self._model: Any = None
 
     def load(self) -> None:
+        import torch
+
+        if self.num_threads > 0:
+            torch.set_num_threads(self.num_threads)
         self._model = _build_model(self.dim, self.layers, self.context_frames, self.weight_seed)
 
     @property

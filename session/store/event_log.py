@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from session.store.aio import cancel_and_wait, wait_event
 from session.store.errors import SessionGone, StaleEpoch, StoreError, StoreUnavailable
 from session.store.event_ids import format_event_id, session_tag
 from session.store.redis_store import MAX_OPS_PER_CALL, BatchOp, SessionRecord, SessionStore
@@ -183,10 +184,7 @@ class SessionWriter:
     async def close(self, *, flush: bool = True) -> None:
         """Stop the flush task; flush what is left (best effort when Redis is down)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         if flush and self.fatal is None:
             with contextlib.suppress(StoreError):
                 await self.flush()
@@ -194,13 +192,11 @@ class SessionWriter:
     async def _run(self) -> None:
         backoff = 0.05
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), self._touch_interval)
+            await wait_event(self._dirty, self._touch_interval)
             if not self._dirty.is_set() and not self._activity:
                 continue
             if not self._urgent.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._urgent.wait(), self._interval)
+                await wait_event(self._urgent, self._interval)
             self._dirty.clear()
             self._urgent.clear()
             try:

@@ -18,7 +18,7 @@ class WorldModel:
     pipeline: str  # runtime pipeline name or YAML path
     keys: frozenset[str] = MOVE_KEYS  # normalized keys the model acts on; empty: no actions
     prompts: bool = True  # takes prompt updates
-    chunk_frames: int = 2  # frames per chunk unless extra_params.chunk_frames says otherwise
+    chunk_frames: int | None = None  # frames per chunk; None: about target_chunk_ms of video
 
 
 DEFAULT_MODELS: Mapping[str, WorldModel] = {
@@ -39,6 +39,9 @@ class VideoLimits:
     default_fps: float = 30.0
     max_num_frames: int = 10_000_000
     max_chunk_frames: int = 32
+    # Default chunk length. An action waits for the next chunk boundary, so shorter chunks mean
+    # snappier control; each chunk costs a pipeline round trip and a WebSocket message pair.
+    target_chunk_ms: float = 70.0
     max_prompt_chars: int = 4000
     max_actions: int = 64  # per session.interaction
     max_message_bytes: int = 64 * 1024  # one client text frame

@@ -65,6 +65,7 @@ class StartGeneration:
     width: int
     height: int
     fps: float
+    jpeg_quality: int = 80
 
 
 @dataclass(slots=True, frozen=True)
@@ -234,7 +235,8 @@ class VideoSessionCore:
                 ErrorCode.INVALID_PARAMETER, f"prompt is limited to {lim.max_prompt_chars} characters"
             )
         extra = dict(event.extra_params)
-        chunk_frames = extra.pop("chunk_frames", model.chunk_frames)
+        default_chunk = model.chunk_frames or max(1, int(fps * lim.target_chunk_ms / 1000.0))
+        chunk_frames = extra.pop("chunk_frames", default_chunk)
         if (
             isinstance(chunk_frames, bool)
             or not isinstance(chunk_frames, int)
@@ -243,6 +245,11 @@ class VideoSessionCore:
             raise ProtocolError(
                 ErrorCode.INVALID_PARAMETER,
                 f"extra_params.chunk_frames must be an integer in 1..{lim.max_chunk_frames}",
+            )
+        quality = extra.pop("jpeg_quality", 80)
+        if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 95:
+            raise ProtocolError(
+                ErrorCode.INVALID_PARAMETER, "extra_params.jpeg_quality must be an integer in 1..95"
             )
         for key, value in extra.items():
             if not isinstance(value, str | int | float | bool) and value is not None:
@@ -262,7 +269,7 @@ class VideoSessionCore:
         if event.num_frames is not None:
             params["num_frames"] = event.num_frames
         request_id = self._new_id("vreq")
-        return StartGeneration(request_id, model.pipeline, params, event.format, width, height, fps)
+        return StartGeneration(request_id, model.pipeline, params, event.format, width, height, fps, quality)
 
     def _interact(self, event: SessionInteraction, now: float) -> list[Output]:
         req = self._request

@@ -41,7 +41,13 @@ log = logging.getLogger(__name__)
 DEMAND = "demand"  # engines.world.controls.DEMAND: one more chunk, please
 
 
+class TransportClosed(Exception):
+    """The transport cannot send any more (the peer went away); adapters raise it from sends."""
+
+
 class VideoTransport(Protocol):
+    """Raises :class:`TransportClosed` when the peer is gone."""
+
     async def send_text(self, text: str) -> None: ...
 
     async def send_bytes(self, data: bytes) -> None: ...
@@ -79,6 +85,7 @@ class DriverStats:
     bytes_sent: int = 0
     demands: int = 0
     send_blocked_s: float = 0.0  # longest single wait for the socket
+    sending_since: float | None = None  # a send in progress started then (driver clock)
 
 
 class VideoSessionDriver:
@@ -133,6 +140,8 @@ class VideoSessionDriver:
     # -- effects ------------------------------------------------------------------------------
 
     async def _perform(self, outputs: list[Output]) -> None:
+        if self._dead:
+            outputs = [o for o in outputs if isinstance(o, CancelGeneration)]
         try:
             for out in outputs:
                 if isinstance(out, ServerEvent):
@@ -145,6 +154,8 @@ class VideoSessionDriver:
                     await self._close_transport(out)
         except _Stalled as stall:
             await self._on_stall(stall.waited_s)
+        except TransportClosed:
+            await self._on_transport_closed()
 
     def _start_media(self, start: StartGeneration) -> None:
         self._media = asyncio.create_task(
@@ -161,7 +172,7 @@ class VideoSessionDriver:
             return
         async with self._send_lock:
             for frame in frames:
-                started = self._clock()
+                started = self.stats.sending_since = self._clock()
                 try:
                     async with asyncio.timeout(self._limits.stall_timeout_s):
                         if isinstance(frame, bytes):
@@ -169,7 +180,11 @@ class VideoSessionDriver:
                         else:
                             await self._transport.send_text(frame)
                 except TimeoutError:
-                    raise _Stalled(self._clock() - started) from None
+                    waited = self._clock() - started
+                    self.stats.send_blocked_s = max(self.stats.send_blocked_s, waited)
+                    raise _Stalled(waited) from None
+                finally:
+                    self.stats.sending_since = None
                 waited = self._clock() - started
                 self.stats.send_blocked_s = max(self.stats.send_blocked_s, waited)
                 self.stats.bytes_sent += len(frame)
@@ -197,6 +212,14 @@ class VideoSessionDriver:
         media = self._media
         if media is not None and media is not asyncio.current_task():
             media.cancel()
+
+    async def _on_transport_closed(self) -> None:
+        """A send found the peer gone: stop generating; the receive side ends the connection."""
+        self._dead = True
+        for out in self.core.on_closed():
+            if isinstance(out, CancelGeneration):
+                await self._cancel(out.request_id)
+        self._closed.set()
 
     async def _close_transport(self, out: CloseConnection) -> None:
         self._dead = True
@@ -230,7 +253,12 @@ class VideoSessionDriver:
         encoder: ChunkEncoder | None = None
         try:
             encoder = await asyncio.to_thread(
-                make_encoder, start.format, start.width, start.height, start.fps
+                make_encoder,
+                start.format,
+                start.width,
+                start.height,
+                start.fps,
+                jpeg_quality=start.jpeg_quality,
             )
             await self._perform(self.core.on_started())
             await self._pump(runtime, handle, encoder, start)
@@ -239,6 +267,8 @@ class VideoSessionDriver:
             raise
         except _Stalled as stall:
             await self._on_stall(stall.waited_s)
+        except TransportClosed:
+            await self._on_transport_closed()
         except Exception as exc:
             log.exception("video session %s: media loop failed", self.core.session_id)
             await runtime.cancel(start.request_id)

@@ -206,3 +206,38 @@ def test_bad_params_raise_clear_errors(engines: Engines) -> None:
         engines.thinker.start(EngineRequest("x", {"text": "hi", "speaker": "nobody"}))
     with pytest.raises(ValueError, match="max_tokens"):
         engines.thinker.start(EngineRequest("x", {"text": "hi", "max_tokens": 0}))
+
+
+def test_talker_batches_the_code_predictor_across_requests(engines: Engines) -> None:
+    """Several requests in one talker step: one frame each, every row from its own request's
+    state. Greedy codes equal the one-at-a-time codes (batched rows may round differently in
+    the last bit, which does not move a greedy argmax on these logits)."""
+    prompts = [{"text": t, **GREEDY, "max_tokens": 6, "max_frames": 10} for t in ("Hi", "Hello there", "Yo")]
+    alone = [run_pipeline(engines, p).code_matrix for p in prompts]
+
+    thinker, talker = engines.thinker, engines.talker
+    requests = [EngineRequest(f"b{i}", p) for i, p in enumerate(prompts)]
+    t_states = [thinker.start(r) for r in requests]
+    k_states = [talker.start(r) for r in requests]
+    codes: list[list[np.ndarray]] = [[] for _ in prompts]
+    inbox: list[list[EdgeChunk]] = [[] for _ in prompts]
+    thinker_done = [False] * len(prompts)
+    talker_done = [False] * len(prompts)
+    for _ in range(200):
+        for i, state in enumerate(t_states):
+            if not thinker_done[i]:
+                out = thinker.step([StepInput(state=state)])[0]
+                inbox[i].append(EdgeChunk(items=list(out.downstream), finished=out.done))
+                thinker_done[i] = out.done
+        live = [i for i in range(len(prompts)) if not talker_done[i]]
+        if not live:
+            break
+        batch = [StepInput(state=k_states[i], chunks=inbox[i], upstream_finished=thinker_done[i]) for i in live]
+        for i in live:
+            inbox[i] = []
+        for i, out in zip(live, talker.step(batch), strict=True):
+            codes[i].extend(p.codes for p in out.downstream if isinstance(p, CodecCodes))
+            talker_done[i] = out.done
+    assert all(talker_done)
+    for ref, got in zip(alone, codes, strict=True):
+        np.testing.assert_array_equal(np.concatenate(got), ref)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,16 +9,9 @@ import numpy as np
 import pytest
 
 from runtime.engine import EdgeChunk, Engine, EngineRequest, StepInput, StepOutput
+from tests.speech_audio import DETERMINISTIC_VOICE, SENTENCE, speak, words
 
-SENTENCE = "The quick brown fox jumps over the lazy dog."
-# Piper draws noise inside its ONNX graph; with both noise scales at 0 its audio is
-# bit-for-bit repeatable, and so is every transcript of it. Tests that compare strings use it.
-DETERMINISTIC_VOICE = {"noise_scale": 0.0, "noise_w_scale": 0.0}
-
-
-def words(text: str) -> list[str]:
-    """Lower-case words without punctuation, for word-for-word comparisons."""
-    return re.findall(r"[a-z0-9']+", text.lower())
+__all__ = ["DETERMINISTIC_VOICE", "SENTENCE", "words"]  # re-exported for the tests here
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +33,6 @@ def asr() -> Any:
 @pytest.fixture(scope="module")
 def speak16k(tts: Any) -> Callable[[str], np.ndarray]:
     """Piper speech for a text, resampled to float32 16 kHz."""
-    import soxr
-
-    def speak(text: str) -> np.ndarray:
-        audio = tts.synthesize_all(text)
-        return np.asarray(soxr.resample(audio, tts.sample_rate, 16000), dtype=np.float32)
-
     return speak
 
 

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from openai import AsyncOpenAI
 
 from tests.live_server import LiveServer, live_server
+from tests.realtime.wire import sdk_session
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +18,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 
 
 async def test_text_turn_over_sdk(server: LiveServer) -> None:
-    client = AsyncOpenAI(api_key="unused", base_url=server.base_url)
-    async with client.realtime.connect(model="voice-cascade") as conn:
+    async with sdk_session(server) as (conn, events):
         await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
         await conn.conversation.item.create(
             item={
@@ -29,11 +28,7 @@ async def test_text_turn_over_sdk(server: LiveServer) -> None:
             }
         )
         await conn.response.create()
-        text = []
-        async for event in conn:
-            if event.type == "response.output_text.delta":
-                text.append(event.delta)
-            if event.type == "response.done":
-                assert event.response.status == "completed"
-                break
-    assert "".join(text).strip() == "You said: good morning"
+        turn = await events.collect_until("response.done", within_s=30)
+    assert turn[-1].event.response.status == "completed"
+    text = "".join(r.event.delta for r in turn if r.type == "response.output_text.delta")
+    assert text.strip() == "You said: good morning"

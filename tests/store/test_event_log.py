@@ -7,7 +7,6 @@ import asyncio
 import pytest
 import redis.asyncio
 
-from session.retention import RetentionPolicy
 from session.store import ReplayUnavailable, SessionNotFound, SessionStore, SessionWriter
 from session.store.event_ids import parse_event_id
 

@@ -30,12 +30,17 @@ class WorldServer:
         return self.url.replace("http://", "ws://") + "/v1/realtime/video"
 
 
-async def serve(config: VideoConfig) -> AsyncIterator[WorldServer]:
+async def serve(config: VideoConfig, *, sndbuf: int | None = None) -> AsyncIterator[WorldServer]:
+    """A server on a free loopback port. ``sndbuf``: a small, fixed kernel send buffer for every
+    accepted connection (Linux copies it from the listening socket), so a stalled client blocks
+    the server's sends after kilobytes instead of the megabytes autotuning allows."""
     pool = OrchestratorPool()
     service = VideoService(pool, config)
     app = Starlette(routes=service.routes())
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if sndbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws="websockets-sansio", lifespan="off"))
@@ -62,9 +67,9 @@ async def world_server() -> AsyncIterator[WorldServer]:
 
 @pytest.fixture
 async def stall_server() -> AsyncIterator[WorldServer]:
-    """Short stall timeout, big frames: a non-reading client fills the socket quickly."""
+    """Short stall timeout and small socket buffers: a non-reading client blocks sends quickly."""
     limits = replace(VideoLimits(), stall_timeout_s=1.5, close_grace_s=3.0)
-    async for server in serve(VideoConfig(limits=limits)):
+    async for server in serve(VideoConfig(limits=limits), sndbuf=16384):
         yield server
 
 
@@ -86,30 +91,32 @@ class VideoClient:
     async def send(self, event: dict[str, Any]) -> None:
         await self.ws.send(json.dumps(event))
 
-    async def event(self, timeout: float = 10.0) -> dict[str, Any]:
+    async def event(self, limit_s: float = 10.0) -> dict[str, Any]:
         """The next JSON event (a binary frame here is a protocol violation)."""
-        message = await asyncio.wait_for(self.ws.recv(), timeout)
-        assert isinstance(message, str), f"binary frame without chunk_metadata before it ({len(message)} bytes)"
+        message = await asyncio.wait_for(self.ws.recv(), limit_s)
+        assert isinstance(message, str), (
+            f"binary frame without chunk_metadata before it ({len(message)} bytes)"
+        )
         event = json.loads(message)
         self.events.append(event)
         return event
 
-    async def expect(self, kind: str, timeout: float = 10.0) -> dict[str, Any]:
+    async def expect(self, kind: str, limit_s: float = 10.0) -> dict[str, Any]:
         """Skip to the next event of ``kind`` (chunks in between are read and checked)."""
         while True:
-            event = await self.event(timeout)
+            event = await self.event(limit_s)
             if event["type"] == "video.chunk_metadata":
-                await self._binary_for(event, timeout)
+                await self._binary_for(event, limit_s)
                 continue
             if event["type"] == kind:
                 return event
 
-    async def chunk(self, timeout: float = 10.0) -> Chunk:
+    async def chunk(self, limit_s: float = 10.0) -> Chunk:
         """The next chunk: its metadata and binary frame; other events seen on the way are kept."""
         while True:
-            event = await self.event(timeout)
+            event = await self.event(limit_s)
             if event["type"] == "video.chunk_metadata":
-                data = await self._binary_for(event, timeout)
+                data = await self._binary_for(event, limit_s)
                 chunk = Chunk(event, data, self._since_chunk)
                 self._since_chunk = []
                 return chunk
@@ -117,13 +124,22 @@ class VideoClient:
                 raise AssertionError(f"stream ended while waiting for a chunk: {event}")
             self._since_chunk.append(event)
 
-    async def _binary_for(self, meta: dict[str, Any], timeout: float) -> bytes:
-        data = await asyncio.wait_for(self.ws.recv(), timeout)
+    async def _binary_for(self, meta: dict[str, Any], limit_s: float) -> bytes:
+        data = await asyncio.wait_for(self.ws.recv(), limit_s)
         assert isinstance(data, bytes), f"chunk_metadata not followed by a binary frame but by {data!r}"
         assert len(data) == meta["byte_length"]
         return data
 
 
-async def open_client(server: WorldServer, **kwargs: Any) -> VideoClient:
+async def open_client(server: WorldServer, *, rcvbuf: int | None = None, **kwargs: Any) -> VideoClient:
+    """``rcvbuf``: a small, fixed kernel receive buffer (no autotuning), so a client that stops
+    reading fills the path to the server after a few hundred kilobytes, not tens of megabytes."""
+    if rcvbuf is not None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        host, port = server.url.removeprefix("http://").split(":")
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        kwargs["sock"] = sock
     ws = await connect(server.ws_url, max_size=2**24, **kwargs)
     return VideoClient(ws)

@@ -30,7 +30,11 @@ def video() -> TinyVideoRandomEngine:
 
 
 def run(
-    engine: Engine, params: dict[str, Any], script: dict[int, list[Payload]], chunks: int, updates: dict[int, str] | None = None
+    engine: Engine,
+    params: dict[str, Any],
+    script: dict[int, list[Payload]],
+    chunks: int,
+    updates: dict[int, str] | None = None,
 ) -> list[np.ndarray]:
     """Demand ``chunks`` chunks one at a time; ``script[k]`` goes in right before chunk k's demand."""
     state = engine.start(EngineRequest("r", params))
@@ -79,15 +83,10 @@ def test_tiny_jepa_deterministic_and_actions_change_frames(jepa: TinyJepaEngine)
     moved = run(jepa, params, {3: [Action("keydown", "d")]}, 8)
     for k in range(3):
         assert np.array_equal(still[k], moved[k]), k  # nothing changes before the action's chunk
-    assert not np.array_equal(still[3], moved[3])  # it changes at that chunk
-    # the agent blob moves right: the brightness centroid shifts to larger x
-    xs = np.arange(32)
-
-    def centroid_x(frame: np.ndarray) -> float:
-        weights = frame[..., 0].astype(np.float64) ** 2
-        return float((weights.sum(axis=0) * xs).sum() / weights.sum())
-
-    assert centroid_x(moved[7][-1]) > centroid_x(still[7][-1]) + 2.0
+    for k in range(3, 8):
+        assert not np.array_equal(still[k], moved[k]), k  # and from it on
+    other = run(jepa, params, {3: [Action("keydown", "a")]}, 8)
+    assert not np.array_equal(other[7], moved[7])  # left is not right
 
 
 def test_tiny_jepa_frames_and_num_frames(jepa: TinyJepaEngine) -> None:

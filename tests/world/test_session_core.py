@@ -59,7 +59,9 @@ def only(outputs: list[Output], kind: type) -> list[Output]:
 
 def test_start_plans_the_generation() -> None:
     core = make_core()
-    effect = streaming(core, model="tiny-jepa", width=320, height=240, fps=24, seed=5, extra_params={"chunk_frames": 3})
+    effect = streaming(
+        core, model="tiny-jepa", width=320, height=240, fps=24, seed=5, extra_params={"chunk_frames": 3}
+    )
     assert effect.pipeline == "world-tiny-jepa"
     assert effect.params == {
         "prompt": "",
@@ -78,8 +80,12 @@ def test_interactions_land_on_the_next_undemanded_chunk() -> None:
     streaming(core)
     d0 = core.take_demand()
     assert d0 is not None and d0.chunk_index == 0 and d0.prompt is None
-    (queued,) = core.handle_text(text({"type": "session.interaction", "prompt": "snow", "event_id": "p1"}), 1.0)
-    assert isinstance(queued, InteractionQueued) and queued.applies_at_chunk == 1  # chunk 0 is already asked for
+    (queued,) = core.handle_text(
+        text({"type": "session.interaction", "prompt": "snow", "event_id": "p1"}), 1.0
+    )
+    assert (
+        isinstance(queued, InteractionQueued) and queued.applies_at_chunk == 1
+    )  # chunk 0 is already asked for
     # chunk 0 goes out: nothing applied yet
     events = core.on_chunk(0, chunk(), "image/jpeg", 30.0, 1.01)
     assert [type(e) for e in events] == [ChunkMetadata]
@@ -101,7 +107,12 @@ def test_key_flood_is_coalesced() -> None:
     for i in range(500):  # auto-repeat and jitter: far more events than chunks
         kind = "keydown" if i % 3 else "keyup"
         core.handle_text(
-            text({"type": "session.interaction", "actions": [{"event": kind, "key": "d"}, {"event": "keydown", "key": "w"}]}),
+            text(
+                {
+                    "type": "session.interaction",
+                    "actions": [{"event": kind, "key": "d"}, {"event": "keydown", "key": "w"}],
+                }
+            ),
             float(i),
         )
     demand = core.take_demand()
@@ -137,10 +148,14 @@ def test_errors_leave_the_session_usable() -> None:
         ({"type": "session.interaction", "actions": [{"event": "keydown", "key": "q"}]}, "invalid_action"),
         ({"type": "session.interaction", "prompt": "x"}, "prompt_not_supported"),
         ({"type": "session.interaction"}, "invalid_event"),
-        ({"type": "session.interaction", "actions": [{"event": "keydown", "key": "w"}] * 65}, "invalid_action"),
+        (
+            {"type": "session.interaction", "actions": [{"event": "keydown", "key": "w"}] * 65},
+            "invalid_action",
+        ),
         ({"type": "session.start", "model": "tiny-jepa"}, "session_already_active"),
     ]
     for event, code in bad:
+        assert isinstance(event, dict)
         (error,) = core.handle_text(text(event), 0.0)
         assert isinstance(error, ErrorEvent) and error.code == code, (event, error)
     # a rejected interaction changed nothing
@@ -191,7 +206,11 @@ def test_stall_ends_the_session_with_a_reason() -> None:
     error = only(outputs, ErrorEvent)[0]
     assert isinstance(error, ErrorEvent) and error.code == "client_stalled"
     (close,) = only(outputs, CloseConnection)
-    assert isinstance(close, CloseConnection) and close.code == 1008 and close.reason.startswith("client_stalled")
+    assert (
+        isinstance(close, CloseConnection)
+        and close.code == 1008
+        and close.reason.startswith("client_stalled")
+    )
     assert core.phase is Phase.CLOSED and core.handle_text(text({"type": "session.ping"}), 0.0) == []
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -22,7 +23,9 @@ def jpeg_frames(data: bytes, lengths: list[int]) -> list[np.ndarray]:
 async def test_start_chunks_ping_stop(world_server: WorldServer) -> None:
     client = await open_client(world_server)
     async with client.ws:
-        await client.send({"type": "session.start", "model": "tiny-jepa", "format": "jpeg", "width": 256, "height": 192})
+        await client.send(
+            {"type": "session.start", "model": "tiny-jepa", "format": "jpeg", "width": 256, "height": 192}
+        )
         start = await client.event()
         assert start["type"] == "video.start"
         assert start["format"] == "jpeg"
@@ -65,7 +68,9 @@ async def test_pacing_follows_fps(world_server: WorldServer) -> None:
 
     client = await open_client(world_server)
     async with client.ws:
-        await client.send({"type": "session.start", "model": "tiny-jepa", "fps": 20})
+        await client.send(
+            {"type": "session.start", "model": "tiny-jepa", "fps": 20, "extra_params": {"chunk_frames": 2}}
+        )
         await client.expect("video.start")
         await client.chunk()
         began = time.monotonic()
@@ -85,8 +90,14 @@ async def test_error_codes_keep_session_usable(world_server: WorldServer) -> Non
             ('{"type": "session.dance"}', "invalid_event"),
             ('{"type": "session.start", "model": "no-such-model"}', "unknown_model"),
             ('{"type": "session.start", "model": "tiny-jepa", "format": "gif"}', "unsupported_format"),
-            ('{"type": "session.start", "model": "tiny-jepa", "width": 4096, "height": 64}', "size_too_large"),
-            ('{"type": "session.start", "model": "tiny-jepa", "format": "m4s", "width": 255}', "invalid_parameter"),
+            (
+                '{"type": "session.start", "model": "tiny-jepa", "width": 4096, "height": 64}',
+                "size_too_large",
+            ),
+            (
+                '{"type": "session.start", "model": "tiny-jepa", "format": "m4s", "width": 255}',
+                "invalid_parameter",
+            ),
             ('{"type": "session.start", "model": "tiny-jepa", "fps": 0}', "invalid_parameter"),
             ('{"type": "session.interaction", "prompt": "hello"}', "no_active_session"),
             ('{"type": "session.stop"}', "no_active_session"),
@@ -100,7 +111,7 @@ async def test_error_codes_keep_session_usable(world_server: WorldServer) -> Non
         await client.send({"type": "session.start", "model": "tiny-jepa"})
         await client.expect("video.start")
         await client.chunk()
-        bad_actions = [
+        bad_actions: list[tuple[dict[str, Any], str]] = [
             ({"actions": [{"event": "keypress", "key": "w"}]}, "invalid_action"),
             ({"actions": [{"event": "keydown", "key": "q"}]}, "invalid_action"),
             ({"actions": [{"event": "keydown"}]}, "invalid_action"),
@@ -114,7 +125,9 @@ async def test_error_codes_keep_session_usable(world_server: WorldServer) -> Non
         await client.send({"type": "session.start", "model": "tiny-jepa"})
         assert (await client.expect("error"))["code"] == "session_already_active"
         # still streaming, still taking valid interactions
-        await client.send({"type": "session.interaction", "actions": [{"event": "keydown", "key": "ArrowUp"}]})
+        await client.send(
+            {"type": "session.interaction", "actions": [{"event": "keydown", "key": "ArrowUp"}]}
+        )
         queued = await client.expect("session.interaction.queued")
         applied = await client.expect("session.interaction.applied")
         assert applied["chunk_index"] == queued["applies_at_chunk"]
@@ -127,8 +140,14 @@ async def test_m4s_stream_decodes_with_pyav(world_server: WorldServer) -> None:
     client = await open_client(world_server)
     async with client.ws:
         await client.send(
-            {"type": "session.start", "model": "tiny-jepa", "format": "m4s", "width": 128, "height": 96,
-             "num_frames": 12}
+            {
+                "type": "session.start",
+                "model": "tiny-jepa",
+                "format": "m4s",
+                "width": 128,
+                "height": 96,
+                "num_frames": 12,
+            }
         )
         start = await client.expect("video.start")
         assert start["format"] == "m4s"
@@ -141,13 +160,16 @@ async def test_m4s_stream_decodes_with_pyav(world_server: WorldServer) -> None:
                 assert chunk.data[4:8] == b"ftyp" and chunk.meta["init_byte_length"] > 0
                 init = chunk.data[: chunk.meta["init_byte_length"]]
                 assert b"moov" in init
-                assert chunk.data[chunk.meta["init_byte_length"] + 4 : chunk.meta["init_byte_length"] + 8] == b"moof"
+                assert (
+                    chunk.data[chunk.meta["init_byte_length"] + 4 : chunk.meta["init_byte_length"] + 8]
+                    == b"moof"
+                )
             else:
                 assert chunk.data[4:8] == b"moof" and "init_byte_length" not in chunk.meta
             pieces.append(chunk.data)
         done = await client.expect("session.done")
         assert done["frames"] == 12
-    with av.open(io.BytesIO(b"".join(pieces))) as container:
+    with av.open(io.BytesIO(b"".join(pieces)), "r") as container:
         frames = list(container.decode(video=0))
     assert len(frames) == 12
     assert (frames[0].width, frames[0].height) == (128, 96)

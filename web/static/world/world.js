@@ -2,6 +2,8 @@
 // Each video.chunk_metadata is followed by one binary frame holding the chunk's JPEGs back to
 // back (frame_byte_lengths says where each ends); frames are drawn 1/fps apart.
 
+const params = new URLSearchParams(location.search);
+const DEBUG = params.has("debug"); // record a pixel hash of the canvas per chunk (tests compare them)
 const MOVE_KEYS = new Set(["w", "a", "s", "d", "arrowup", "arrowdown", "arrowleft", "arrowright"]);
 const $ = (id) => document.getElementById(id);
 
@@ -18,6 +20,8 @@ const state = {
   latencies: [],
   eventSeq: 0,
   decoding: Promise.resolve(),
+  queued: {},               // event_id -> applies_at_chunk
+  chunkHashes: {},          // DEBUG: chunk index -> hash of the canvas after its first frame
 };
 window.__world = state; // for tests and the curious
 
@@ -83,6 +87,7 @@ function onEvent(event) {
       state.pendingMeta = event;
       break;
     case "session.interaction.queued": {
+      state.queued[event.event_id] = event.applies_at_chunk;
       const waiting = state.waitingActions.get(event.event_id);
       if (waiting) waiting.appliesAt = event.applies_at_chunk;
       break;
@@ -139,12 +144,25 @@ function render() {
     state.framesDrawn += 1;
     state.lastChunk = frame.chunkIndex;
     state.drawTimes.push(now);
-    if (frame.first) noteApplied(frame.chunkIndex, now);
+    if (frame.first) {
+      noteApplied(frame.chunkIndex, now);
+      if (DEBUG) state.chunkHashes[frame.chunkIndex] = canvasHash(ctx);
+    }
   }
   while (state.drawTimes.length && state.drawTimes[0] < now - 1000) state.drawTimes.shift();
   $("fps-out").textContent = state.drawTimes.length;
   $("chunk").textContent = state.lastChunk >= 0 ? state.lastChunk : "–";
   requestAnimationFrame(render);
+}
+
+function canvasHash(ctx) {
+  const data = ctx.getImageData(0, 0, ctx.canvas.width, ctx.canvas.height).data;
+  let h = 0x811c9dc5;
+  for (let i = 0; i < data.length; i++) {
+    h ^= data[i];
+    h = Math.imul(h, 0x01000193);
+  }
+  return (h >>> 0).toString(16);
 }
 
 function noteApplied(chunkIndex, now) {
@@ -178,4 +196,7 @@ $("send-prompt").addEventListener("click", () => {
   send({ type: "session.interaction", event_id: `prompt_${++state.eventSeq}`, prompt: $("prompt").value });
 });
 requestAnimationFrame(render);
-if (new URLSearchParams(location.search).has("autostart")) start();
+for (const name of ["model", "size", "fps", "seed", "prompt"]) {
+  if (params.has(name)) $(name).value = params.get(name);
+}
+if (params.has("autostart")) start();

@@ -1,0 +1,255 @@
+"""Time to first audio and real-time factor of the tiny Qwen3-Omni pipeline on this CPU.
+
+Every request gets the same fixed reply (thinker ``--tokens`` tokens, talker ``--frames`` codec
+frames: min = max, greedy), so runs compare. For each concurrency it submits that many requests at
+once and measures, per request, submit → first ``AudioChunk`` out of the orchestrator (TTFA) and
+submit → completion; once with the pipeline's async_chunk edges and once with every edge ``full``.
+
+The critical-path floor is the engine time on the path to the first audio chunk, measured in
+isolation (engines driven directly, one thread, no orchestrator): thinker start + prefill, the
+talker prefill and the 4 talker steps of the first chunk (with the thinker steps they need,
+interleaved), and code2wav of that chunk.
+
+    .venv/bin/python -m loadtest.bench_qwen --out bench_qwen.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from engines.qwen3_omni.stages import Code2WavEngine, TalkerEngine, ThinkerEngine
+from runtime.engine import EdgeChunk, EngineRequest, StepInput
+from runtime.orchestrator import Orchestrator
+from runtime.payloads import AudioChunk, Payload
+from runtime.progress import RequestStatus
+from runtime.spec import load_pipeline
+
+PIPELINE = "qwen3-omni-tiny"
+FULL_EDGES = {"thinker->talker": "full", "talker->code2wav": "full"}
+SAMPLE_RATE = 24_000
+FRAME_S = 0.08  # 12.5 codec frames per second
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    ttfa_ms: float
+    total_ms: float
+    audio_s: float
+
+    @property
+    def rtf(self) -> float:
+        return (self.total_ms / 1e3) / self.audio_s if self.audio_s > 0 else float("inf")
+
+
+def fixed_params(tokens: int, frames: int, index: int) -> dict[str, Any]:
+    return {
+        "text": f"Please tell me a story about request number {index}.",
+        "greedy": True,
+        "seed": 0,
+        "max_tokens": tokens,
+        "min_tokens": tokens,
+        "max_frames": frames,
+        "min_frames": frames,
+    }
+
+
+async def one_request(orch: Orchestrator, params: Mapping[str, Any], modes: Mapping[str, str] | None
+                      ) -> RequestTiming:
+    t0 = time.perf_counter()
+    handle = await orch.submit(params, edge_modes=modes)
+    first: float | None = None
+    samples = 0
+    status: RequestStatus | None = None
+    async for out in handle:
+        if isinstance(out, AudioChunk):
+            if first is None:
+                first = time.perf_counter()
+            samples += out.samples.size
+        elif isinstance(out, RequestStatus):
+            status = out
+    done = time.perf_counter()
+    if status is None or status.status != "completed" or first is None:
+        raise RuntimeError(f"request did not complete with audio: {status}")
+    return RequestTiming((first - t0) * 1e3, (done - t0) * 1e3, samples / SAMPLE_RATE)
+
+
+async def wave(orch: Orchestrator, concurrency: int, tokens: int, frames: int,
+               modes: Mapping[str, str] | None) -> list[RequestTiming]:
+    return list(
+        await asyncio.gather(
+            *(one_request(orch, fixed_params(tokens, frames, i), modes) for i in range(concurrency))
+        )
+    )
+
+
+def measure_floor(tokens: int, frames: int, reps: int) -> dict[str, float]:
+    """Engine time to the first audio chunk, engines driven directly on this thread."""
+    options = {"model": "tiny", "seed": 0}
+    thinker, talker, code2wav = ThinkerEngine(options), TalkerEngine(options), Code2WavEngine(options)
+    for engine in (thinker, talker, code2wav):
+        engine.load()
+    first_chunk = load_pipeline(PIPELINE).edges[1].chunk.first
+    totals: list[float] = []
+    parts: dict[str, list[float]] = {"thinker": [], "talker": [], "code2wav": []}
+    for rep in range(reps + 1):  # the first is a warm-up
+        request = EngineRequest(f"floor{rep}", fixed_params(tokens, frames, 0))
+        spent = {"thinker": 0.0, "talker": 0.0, "code2wav": 0.0}
+        t = time.perf_counter()
+        t_state = thinker.start(request)
+        k_state = talker.start(request)
+        c_state = code2wav.start(request)
+        spent["thinker"] += time.perf_counter() - t
+        pending: list[Payload] = []
+        codes: list[Payload] = []
+        while len(codes) < first_chunk:
+            t = time.perf_counter()
+            out = thinker.step([StepInput(state=t_state)])[0]
+            spent["thinker"] += time.perf_counter() - t
+            pending.extend(out.downstream)
+            while len(codes) < first_chunk:
+                t = time.perf_counter()
+                chunks = [EdgeChunk(items=pending)] if pending else []
+                pending = []
+                k_out = talker.step([StepInput(state=k_state, chunks=chunks)])[0]
+                spent["talker"] += time.perf_counter() - t
+                codes.extend(k_out.downstream)
+                if k_out.wait_for_input:
+                    break
+        t = time.perf_counter()
+        code2wav.step([StepInput(state=c_state, chunks=[EdgeChunk(items=codes[:first_chunk])])])
+        spent["code2wav"] += time.perf_counter() - t
+        if rep > 0:
+            totals.append(sum(spent.values()) * 1e3)
+            for name, seconds in spent.items():
+                parts[name].append(seconds * 1e3)
+        for engine, state in ((thinker, t_state), (talker, k_state), (code2wav, c_state)):
+            engine.finish(state, cancelled=True)
+    floor = {"floor_ms": statistics.median(totals)}
+    floor.update({f"{name}_ms": statistics.median(v) for name, v in parts.items()})
+    return floor
+
+
+def summarize(timings: Sequence[RequestTiming]) -> dict[str, Any]:
+    ttfa = [t.ttfa_ms for t in timings]
+    return {
+        "ttfa_ms_median": statistics.median(ttfa),
+        "ttfa_ms_max": max(ttfa),
+        "total_ms_median": statistics.median(t.total_ms for t in timings),
+        "rtf": [round(t.rtf, 4) for t in timings],
+        "rtf_max": max(t.rtf for t in timings),
+        "audio_s": timings[0].audio_s,
+        "requests": [asdict(t) for t in timings],
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    floor = measure_floor(args.tokens, args.frames, args.floor_reps)
+    orch = Orchestrator.from_pipeline(PIPELINE)
+    await orch.start()
+    results: dict[str, Any] = {}
+    try:
+        await wave(orch, 1, 8, 12, None)  # warm-up: first-call costs out of the measurement
+        for concurrency in args.concurrency:
+            row: dict[str, Any] = {}
+            for label, modes in (("async", None), ("full", FULL_EDGES)):
+                timings: list[RequestTiming] = []
+                reps = args.c1_reps if concurrency == 1 else 1
+                for _ in range(reps):
+                    timings.extend(await wave(orch, concurrency, args.tokens, args.frames, modes))
+                row[label] = summarize(timings)
+            row["ttfa_ratio_median"] = row["async"]["ttfa_ms_median"] / row["full"]["ttfa_ms_median"]
+            results[f"c{concurrency}"] = row
+            print(f"c{concurrency} done", file=sys.stderr, flush=True)
+    finally:
+        await orch.close()
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    report: dict[str, Any] = {
+        "pipeline": PIPELINE,
+        "reply": {"tokens": args.tokens, "frames": args.frames, "audio_s": args.frames * FRAME_S},
+        "floor": floor,
+        "results": results,
+        "peak_rss_mb": peak_rss_mb,
+    }
+    report["targets"] = check_targets(report)
+    return report
+
+
+def check_targets(report: Mapping[str, Any]) -> dict[str, Any]:
+    results = report["results"]
+    targets: dict[str, Any] = {}
+    if "c1" in results:
+        c1 = results["c1"]
+        targets["ttfa_ratio_c1<=0.10"] = c1["ttfa_ratio_median"] <= 0.10
+        targets["async_c1<=1.25x_floor"] = c1["async"]["ttfa_ms_median"] <= 1.25 * report["floor"]["floor_ms"]
+    if "c8" in results:
+        targets["ttfa_ratio_c8<=0.15"] = results["c8"]["ttfa_ratio_median"] <= 0.15
+    if "c4" in results:
+        targets["rtf_c4<1_every_request"] = results["c4"]["async"]["rtf_max"] < 1.0
+    return targets
+
+
+def markdown(report: Mapping[str, Any]) -> str:
+    floor = report["floor"]
+    lines = [
+        f"Pipeline `{report['pipeline']}`: fixed reply of {report['reply']['tokens']} tokens and "
+        f"{report['reply']['frames']} codec frames ({report['reply']['audio_s']:.1f} s of audio), greedy.",
+        "",
+        "| concurrency | TTFA async (median / max, ms) | TTFA full (median / max, ms) | ratio | "
+        "RTF async (max) | RTF full (max) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, row in report["results"].items():
+        a, f = row["async"], row["full"]
+        lines.append(
+            f"| {key[1:]} | {a['ttfa_ms_median']:.1f} / {a['ttfa_ms_max']:.1f} | "
+            f"{f['ttfa_ms_median']:.1f} / {f['ttfa_ms_max']:.1f} | {row['ttfa_ratio_median']:.3f} | "
+            f"{a['rtf_max']:.3f} | {f['rtf_max']:.3f} |"
+        )
+    lines += [
+        "",
+        f"Critical-path floor (isolation): {floor['floor_ms']:.1f} ms = thinker {floor['thinker_ms']:.1f} + "
+        f"talker {floor['talker_ms']:.1f} + code2wav {floor['code2wav_ms']:.1f} ms (medians).",
+    ]
+    if "c1" in report["results"]:
+        ratio = report["results"]["c1"]["async"]["ttfa_ms_median"] / floor["floor_ms"]
+        lines.append(f"Async TTFA at c1 / floor: {ratio:.2f}×.")
+    if "c4" in report["results"]:
+        rtfs = ", ".join(f"{r:.3f}" for r in report["results"]["c4"]["async"]["rtf"])
+        lines.append(f"RTF per request at c4 (async): {rtfs}.")
+    lines.append(f"Peak RSS: {report['peak_rss_mb']:.0f} MB.")
+    lines.append("")
+    lines.append("Targets: " + ", ".join(f"{k}: {'PASS' if v else 'FAIL'}" for k, v in report["targets"].items()))
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="write the JSON report here")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--frames", type=int, default=200)
+    parser.add_argument("--c1-reps", type=int, default=3, help="waves at concurrency 1 (median over them)")
+    parser.add_argument("--floor-reps", type=int, default=5)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    report = asyncio.run(run(args))
+    print(markdown(report))
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

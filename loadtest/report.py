@@ -1,0 +1,141 @@
+"""The Markdown summary of a results file: what ran, per-level tables, ratios, SLO verdicts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _f(value: Any, digits: int = 0, unit: str = "") -> str:
+    if value is None:
+        return "–"
+    text = f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+    return text + unit
+
+
+def _codes(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "0"
+
+
+LEVEL_HEADER = (
+    "| config | N | turns | TTFA p50 | TTFA p95 | TTFA p99 | first→last p50 | RTF p50 | delta gap p99 / max "
+    "| underruns | barge-in stop p50 | errors | admitted / refused |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|\n"
+)
+SERVER_HEADER = (
+    "| config | N | server CPU mean / max | RSS idle → peak (growth) | loop lag p99 | server TTFA p50 / p95 "
+    "| client CPU | late client sends |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|\n"
+)
+
+
+def level_row(lv: dict[str, Any]) -> str:
+    s = lv["summary"]
+    adm = s.get("admissions", {})
+    refused = sum(n for k, n in adm.items() if k != "admitted")
+    ttfa, gap = s["ttfa_ms"], s["delta_gap_ms"]
+    return (
+        f"| {lv['label']} | {lv['sessions']} | {s['turns']} | {_f(ttfa['p50'])} | {_f(ttfa['p95'])} "
+        f"| {_f(ttfa['p99'])} | {_f(s['stream_ms']['p50'])} | {_f(s['rtf']['p50'], 2)} "
+        f"| {_f(gap['p99'])} / {_f(gap['max'])} | {s['underruns']} | {_f(s['barge_in_stop_ms']['p50'])} "
+        f"| {_codes(s['errors_by_code'])} | {adm.get('admitted', 0)} / {refused} |\n"
+    )
+
+
+def server_row(lv: dict[str, Any]) -> str:
+    sv, c = lv["server"], lv["summary"].get("client", {})
+    if not sv.get("available"):
+        return (
+            f"| {lv['label']} | {lv['sessions']} | – | – | – | – | {_f(c.get('cpu_percent'), 0, '%')} | – |\n"
+        )
+    lag, st = sv["loop_lag_ms"], sv["server_ttfa_ms"]
+    return (
+        f"| {lv['label']} | {lv['sessions']} | {_f(sv['cpu_mean_percent'], 0, '%')} / "
+        f"{_f(sv['cpu_max_percent'], 0, '%')} | {_f(sv['idle_rss_mb'])} → {_f(sv['peak_rss_mb'])} MB "
+        f"({_f(sv['rss_growth_mb'], 0, ' MB')}) | {_f(lag['p99'], 1, ' ms')} "
+        f"| {_f(st['p50'])} / {_f(st['p95'])} "
+        f"| {_f(c.get('cpu_percent'), 0, '%')} | {c.get('late_sends', 0)} |\n"
+    )
+
+
+def verdict_lines(lv: dict[str, Any]) -> list[str]:
+    return [
+        f"- {'PASS' if v['ok'] else 'FAIL'}: `{v['objective']}` (measured {_f(v['actual'], 1)})"
+        for v in lv.get("slo", [])
+    ]
+
+
+def render(results: dict[str, Any], plot_links: list[str]) -> str:
+    out: list[str] = [f"# Load test: {results.get('name', '')}\n\n"]
+    out.append(f"Command:\n\n```\n{results['command']}\n```\n\n")
+    host = results.get("host", {})
+    out.append(
+        f"Run {results.get('created_at', '')} on {host.get('cpus', '?')} CPUs "
+        f"({host.get('cpu_model', '')}), {host.get('memory_gb', '?')} GB;"
+        " client and server share the host.\n\n"
+    )
+    levels = results["levels"]
+    if levels:
+        w = levels[0]["workload"]
+        out.append(
+            f"Workload: scenario `{w['scenario']}`, speech `{w['speech']}`, turns by `{w['turn_detection']}`"
+            f" (silence {w['silence_ms']} ms), appends of {w['append_ms']} ms in real time,"
+            f" ramp {w['ramp_s']} s,"
+            f" duration {w['duration_s']} s, pause {w['pause_s']} s, barge-in {w['barge_in']:.0%},"
+            f" playout prebuffer {w['prebuffer_ms']} ms.\n\n"
+        )
+    out.append("## Client-measured, per turn (ms)\n\n")
+    out.append(LEVEL_HEADER + "".join(level_row(lv) for lv in levels) + "\n")
+    out.append("## Server, from `/metrics`\n\n")
+    out.append(SERVER_HEADER + "".join(server_row(lv) for lv in levels) + "\n")
+    verdicts = [(lv, verdict_lines(lv)) for lv in levels if lv.get("slo")]
+    if verdicts:
+        out.append("## Objectives\n\n")
+        for lv, lines in verdicts:
+            out.append(f"{lv['label']} N={lv['sessions']}:\n\n" + "\n".join(lines) + "\n\n")
+    if results.get("comparison"):
+        out.append(render_comparison(results["comparison"]))
+    if results.get("capacity"):
+        cap = results["capacity"]
+        out.append(
+            f"## Capacity\n\nLargest N meeting `{cap['slo']}`: **{cap['capacity']}** "
+            f"(probed {', '.join(str(n) for n in cap['probed'])}).\n\n"
+        )
+    if plot_links:
+        out.append("## Plots\n\n" + "".join(f"![{Path(p).stem}]({p})\n\n" for p in plot_links))
+    out.append(GLOSSARY)
+    return "".join(out)
+
+
+def render_comparison(cmp: dict[str, Any]) -> str:
+    a, b = cmp["baseline"], cmp["other"]
+    lines = [
+        f"## Ratios: {b} / {a}\n\n",
+        "| N | TTFA p50 | TTFA p95 | first→last p50 | RTF p50 | server CPU mean |\n",
+        "|---:|---:|---:|---:|---:|---:|\n",
+    ]
+    for row in cmp["rows"]:
+        r = row["ratios"]
+        lines.append(
+            f"| {row['sessions']} | {_f(r.get('ttfa_p50'), 2)} | {_f(r.get('ttfa_p95'), 2)} "
+            f"| {_f(r.get('stream_p50'), 2)} | {_f(r.get('rtf_p50'), 2)} | {_f(r.get('server_cpu'), 2)} |\n"
+        )
+    return "".join(lines) + "\n"
+
+
+GLOSSARY = """## What the columns mean
+
+- **TTFA**: end of speech (the last speech sample sent; for manual turns, the commit) → first
+  `response.output_audio.delta` received. With server VAD it includes the silence window.
+- **first→last**: first to last output delta of a completed reply. **RTF**: (end of speech →
+  last delta) / reply audio duration.
+- **delta gap**: interval between consecutive output deltas of one reply.
+- **underruns**: a simulated client playout buffer (playback starts `prebuffer_ms` after the
+  first delta, then plays in real time) ran dry before the next delta arrived.
+- **barge-in stop**: the client's interruption (speech onset with server VAD, or
+  `response.cancel`) → `response.done` (cancelled) of the interrupted reply.
+- **server TTFA**: the server's own histogram, response start → first pipeline audio.
+- **loop lag**: how late a 100 ms timer fires on the server's event loop.
+- **late client sends**: appends the load generator sent > 20 ms behind schedule (if many, the
+  client, not the server, is the bottleneck).
+"""

@@ -1,0 +1,187 @@
+"""Run one load level: N sessions on a ramp, bounded in time, with the server sampled meanwhile.
+
+The result of a level is plain JSON-ready data (see :func:`level_summary`); reports and plots
+read only that, so a saved results file can be re-rendered without re-running the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import numpy as np
+import psutil
+
+from loadtest.progress import ProgressBar
+from loadtest.server_metrics import MetricsSampler, server_summary
+from loadtest.server_process import Target
+from loadtest.speech import SpeechBank
+from loadtest.stats import summarize
+from loadtest.turns import TurnRecord
+from loadtest.voice_ws import LiveCounters, SessionResult, VoiceWsSession
+from loadtest.workload import Workload
+
+
+class SessionRunner(Protocol):
+    async def run(self, end_at: float) -> SessionResult: ...
+
+
+SessionFactory = Callable[[int, Target, Workload, SpeechBank, LiveCounters], SessionRunner]
+
+
+def voice_ws_session(
+    index: int, target: Target, workload: Workload, bank: SpeechBank, counters: LiveCounters
+) -> SessionRunner:
+    url = target.ws_url + (f"?model={workload.model}" if workload.model else "")
+    return VoiceWsSession(index, url, workload, bank, counters)
+
+
+def _not_yet(name: str) -> SessionFactory:
+    def factory(
+        index: int, target: Target, workload: Workload, bank: SpeechBank, counters: LiveCounters
+    ) -> SessionRunner:
+        raise NotImplementedError(f"scenario {name!r} is not implemented yet (see docs/loadtest.md)")
+
+    return factory
+
+
+# voice-webrtc (an aiortc peer: mic on the RTP track, events on the data channel) and world
+# (frame pacing, fps, action latency) plug in here with their own session classes; the
+# runner, reports and plots only see SessionResult/TurnRecord.
+SCENARIOS: dict[str, SessionFactory] = {
+    "voice-ws": voice_ws_session,
+    "voice-webrtc": _not_yet("voice-webrtc"),
+    "world": _not_yet("world"),
+}
+
+
+async def wait_idle(sampler: MetricsSampler, timeout_s: float = 60.0) -> None:
+    """Wait until the server reports no open sessions (a previous level has drained)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        scrape = await sampler.scrape()
+        if scrape is None or scrape.value("omniduplex_active_sessions") == 0:
+            return
+        await asyncio.sleep(0.5)
+
+
+async def _guarded(index: int, run: Awaitable[SessionResult]) -> SessionResult:
+    try:
+        return await run
+    except Exception as exc:  # a load-generator bug must show in the results, not kill the run
+        traceback.print_exc(file=sys.stderr)
+        result = SessionResult(index, admission="client_exception")
+        result.errors[f"client_exception:{type(exc).__name__}"] = 1
+        return result
+
+
+async def run_level(
+    target: Target, workload: Workload, bank: SpeechBank, *, progress: bool = True, settle_s: float = 1.0
+) -> dict[str, Any]:
+    factory = SCENARIOS[workload.scenario]
+    counters = LiveCounters()
+    sampler = MetricsSampler(target.base_url)
+    await wait_idle(sampler)
+    sampler.scrapes.clear()
+    await asyncio.sleep(settle_s)
+    me = psutil.Process()
+    cpu_before = me.cpu_times()
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    await sampler.start()
+    t0 = time.monotonic()
+    end_at = t0 + workload.total_s
+    step = workload.ramp_s / workload.sessions
+    bar = ProgressBar(f"{target.label} N={workload.sessions}", workload.total_s, counters, enabled=progress)
+
+    async def start_session(i: int) -> SessionResult:
+        await asyncio.sleep(max(0.0, t0 + i * step - time.monotonic()))
+        session = factory(i, target, workload, bank, counters)
+        return await _guarded(i, session.run(end_at))
+
+    async with bar.running():
+        tasks = [asyncio.create_task(start_session(i), name=f"session:{i}") for i in range(workload.sessions)]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+    wall = time.monotonic() - t0
+    await asyncio.sleep(settle_s)  # let the server notice the closes before the last scrape
+    await sampler.stop()
+    cpu_after = me.cpu_times()
+    client_cpu = (cpu_after.user + cpu_after.system - cpu_before.user - cpu_before.system) / wall * 100
+    summary = level_summary(results)
+    summary["client"] = {
+        "cpu_percent": round(client_cpu, 1),
+        "late_sends": sum(r.late_sends for r in results),
+        "max_send_lag_ms": round(max((r.max_send_lag_ms for r in results), default=0.0), 1),
+    }
+    return {
+        "label": target.label,
+        "server_args": target.server_args,
+        "sessions": workload.sessions,
+        "workload": workload.to_json(),
+        "started_at": started_at,
+        "wall_s": round(wall, 2),
+        "summary": summary,
+        "server": server_summary(sampler.scrapes, t0),
+        "sessions_detail": [
+            {
+                "index": r.index,
+                "admission": r.admission,
+                "turns": len(r.turns),
+                "errors": r.errors,
+                "close": r.close,
+                "late_sends": r.late_sends,
+                "vad_splits": r.vad_splits,
+            }
+            for r in results
+        ],
+        "turns": [t.to_json() for r in results for t in r.turns],
+    }
+
+
+def level_summary(results: list[SessionResult]) -> dict[str, Any]:
+    turns: list[TurnRecord] = [t for r in results for t in r.turns]
+    statuses: dict[str, int] = {}
+    for t in turns:
+        statuses[str(t.status)] = statuses.get(str(t.status), 0) + 1
+    errors: dict[str, int] = {}
+    for r in results:
+        for source in (r.errors, *(t.errors for t in r.turns)):
+            for code, n in source.items():
+                errors[code] = errors.get(code, 0) + n
+    admissions: dict[str, int] = {}
+    for r in results:
+        admissions[r.admission] = admissions.get(r.admission, 0) + 1
+    answered = [t for t in turns if t.first_audio_at is not None]
+    completed = [t for t in turns if t.status == "completed"]
+    gaps_ms = np.array([g * 1000.0 for t in turns for g in t.gaps_s], dtype=np.float64)
+    barge = [t for t in turns if t.barge_in_at is not None]
+    return {
+        "turns": len(turns),
+        "status": statuses,
+        "ttfa_ms": summarize(t.ttfa_ms for t in answered),
+        "stream_ms": summarize(t.stream_ms for t in completed),
+        "rtf": summarize((t.rtf for t in completed), digits=3),
+        "audio_ms": summarize(t.audio_ms for t in completed),
+        "delta_gap_ms": summarize(gaps_ms.tolist()),
+        "delta_gap_quantiles_ms": (
+            [round(float(v), 2) for v in np.percentile(gaps_ms, np.arange(101))] if gaps_ms.size else []
+        ),
+        "underruns": sum(t.underruns for t in turns),
+        "turns_with_underruns": sum(1 for t in turns if t.underruns),
+        "stall_ms": round(sum(t.playout.stall_s for t in turns) * 1000.0, 1),
+        "barge_ins": len(barge),
+        "barge_in_stop_ms": summarize(t.barge_in_stop_ms for t in barge),
+        "errors_by_code": errors,
+        "errors": sum(errors.values()),
+        "admissions": admissions,
+        "vad_splits": sum(r.vad_splits for r in results),
+        "unexpected_closes": sum(1 for r in results if r.close is not None),
+    }

@@ -1,0 +1,187 @@
+"""The server's side of a run, from its `GET /metrics` (Prometheus text), sampled every second.
+
+A :class:`MetricsSampler` scrapes while the load runs; :func:`server_summary` turns the first
+and last scrapes and the samples between them into CPU, RSS, event-loop lag, server-side time
+to first audio, errors and admissions *of this run* (counter and histogram differences).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass(slots=True)
+class Scrape:
+    at: float  # client monotonic seconds
+    samples: dict[tuple[str, Labels], float]
+
+    @classmethod
+    def parse(cls, text: str, at: float) -> Scrape:
+        samples: dict[tuple[str, Labels], float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+        return cls(at, samples)
+
+    def value(self, name: str, default: float = 0.0, **labels: str) -> float:
+        return self.samples.get((name, tuple(sorted(labels.items()))), default)
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (n, labels), v in self.samples.items():
+            if n == name:
+                key = dict(labels).get(label, "")
+                out[key] = out.get(key, 0.0) + v
+        return out
+
+    def buckets(self, name: str) -> list[tuple[float, float]]:
+        """Cumulative histogram buckets ``(le, count)`` of ``name`` (summed over other labels)."""
+        acc: dict[float, float] = {}
+        for (n, labels), v in self.samples.items():
+            if n == f"{name}_bucket":
+                le = float(dict(labels)["le"])
+                acc[le] = acc.get(le, 0.0) + v
+        return sorted(acc.items())
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus' ``histogram_quantile`` (linear within a bucket); None without observations."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    total = buckets[-1][1]
+    rank = q * total
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le
+            if count == prev_count:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)
+        prev_le, prev_count = le, count
+    return prev_le
+
+
+def bucket_delta(a: Scrape, b: Scrape, name: str) -> list[tuple[float, float]]:
+    before = dict(a.buckets(name))
+    return [(le, count - before.get(le, 0.0)) for le, count in b.buckets(name)]
+
+
+def counter_delta(a: Scrape, b: Scrape, name: str, label: str) -> dict[str, int]:
+    before = a.by_label(name, label)
+    out = {k: round(v - before.get(k, 0.0)) for k, v in b.by_label(name, label).items()}
+    return {k: v for k, v in out.items() if v}
+
+
+@dataclass(slots=True)
+class MetricsSampler:
+    """Scrape ``{base_url}/metrics`` every ``interval_s`` until stopped. Owns its task."""
+
+    base_url: str
+    interval_s: float = 1.0
+    clock: Callable[[], float] = time.monotonic
+    scrapes: list[Scrape] = field(default_factory=list)
+    failures: int = 0
+    _task: asyncio.Task[None] | None = None
+    _client: httpx.AsyncClient | None = None
+
+    async def scrape(self) -> Scrape | None:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=5.0)
+        try:
+            reply = await self._client.get(f"{self.base_url}/metrics")
+            reply.raise_for_status()
+        except httpx.HTTPError:
+            self.failures += 1
+            return None
+        scrape = Scrape.parse(reply.text, self.clock())
+        self.scrapes.append(scrape)
+        return scrape
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.scrape()
+
+    async def start(self) -> None:
+        await self.scrape()
+        self._task = asyncio.create_task(self._loop(), name="loadtest:metrics")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.scrape()
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000.0, 1)
+
+
+def server_summary(scrapes: list[Scrape], t0: float) -> dict[str, Any]:
+    """What the server did between the first and the last scrape."""
+    if len(scrapes) < 2:
+        return {"available": False}
+    first, last = scrapes[0], scrapes[-1]
+    timeline: list[dict[str, float]] = []
+    cpu_peaks: list[float] = []
+    for a, b in itertools.pairwise(scrapes):
+        dt = b.at - a.at
+        if dt <= 0:
+            continue
+        cpu = (b.value("process_cpu_seconds_total") - a.value("process_cpu_seconds_total")) / dt * 100.0
+        cpu_peaks.append(cpu)
+        timeline.append(
+            {
+                "t": round(b.at - t0, 2),
+                "cpu_percent": round(cpu, 1),
+                "rss_mb": round(b.value("process_resident_memory_bytes") / 2**20, 1),
+                "active_sessions": b.value("omniduplex_active_sessions"),
+            }
+        )
+    span = last.at - first.at
+    idle_rss = first.value("process_resident_memory_bytes") / 2**20
+    peak_rss = max(s.value("process_resident_memory_bytes") for s in scrapes) / 2**20
+    cpu_mean = (
+        (last.value("process_cpu_seconds_total") - first.value("process_cpu_seconds_total")) / span * 100
+    )
+    ttfa = bucket_delta(first, last, "omniduplex_time_to_first_audio_seconds")
+    lag = bucket_delta(first, last, "omniduplex_event_loop_lag_seconds")
+    return {
+        "available": True,
+        "idle_rss_mb": round(idle_rss, 1),
+        "peak_rss_mb": round(peak_rss, 1),
+        "end_rss_mb": round(last.value("process_resident_memory_bytes") / 2**20, 1),
+        "rss_growth_mb": round(peak_rss - idle_rss, 1),
+        "cpu_mean_percent": round(cpu_mean, 1),
+        "cpu_max_percent": round(max(cpu_peaks, default=0.0), 1),
+        "peak_active_sessions": max(s.value("omniduplex_active_sessions") for s in scrapes),
+        "server_ttfa_ms": {
+            "p50": _ms(histogram_quantile(0.5, ttfa)),
+            "p95": _ms(histogram_quantile(0.95, ttfa)),
+        },
+        "loop_lag_ms": {"p50": _ms(histogram_quantile(0.5, lag)), "p99": _ms(histogram_quantile(0.99, lag))},
+        "errors_by_code": counter_delta(first, last, "omniduplex_errors_total", "code"),
+        "admissions": counter_delta(first, last, "omniduplex_admissions_total", "outcome"),
+        "responses": round(
+            last.value("omniduplex_responses_total") - first.value("omniduplex_responses_total")
+        ),
+        "timeline": timeline,
+    }

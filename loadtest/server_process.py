@@ -1,0 +1,148 @@
+"""A server under test: an external URL, or an ``omniduplex serve`` subprocess we start and stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(slots=True)
+class Target:
+    """Where the load goes: ``base_url`` is ``http://host:port``."""
+
+    base_url: str
+    label: str = "server"
+    server_args: list[str] = field(default_factory=list)  # when we started it ourselves
+
+    @property
+    def ws_url(self) -> str:
+        return "ws" + self.base_url.removeprefix("http") + "/v1/realtime"
+
+
+@dataclass(slots=True)
+class ConfigSpec:
+    """A server configuration to start: ``LABEL=ARGS`` on the command line."""
+
+    label: str
+    args: list[str]
+
+    @classmethod
+    def parse(cls, text: str) -> ConfigSpec:
+        label, sep, args = text.partition("=")
+        if not sep or not label.strip():
+            raise ValueError(f"expected LABEL=SERVER_ARGS, got {text!r}")
+        return cls(label.strip(), shlex.split(args))
+
+
+async def wait_ready(base_url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the server exited during startup (code {proc.returncode})")
+            try:
+                if (await client.get(f"{base_url}/readyz")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{base_url} not ready after {timeout_s:.0f} s")
+            await asyncio.sleep(0.25)
+
+
+class ServerProcess:
+    """``python -m web.cli serve`` on a free loopback port with a throwaway data dir."""
+
+    def __init__(self, config: ConfigSpec, *, log_dir: Path, ready_timeout_s: float = 600.0) -> None:
+        self.config = config
+        self.port = free_port()
+        self.log_path = log_dir / f"server-{safe_name(config.label)}.log"
+        self.ready_timeout_s = ready_timeout_s
+        self._data_dir: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def target(self) -> Target:
+        return Target(f"http://127.0.0.1:{self.port}", self.config.label, list(self.config.args))
+
+    @property
+    def command(self) -> list[str]:
+        assert self._data_dir is not None
+        return [
+            sys.executable,
+            "-m",
+            "web.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--data-dir",
+            self._data_dir,
+            "--log-level",
+            "warning",
+            *self.config.args,
+        ]
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        self._data_dir = tempfile.mkdtemp(prefix="omniduplex-loadtest-")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        return subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    async def __aenter__(self) -> Target:
+        self._proc = await asyncio.to_thread(self._spawn)
+        try:
+            await wait_ready(self.target.base_url, self.ready_timeout_s, self._proc)
+        except BaseException:
+            await self.stop()
+            raise
+        return self.target
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def stop(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                await asyncio.to_thread(proc.wait, 30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                await asyncio.to_thread(proc.wait, 10)
+        self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._data_dir is not None:
+            shutil.rmtree(self._data_dir, ignore_errors=True)
+            self._data_dir = None
+
+
+def safe_name(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in label) or "server"

@@ -1,0 +1,282 @@
+"""The aiortc side of a realtime call: ICE servers, offer checks, and one answered peer.
+
+`PeerLink.answer(offer)` checks the offer, builds an `RTCPeerConnection` (ICE servers exactly
+as configured: aiortc would otherwise add a public STUN server), binds the server's outbound
+audio track to the offered audio section and returns the SDP answer. Afterwards the link
+exposes the peer's inbound audio (`on_audio`), the `oai-events` data channel as text
+messages in (`on_message`) and out (`send_text`, with backpressure), and its lifecycle
+(`wait_ready`, `ended`, `close`). Nothing here knows about sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+from aiortc.exceptions import InternalError, InvalidAccessError, InvalidStateError, OperationError
+from aiortc.rtcdatachannel import RTCDataChannel
+from aiortc.sdp import SessionDescription
+
+from media.tracks import AudioCallback, InboundAudioPump, MediaStreamTrack, OutboundAudioTrack
+
+log = logging.getLogger(__name__)
+
+EVENTS_CHANNEL = "oai-events"
+MAX_OFFER_BYTES = 64 * 1024
+AUDIO_CODECS = ("opus", "pcmu", "pcma", "g722")  # what aiortc can decode
+CHANNEL_HIGH_WATER = 1 << 20  # bytes queued on the data channel before `send_text` waits
+CHANNEL_LOW_WATER = 256 << 10
+
+
+# --- ICE servers ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class IceServer:
+    url: str  # stun:host:port | turn:host:port?transport=udp | turns:host:port?transport=tcp
+    username: str | None = None
+    credential: str | None = None
+
+    def to_aiortc(self) -> RTCIceServer:
+        return RTCIceServer(urls=self.url, username=self.username, credential=self.credential)
+
+    def to_browser(self) -> dict[str, Any]:
+        """An entry of the browser's `RTCConfiguration.iceServers`."""
+        entry: dict[str, Any] = {"urls": [self.url]}
+        if self.username is not None:
+            entry["username"] = self.username
+            entry["credential"] = self.credential or ""
+        return entry
+
+
+def _split_userinfo(rest: str) -> tuple[str | None, str | None, str]:
+    userinfo, at, hostport = rest.rpartition("@")
+    if not at:
+        return None, None, rest
+    user, _, password = userinfo.partition(":")
+    return unquote(user), unquote(password), hostport
+
+
+def parse_ice_servers(stun: Sequence[str] = (), turn: Sequence[str] = ()) -> list[IceServer]:
+    """Configured STUN/TURN servers (`--stun`, `--turn`) → ICE servers; empty by default.
+
+    STUN: `stun:host[:port]` or `host[:port]`. TURN: `turn[s]:[user:pass@]host[:port][?transport=udp|tcp]`
+    or `[user:pass@]host[:port]`. Raises ValueError for an entry it cannot read.
+    """
+    servers: list[IceServer] = []
+    for raw in stun:
+        entry = raw.strip()
+        hostport = entry.split(":", 1)[1] if entry.startswith("stun:") else entry
+        if not hostport or "@" in hostport:
+            raise ValueError(f"bad STUN server {raw!r} (want stun:host:port)")
+        servers.append(IceServer(f"stun:{hostport}"))
+    for raw in turn:
+        entry = raw.strip()
+        scheme = "turn"
+        for prefix in ("turns:", "turn:"):
+            if entry.startswith(prefix):
+                scheme, entry = prefix[:-1], entry[len(prefix) :]
+                break
+        entry = entry.removeprefix("//")
+        user, password, hostport = _split_userinfo(entry)
+        if not hostport or hostport.startswith("?"):
+            raise ValueError(f"bad TURN server {raw!r} (want turn:user:pass@host:port)")
+        if "?transport=" not in hostport:
+            hostport += "?transport=tcp" if scheme == "turns" else "?transport=udp"
+        servers.append(IceServer(f"{scheme}:{hostport}", user, password))
+    return servers
+
+
+# --- offers --------------------------------------------------------------------------------
+
+
+class OfferError(ValueError):
+    """An SDP offer this server cannot answer; the message says why (sent back as a 400)."""
+
+
+def check_offer(sdp: str) -> SessionDescription:
+    """Reject what aiortc would accept silently or fail on later (no audio, video, no DTLS)."""
+    if not sdp.strip():
+        raise OfferError("The body is empty: expected an SDP offer.")
+    if len(sdp.encode()) > MAX_OFFER_BYTES:
+        raise OfferError(f"The SDP offer is larger than {MAX_OFFER_BYTES} bytes.")
+    if not sdp.lstrip().startswith("v=0"):
+        raise OfferError("Not an SDP offer: it must start with 'v=0'.")
+    try:
+        parsed = SessionDescription.parse(sdp)
+    except Exception as exc:  # the parser raises whatever the bad line provokes
+        raise OfferError(f"Malformed SDP: {type(exc).__name__}: {exc}") from None
+    if not parsed.media:
+        raise OfferError("The SDP offer has no media sections (m= lines).")
+    audio = [m for m in parsed.media if m.kind == "audio"]
+    for media in parsed.media:
+        if media.kind not in ("audio", "application"):
+            raise OfferError(
+                f"Unsupported media section {media.kind!r}: offer one audio section "
+                "(and the oai-events data channel) only."
+            )
+        if media.ice is None or not media.ice.usernameFragment or not media.ice.password:
+            raise OfferError(f"The {media.kind} section has no ICE credentials (a=ice-ufrag / a=ice-pwd).")
+        if not media.dtls or not media.dtls.fingerprints:
+            raise OfferError(f"The {media.kind} section has no DTLS fingerprint (a=fingerprint).")
+    if len(audio) != 1:
+        raise OfferError(f"The SDP offer must have exactly one audio section, it has {len(audio)}.")
+    names = {c.mimeType.split("/")[-1].lower() for c in audio[0].rtp.codecs}
+    if not names & set(AUDIO_CODECS):
+        raise OfferError(
+            f"No supported audio codec in the offer ({', '.join(sorted(names)) or 'none'}); use Opus."
+        )
+    if audio[0].direction in ("inactive",):
+        raise OfferError("The audio section is inactive.")
+    return parsed
+
+
+# --- one peer ------------------------------------------------------------------------------
+
+MessageCallback = Callable[[str], None]
+
+
+class PeerLink:
+    """One answered peer connection: audio in, the outbound track, the events channel."""
+
+    def __init__(self, pc: RTCPeerConnection, outbound: OutboundAudioTrack) -> None:
+        self.pc = pc
+        self.outbound = outbound
+        self.on_audio: AudioCallback | None = None
+        self.on_message: MessageCallback | None = None
+        self.channel: RTCDataChannel | None = None
+        self.pump: InboundAudioPump | None = None
+        self.connected = asyncio.Event()
+        self.ended = asyncio.Event()
+        self.end_reason = ""
+        self._channel_open = asyncio.Event()
+        self._drained = asyncio.Event()  # the channel's buffer fell below the low-water mark
+        self._closed = False
+        pc.on("track", self._on_track)
+        pc.on("datachannel", self._on_datachannel)
+        pc.on("connectionstatechange", self._on_connection_state)
+
+    @classmethod
+    async def answer(
+        cls, offer_sdp: str, *, ice_servers: Sequence[IceServer], outbound: OutboundAudioTrack
+    ) -> tuple[PeerLink, str]:
+        """Check `offer_sdp`, answer it; raises `OfferError` (and leaves nothing open)."""
+        check_offer(offer_sdp)
+        config = RTCConfiguration(iceServers=[s.to_aiortc() for s in ice_servers])
+        link = cls(RTCPeerConnection(config), outbound)
+        try:
+            await link.pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
+            # After the remote description, so the track binds to the offered audio section.
+            link.pc.addTrack(outbound)
+            await link.pc.setLocalDescription(await link.pc.createAnswer())
+        except (ValueError, InternalError, InvalidAccessError, InvalidStateError, OperationError) as exc:
+            await link.close("offer rejected")
+            raise OfferError(f"Cannot answer the SDP offer: {exc}") from None
+        except BaseException:
+            await link.close("offer failed")
+            raise
+        description = link.pc.localDescription
+        assert description is not None
+        return link, description.sdp
+
+    # --- aiortc callbacks (synchronous: pyee would run coroutines as unowned tasks) ---------
+
+    def _on_track(self, track: MediaStreamTrack) -> None:
+        if track.kind != "audio" or self.pump is not None:
+            return
+        self.pump = InboundAudioPump(track, self._deliver_audio)
+        self.pump.start(name="webrtc:inbound-audio")
+
+    def _deliver_audio(self, samples: Any, rate: int) -> None:
+        if self.on_audio is not None:
+            self.on_audio(samples, rate)
+
+    def _on_datachannel(self, channel: RTCDataChannel) -> None:
+        if channel.label != EVENTS_CHANNEL or self.channel is not None:
+            log.info("closing unexpected data channel %r", channel.label)
+            channel.close()
+            return
+        self.channel = channel
+        channel.bufferedAmountLowThreshold = CHANNEL_LOW_WATER
+        channel.on("message", self._on_message)
+        channel.on("open", self._channel_open.set)
+        channel.on("bufferedamountlow", self._drained.set)
+        channel.on("close", lambda: self._end("events channel closed"))
+        if channel.readyState == "open":
+            self._channel_open.set()
+
+    def _on_message(self, message: str | bytes) -> None:
+        text = message if isinstance(message, str) else message.decode("utf-8", errors="replace")
+        if self.on_message is not None:
+            self.on_message(text)
+
+    def _on_connection_state(self) -> None:
+        state = self.pc.connectionState
+        if state == "connected":
+            self.connected.set()
+        elif state in ("failed", "closed"):
+            self._end(f"connection {state}")
+
+    def _end(self, reason: str) -> None:
+        if not self.ended.is_set():
+            self.end_reason = reason
+            self.ended.set()
+            # Wake every waiter; each checks `ended` after waking.
+            self._channel_open.set()
+            self._drained.set()
+
+    # --- use --------------------------------------------------------------------------------
+
+    async def wait_ready(self, within_s: float) -> bool:
+        """True once ICE/DTLS connected and the events channel is open; False on timeout/end."""
+
+        async def ready() -> None:
+            await self.connected.wait()
+            await self._channel_open.wait()
+
+        waiter = asyncio.ensure_future(ready())
+        ended = asyncio.ensure_future(self.ended.wait())
+        try:
+            await asyncio.wait({waiter, ended}, timeout=within_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for fut in (waiter, ended):
+                fut.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await fut
+        channel = self.channel
+        open_channel = channel is not None and channel.readyState == "open"
+        return open_channel and self.connected.is_set() and not self.ended.is_set()
+
+    async def send_text(self, text: str) -> bool:
+        """Send one message on the events channel, waiting for it to open and to drain below
+        the high-water mark; False when the link ended first."""
+        await self._channel_open.wait()
+        channel = self.channel
+        while not self.ended.is_set() and channel is not None and channel.bufferedAmount > CHANNEL_HIGH_WATER:
+            self._drained.clear()
+            await self._drained.wait()
+        if self.ended.is_set() or channel is None or channel.readyState != "open":
+            return False
+        try:
+            channel.send(text)
+        except InvalidStateError:
+            return False
+        return True
+
+    async def close(self, reason: str = "closed") -> None:
+        """Stop everything this peer holds (idempotent)."""
+        self._end(reason)
+        if self._closed:
+            return
+        self._closed = True
+        if self.pump is not None:
+            await self.pump.aclose()
+        self.outbound.stop()
+        with contextlib.suppress(Exception):
+            await self.pc.close()

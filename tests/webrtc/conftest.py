@@ -1,0 +1,45 @@
+"""A real server (voice-cascade: Silero VAD → whisper → echo → Piper) for the WebRTC tests."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.live_server import LiveServer, live_server
+from tests.speech_audio import SENTENCE, speak
+
+INTERRUPTION = "Wait, stop. I have another question."
+TRANSCRIBED = {"type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with live_server(Path(tmp_path_factory.mktemp("srv"))) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def sentence48k() -> np.ndarray:
+    return speak(SENTENCE, 48_000)
+
+
+@pytest.fixture(scope="module")
+def interruption48k() -> np.ndarray:
+    return speak(INTERRUPTION, 48_000)
+
+
+def webrtc_service(server: LiveServer) -> Any:
+    return server.server.config.app.state.webrtc
+
+
+def open_peer_connections() -> list[Any]:
+    """RTCPeerConnections in this process that are not closed (server and clients alike)."""
+    from aiortc import RTCPeerConnection
+
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, RTCPeerConnection) and o.connectionState != "closed"]

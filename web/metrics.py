@@ -1,0 +1,243 @@
+"""Prometheus metrics of one server process (`GET /metrics`), on a per-app registry.
+
+Hot paths pay one histogram observation or counter increment per *event* (a runtime step, a
+response start/first audio/end, an error), never per audio frame. Gauges that describe state
+(stage queue depth and live requests, active sessions) are read when scraped, so they cost
+nothing between scrapes. Process CPU and memory come from prometheus-client's
+``ProcessCollector`` (``process_cpu_seconds_total``, ``process_resident_memory_bytes``).
+
+Server-side time to first audio runs from the response's start (the session core's
+``StartResponse``: after server VAD's silence window, or at ``response.create``) to its first
+audio chunk from the pipeline; turn latency from that start to the response's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from runtime.metrics import RuntimeMetrics
+
+PREFIX = "omniduplex"
+LATENCY_BUCKETS = (
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.125,
+    0.15,
+    0.175,
+    0.2,
+    0.225,
+    0.25,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    1.25,
+    1.5,
+    2.0,
+    2.5,
+    3.0,
+    4.0,
+    5.0,
+    7.5,
+    10.0,
+    30.0,
+)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0)
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _RuntimeStateCollector(Collector):
+    """Stage queue depth and live requests, read from the runtime's counters at scrape time."""
+
+    def __init__(self, runtime: RuntimeMetrics) -> None:
+        self._runtime = runtime
+
+    def collect(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily(
+            f"{PREFIX}_stage_queue_depth",
+            "Runnable requests waiting for a step, per stage replica.",
+            labels=["stage", "replica"],
+        )
+        live = GaugeMetricFamily(
+            f"{PREFIX}_stage_live_requests", "Requests open in a stage replica.", labels=["stage", "replica"]
+        )
+        for name, stage in list(self._runtime.stages.items()):
+            for replica, value in enumerate(list(stage.queue_depth)):
+                depth.add_metric([name, str(replica)], value)
+            for replica, value in enumerate(list(stage.live)):
+                live.add_metric([name, str(replica)], value)
+        yield depth
+        yield live
+
+
+class _RuntimeHook:
+    """A `runtime.metrics.MetricsHook`: one observation per step and per finished request."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+        self._step: dict[str, Any] = {}
+        self._batch: dict[str, Any] = {}
+
+    def on_step(self, stage: str, replica: int, batch: int, step_s: float) -> None:
+        step = self._step.get(stage)
+        if step is None:
+            step = self._step[stage] = self._m.stage_step_seconds.labels(stage=stage)
+            self._batch[stage] = self._m.stage_batch_size.labels(stage=stage)
+        step.observe(step_s)
+        self._batch[stage].observe(batch)
+
+    def on_request(self, stage: str, seconds: float, outcome: str) -> None:
+        self._m.stage_request_seconds.labels(stage=stage, outcome=outcome).observe(seconds)
+
+    def on_queue(self, stage: str, replica: int, depth: int) -> None:
+        """Queue depth is read at scrape time (see `_RuntimeStateCollector`)."""
+
+
+class ServerMetrics:
+    """All metrics of one app. Implements the session driver's `DriverObserver`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        ProcessCollector(registry=r)
+        self.stage_step_seconds = Histogram(
+            f"{PREFIX}_stage_step_seconds",
+            "Duration of one engine step.",
+            ["stage"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.stage_batch_size = Histogram(
+            f"{PREFIX}_stage_batch_size",
+            "Requests per engine step.",
+            ["stage"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.stage_request_seconds = Histogram(
+            f"{PREFIX}_stage_request_seconds",
+            "Time a request spent in a stage, admission to finish.",
+            ["stage", "outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_to_first_audio = Histogram(
+            f"{PREFIX}_time_to_first_audio_seconds",
+            "Response start to its first audio from the pipeline.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.turn_latency = Histogram(
+            f"{PREFIX}_turn_latency_seconds",
+            "Response start to response end, by final status.",
+            ["status"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.responses = Counter(f"{PREFIX}_responses", "Responses started.", registry=r)
+        self.active_sessions = Gauge(f"{PREFIX}_active_sessions", "Open realtime sessions.", registry=r)
+        self.admissions = Counter(
+            f"{PREFIX}_admissions",
+            "Session opens by outcome (admitted, or the refusal code).",
+            ["outcome"],
+            registry=r,
+        )
+        self.resumes = Counter(f"{PREFIX}_resumes", "Session resumes by outcome.", ["outcome"], registry=r)
+        self.errors = Counter(
+            f"{PREFIX}_errors", "Error events sent to clients, by code.", ["code"], registry=r
+        )
+        self.loop_lag = Histogram(
+            f"{PREFIX}_event_loop_lag_seconds",
+            "How late a periodic event-loop timer fires (a busy loop delays every session).",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        self._runtime_bound = False
+        self._ttfa = self.time_to_first_audio
+        self._turn: dict[str, Any] = {}
+
+    # --- binding -------------------------------------------------------------------------------
+
+    def bind_runtime(self, runtime: RuntimeMetrics) -> None:
+        """Export a runtime's per-stage metrics (once per app)."""
+        if self._runtime_bound:
+            raise RuntimeError("a runtime is already bound to these metrics")
+        self._runtime_bound = True
+        self.registry.register(_RuntimeStateCollector(runtime))
+        runtime.add_hook(_RuntimeHook(self))
+
+    def bind_sessions(self, count: Callable[[], int]) -> None:
+        self.active_sessions.set_function(lambda: float(count()))
+
+    # --- DriverObserver --------------------------------------------------------------------------
+
+    def response_started(self) -> None:
+        self.responses.inc()
+
+    def first_audio(self, seconds: float) -> None:
+        self._ttfa.observe(seconds)
+
+    def response_finished(self, status: str, seconds: float) -> None:
+        child = self._turn.get(status)
+        if child is None:
+            child = self._turn[status] = self.turn_latency.labels(status=status)
+        child.observe(seconds)
+
+    def error(self, code: str) -> None:
+        self.errors.labels(code=code).inc()
+
+    # --- transports ------------------------------------------------------------------------------
+
+    def admission(self, outcome: str) -> None:
+        self.admissions.labels(outcome=outcome).inc()
+
+    def resume(self, outcome: str) -> None:
+        self.resumes.labels(outcome=outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # --- event-loop lag --------------------------------------------------------------------------
+
+    async def watch_loop_lag(
+        self, interval_s: float = 0.1, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """Run until cancelled: observe how late each `interval_s` sleep wakes up."""
+        while True:
+            before = clock()
+            await asyncio.sleep(interval_s)
+            self.loop_lag.observe(max(0.0, clock() - before - interval_s))
+
+
+@contextlib.asynccontextmanager
+async def loop_lag_watcher(metrics: ServerMetrics) -> Any:
+    """Own the lag-watching task for the lifetime of the block."""
+    task = asyncio.create_task(metrics.watch_loop_lag(), name="metrics:loop-lag")
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
