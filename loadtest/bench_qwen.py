@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import statistics
 import sys
@@ -63,8 +64,9 @@ def fixed_params(tokens: int, frames: int, index: int) -> dict[str, Any]:
     }
 
 
-async def one_request(orch: Orchestrator, params: Mapping[str, Any], modes: Mapping[str, str] | None
-                      ) -> RequestTiming:
+async def one_request(
+    orch: Orchestrator, params: Mapping[str, Any], modes: Mapping[str, str] | None
+) -> RequestTiming:
     t0 = time.perf_counter()
     handle = await orch.submit(params, edge_modes=modes)
     first: float | None = None
@@ -83,8 +85,9 @@ async def one_request(orch: Orchestrator, params: Mapping[str, Any], modes: Mapp
     return RequestTiming((first - t0) * 1e3, (done - t0) * 1e3, samples / SAMPLE_RATE)
 
 
-async def wave(orch: Orchestrator, concurrency: int, tokens: int, frames: int,
-               modes: Mapping[str, str] | None) -> list[RequestTiming]:
+async def wave(
+    orch: Orchestrator, concurrency: int, tokens: int, frames: int, modes: Mapping[str, str] | None
+) -> list[RequestTiming]:
     return list(
         await asyncio.gather(
             *(one_request(orch, fixed_params(tokens, frames, i), modes) for i in range(concurrency))
@@ -153,6 +156,7 @@ def summarize(timings: Sequence[RequestTiming]) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    load_before = list(os.getloadavg())
     floor = measure_floor(args.tokens, args.frames, args.floor_reps)
     orch = Orchestrator.from_pipeline(PIPELINE)
     await orch.start()
@@ -179,6 +183,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "floor": floor,
         "results": results,
         "peak_rss_mb": peak_rss_mb,
+        # Other work on the machine skews every figure: recorded so a reader can judge a run.
+        "load_avg_at_start": load_before,
+        "load_avg_at_end": list(os.getloadavg()),
+        "cpus": os.cpu_count(),
     }
     report["targets"] = check_targets(report)
     return report
@@ -227,13 +235,22 @@ def markdown(report: Mapping[str, Any]) -> str:
         rtfs = ", ".join(f"{r:.3f}" for r in report["results"]["c4"]["async"]["rtf"])
         lines.append(f"RTF per request at c4 (async): {rtfs}.")
     lines.append(f"Peak RSS: {report['peak_rss_mb']:.0f} MB.")
+    load = report["load_avg_at_start"]
+    lines.append(
+        f"{report['cpus']} CPUs; 1-minute load average {load[0]:.1f} at start, "
+        f"{report['load_avg_at_end'][0]:.1f} at end."
+    )
     lines.append("")
-    lines.append("Targets: " + ", ".join(f"{k}: {'PASS' if v else 'FAIL'}" for k, v in report["targets"].items()))
+    lines.append(
+        "Targets: " + ", ".join(f"{k}: {'PASS' if v else 'FAIL'}" for k, v in report["targets"].items())
+    )
     return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--tokens", type=int, default=100)

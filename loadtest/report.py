@@ -23,9 +23,10 @@ LEVEL_HEADER = (
     "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|\n"
 )
 SERVER_HEADER = (
-    "| config | N | server CPU mean / max | RSS idle → peak (growth) | loop lag p99 | server TTFA p50 / p95 "
-    "| client CPU | late client sends |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|\n"
+    "| config | N | server CPU mean / max | CPU ms per session-s "
+    "| RSS idle → peak (growth; conversation audio) | loop lag p99 "
+    "| server TTFA p50 / p95 | client CPU | late client sends |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
 )
 
 
@@ -45,14 +46,15 @@ def level_row(lv: dict[str, Any]) -> str:
 def server_row(lv: dict[str, Any]) -> str:
     sv, c = lv["server"], lv["summary"].get("client", {})
     if not sv.get("available"):
-        return (
-            f"| {lv['label']} | {lv['sessions']} | – | – | – | – | {_f(c.get('cpu_percent'), 0, '%')} | – |\n"
-        )
+        blanks = " – |" * 5
+        return f"| {lv['label']} | {lv['sessions']} |{blanks} {_f(c.get('cpu_percent'), 0, '%')} | – |\n"
     lag, st = sv["loop_lag_ms"], sv["server_ttfa_ms"]
     return (
         f"| {lv['label']} | {lv['sessions']} | {_f(sv['cpu_mean_percent'], 0, '%')} / "
-        f"{_f(sv['cpu_max_percent'], 0, '%')} | {_f(sv['idle_rss_mb'])} → {_f(sv['peak_rss_mb'])} MB "
-        f"({_f(sv['rss_growth_mb'], 0, ' MB')}) | {_f(lag['p99'], 1, ' ms')} "
+        f"{_f(sv['cpu_max_percent'], 0, '%')} | {_f(sv.get('cpu_ms_per_session_s'), 2)} "
+        f"| {_f(sv['idle_rss_mb'])} → {_f(sv['peak_rss_mb'])} MB "
+        f"({_f(sv['rss_growth_mb'], 0, ' MB')}; {_f(sv.get('peak_conversation_audio_mb'), 0, ' MB')} audio) "
+        f"| {_f(lag['p99'], 1, ' ms')} "
         f"| {_f(st['p50'])} / {_f(st['p95'])} "
         f"| {_f(c.get('cpu_percent'), 0, '%')} | {c.get('late_sends', 0)} |\n"
     )
@@ -135,6 +137,10 @@ GLOSSARY = """## What the columns mean
 - **barge-in stop**: the client's interruption (speech onset with server VAD, or
   `response.cancel`) → `response.done` (cancelled) of the interrupted reply.
 - **server TTFA**: the server's own histogram, response start → first pipeline audio.
+- **CPU ms per session-s**: server CPU time divided by the integral of open sessions over
+  time: what one session costs, little affected by other load on the host.
+- **conversation audio**: audio the server holds in open sessions' conversations (peak); it
+  grows with every turn by design (items keep their audio for `conversation.item.retrieve`).
 - **loop lag**: how late a 100 ms timer fires on the server's event loop.
 - **late client sends**: appends the load generator sent > 20 ms behind schedule (if many, the
   client, not the server, is the bottleneck).

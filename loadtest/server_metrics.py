@@ -142,10 +142,13 @@ def server_summary(scrapes: list[Scrape], t0: float) -> dict[str, Any]:
     first, last = scrapes[0], scrapes[-1]
     timeline: list[dict[str, float]] = []
     cpu_peaks: list[float] = []
+    session_s = 0.0  # ∫ active sessions dt
     for a, b in itertools.pairwise(scrapes):
         dt = b.at - a.at
         if dt <= 0:
             continue
+        active = (a.value("omniduplex_active_sessions") + b.value("omniduplex_active_sessions")) / 2
+        session_s += active * dt
         cpu = (b.value("process_cpu_seconds_total") - a.value("process_cpu_seconds_total")) / dt * 100.0
         cpu_peaks.append(cpu)
         timeline.append(
@@ -154,6 +157,7 @@ def server_summary(scrapes: list[Scrape], t0: float) -> dict[str, Any]:
                 "cpu_percent": round(cpu, 1),
                 "rss_mb": round(b.value("process_resident_memory_bytes") / 2**20, 1),
                 "active_sessions": b.value("omniduplex_active_sessions"),
+                "conversation_audio_mb": round(b.value("omniduplex_conversation_audio_bytes") / 2**20, 1),
             }
         )
     span = last.at - first.at
@@ -164,6 +168,10 @@ def server_summary(scrapes: list[Scrape], t0: float) -> dict[str, Any]:
     )
     ttfa = bucket_delta(first, last, "omniduplex_time_to_first_audio_seconds")
     lag = bucket_delta(first, last, "omniduplex_event_loop_lag_seconds")
+    gc_pause = bucket_delta(first, last, "omniduplex_gc_pause_seconds")
+    gc_s = last.value("omniduplex_gc_pause_seconds_sum", generation="2") - first.value(
+        "omniduplex_gc_pause_seconds_sum", generation="2"
+    )
     return {
         "available": True,
         "idle_rss_mb": round(idle_rss, 1),
@@ -172,12 +180,22 @@ def server_summary(scrapes: list[Scrape], t0: float) -> dict[str, Any]:
         "rss_growth_mb": round(peak_rss - idle_rss, 1),
         "cpu_mean_percent": round(cpu_mean, 1),
         "cpu_max_percent": round(max(cpu_peaks, default=0.0), 1),
+        # What one session costs the server, robust to other load on the host.
+        "cpu_ms_per_session_s": round(cpu_mean / 100 * span / session_s * 1000, 2) if session_s else None,
+        "peak_conversation_audio_mb": round(
+            max(s.value("omniduplex_conversation_audio_bytes") for s in scrapes) / 2**20, 1
+        ),
         "peak_active_sessions": max(s.value("omniduplex_active_sessions") for s in scrapes),
         "server_ttfa_ms": {
             "p50": _ms(histogram_quantile(0.5, ttfa)),
             "p95": _ms(histogram_quantile(0.95, ttfa)),
         },
         "loop_lag_ms": {"p50": _ms(histogram_quantile(0.5, lag)), "p99": _ms(histogram_quantile(0.99, lag))},
+        "gc_pause_ms": {
+            "p99": _ms(histogram_quantile(0.99, gc_pause)),
+            "collections": round(gc_pause[-1][1]) if gc_pause else 0,
+            "full_collections_s": round(gc_s, 3),
+        },
         "errors_by_code": counter_delta(first, last, "omniduplex_errors_total", "code"),
         "admissions": counter_delta(first, last, "omniduplex_admissions_total", "outcome"),
         "responses": round(

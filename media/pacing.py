@@ -102,7 +102,11 @@ class PulledFrame:
     samples: np.ndarray  # int16, exactly the requested length (silence-padded)
     played_ms: dict[str, float] = field(default_factory=dict)  # response → total played so far
     drained: list[str] = field(default_factory=list)  # responses with nothing left queued
-    audible: bool = False  # carried any response audio
+    filled: int = 0  # samples of response audio in the frame (the rest is silence)
+
+    @property
+    def audible(self) -> bool:
+        return self.filled > 0
 
 
 class PlayoutBuffer:
@@ -194,7 +198,7 @@ class PlayoutBuffer:
                     frame.drained.append(rid)
         while len(self._played) > 8:
             self._played.popitem(last=False)
-        frame.audible = filled > 0
+        frame.filled = filled
         return frame
 
     def _append(self, response_id: str, samples: np.ndarray) -> None:

@@ -137,8 +137,12 @@ class OutboundAudioTrack(MediaStreamTrack):
         self.pacer = FramePacer(frame_ms / 1000.0, clock=clock, sleep=sleep)
         self._clock = clock
         self._time_base = fractions.Fraction(1, rate)
+        # Responses with audio still to come (not finished or cleared) → silent frames sent
+        # since their audio ran dry; those count as underruns once more of their audio comes.
+        self._dry: dict[str, int] = {}
         self.frames_sent = 0
         self.audible_frames = 0
+        self.underrun_frames = 0  # silence sent inside a response (its audio came too late)
         self.last_audible_at: float | None = None  # clock time of the last frame with audio
         self.last_cleared_at: float | None = None
 
@@ -146,16 +150,25 @@ class OutboundAudioTrack(MediaStreamTrack):
 
     def play(self, response_id: str, samples: np.ndarray, rate: int) -> None:
         self.buffer.push(response_id, np.asarray(samples, dtype=np.float32), rate)
+        self.underrun_frames += self._dry.pop(response_id, 0)
+        self._dry[response_id] = 0
+        while len(self._dry) > 8:  # responses never finished nor cleared
+            self._dry.pop(next(iter(self._dry)))
 
     def finish(self, response_id: str) -> None:
         """All audio of `response_id` is queued; report it finished once the peer has it."""
         self.buffer.finish(response_id)
+        self._dry.pop(response_id, None)
         if not self.buffer.holds(response_id):
             self._report_finished(response_id)
 
     def clear(self, response_id: str | None = None) -> None:
         """Drop queued audio now (barge-in): the next frame out is silence."""
         self.buffer.clear(response_id)
+        if response_id is None:
+            self._dry.clear()
+        else:
+            self._dry.pop(response_id, None)
         self.last_cleared_at = self._clock()
 
     # --- the media side --------------------------------------------------------------------
@@ -173,8 +186,26 @@ class OutboundAudioTrack(MediaStreamTrack):
         if pulled.audible:
             self.audible_frames += 1
             self.last_audible_at = self._clock()
+        if pulled.filled < self.frame_samples:
+            for rid in self._dry:
+                if self.buffer.played_ms(rid) > 0 and not self.buffer.holds(rid):
+                    self._dry[rid] += 1
         self._report(pulled.played_ms, pulled.drained)
         return frame
+
+    def stats(self) -> dict[str, float]:
+        """Counters and pacing lateness (ms) of this track, for logs and benchmarks."""
+        late = np.asarray(self.pacer.lateness, dtype=np.float64) * 1000.0
+        return {
+            "frames": self.frames_sent,
+            "audible_frames": self.audible_frames,
+            "underrun_frames": self.underrun_frames,
+            "dropped_ms": round(self.buffer.dropped_samples * 1000.0 / self.rate, 1),
+            "resyncs": self.pacer.resyncs,
+            "late_p50_ms": round(float(np.percentile(late, 50)), 2) if len(late) else 0.0,
+            "late_p99_ms": round(float(np.percentile(late, 99)), 2) if len(late) else 0.0,
+            "late_max_ms": round(float(late.max()), 2) if len(late) else 0.0,
+        }
 
     def _report(self, played: dict[str, float], drained: list[str]) -> None:
         observer = self.observer

@@ -20,8 +20,11 @@ from urllib.parse import unquote
 
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from aiortc.exceptions import InternalError, InvalidAccessError, InvalidStateError, OperationError
+from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.rtcdatachannel import RTCDataChannel
+from aiortc.rtp import RtpPacket
 from aiortc.sdp import SessionDescription
+from aiortc.utils import uint16_add
 
 from media.tracks import AudioCallback, InboundAudioPump, MediaStreamTrack, OutboundAudioTrack
 
@@ -137,6 +140,42 @@ def check_offer(sdp: str) -> SessionDescription:
     return parsed
 
 
+# --- inbound audio latency -----------------------------------------------------------------
+
+
+class ImmediateAudioBuffer(JitterBuffer):
+    """aiortc's audio jitter buffer holds four packets back (~80 ms) for smooth playout; the
+    server does not play mic audio, it scores and transcribes it, so every packet goes to the
+    decoder on arrival. Duplicates and packets older than the newest are dropped."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity=16)
+        self._newest: int | None = None
+
+    def add(self, packet: RtpPacket) -> tuple[bool, JitterFrame | None]:
+        seq = packet.sequence_number
+        if self._newest is not None and not 0 < uint16_add(seq, -self._newest) < 0x8000:
+            return False, None
+        self._newest = seq
+        data: bytes = getattr(packet, "_data", packet.payload)  # depayloaded by the receiver
+        return False, JitterFrame(data=data, timestamp=packet.timestamp)
+
+
+_JITTER_BUFFER_ATTR = "_RTCRtpReceiver__jitter_buffer"
+
+
+def analyse_audio_on_arrival(pc: RTCPeerConnection) -> None:
+    """Swap the audio receivers' jitter buffers for `ImmediateAudioBuffer` (before media flows)."""
+    for transceiver in pc.getTransceivers():
+        receiver = transceiver.receiver
+        if transceiver.kind != "audio":
+            continue
+        if hasattr(receiver, _JITTER_BUFFER_ATTR):
+            setattr(receiver, _JITTER_BUFFER_ATTR, ImmediateAudioBuffer())
+        else:  # another aiortc layout: keep its buffer (80 ms more input latency)
+            log.warning("cannot reach aiortc's audio jitter buffer; mic audio keeps its playout delay")
+
+
 # --- one peer ------------------------------------------------------------------------------
 
 MessageCallback = Callable[[str], None]
@@ -172,6 +211,7 @@ class PeerLink:
         link = cls(RTCPeerConnection(config), outbound)
         try:
             await link.pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
+            analyse_audio_on_arrival(link.pc)
             # After the remote description, so the track binds to the offered audio section.
             link.pc.addTrack(outbound)
             await link.pc.setLocalDescription(await link.pc.createAnswer())

@@ -74,14 +74,18 @@ for _, sid in ipairs(redis.call('ZRANGEBYSCORE', TICKETS, '-inf', now)) do forge
 """
 
 # KEYS: leases holder tickets ticket seq stats rh q tenant_keys...
-# ARGV: prefix replica rlimit hlease tlease maxq default_hold n, then 5 per request:
-#       sid tenant tenant_key_index tenant_limit mode(1 = may queue)
-_DECIDE_LUA = _REAP_LUA + """
+# ARGV: prefix replica rlimit hlease tlease maxq default_hold, then one per request:
+#       "sid \t tenant \t tenant_key_index \t tenant_limit \t mode(1 = may queue)"
+# Returns one string, "status,a,b,reason" per request joined by ";" (cheap to parse in Python).
+_DECIDE_LUA = (
+    _REAP_LUA
+    + """
 local seqk, stats, rh, q = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local replica, rlimit = ARGV[2], tonumber(ARGV[3])
 local hlease, tlease, maxq = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local hold = tonumber(redis.call('HGET', stats, 'hold_ewma_ms') or ARGV[7])
 local ractive = redis.call('ZCARD', rh)
+local qlen = redis.call('ZCARD', q)
 local tcache = {}
 local function tactive(key)
   local c = tcache[key]
@@ -92,26 +96,25 @@ local function tactive(key)
   return c
 end
 local out = {}
-local function emit(a, b, c, d)
-  table.insert(out, a); table.insert(out, b); table.insert(out, c); table.insert(out, d)
-end
-local n = tonumber(ARGV[8])
-for i = 0, n - 1 do
-  local b = 9 + i * 5
-  local sid, tenant, tkey = ARGV[b], ARGV[b + 1], KEYS[tonumber(ARGV[b + 2])]
-  local tlimit, mode = tonumber(ARGV[b + 3]), ARGV[b + 4]
+for i = 8, #ARGV do
+  local sid, tenant, tki, tlimit, mode = string.match(ARGV[i], '^([^\t]*)\t([^\t]*)\t(%d+)\t(%d+)\t(%d)$')
+  local tkey = KEYS[tonumber(tki)]
+  tlimit = tonumber(tlimit)
   if redis.call('ZSCORE', rh, sid) then
-    emit(1, 0, 0, '')
+    out[#out + 1] = '1,0,0,'
   else
-    local rank = redis.call('ZRANK', q, sid)
+    local rank = false
     local ahead = {}
-    if rank == false then ahead = redis.call('ZRANGE', q, 0, -1)
-    elseif rank > 0 then ahead = redis.call('ZRANGE', q, 0, rank - 1) end
+    if qlen > 0 then
+      rank = redis.call('ZRANK', q, sid)
+      if rank == false then ahead = redis.call('ZRANGE', q, 0, -1)
+      elseif rank > 0 then ahead = redis.call('ZRANGE', q, 0, rank - 1) end
+    end
     local ahead_r, per_tenant = 0, {}
     for _, other in ipairs(ahead) do
       local meta = redis.call('HGET', TM, other)
       if meta then
-        local okey, olimit = string.match(meta, '^([^\\t]*)\\t(%d+)\\t')
+        local okey, olimit = string.match(meta, '^([^\t]*)\t(%d+)\t')
         olimit = tonumber(olimit)
         local seen = per_tenant[okey] or 0
         if tactive(okey) + seen < olimit then
@@ -127,36 +130,46 @@ for i = 0, n - 1 do
       redis.call('ZADD', LEASES, now + hlease, sid)
       redis.call('ZADD', rh, now, sid)
       redis.call('ZADD', tkey, now, sid)
-      redis.call('HSET', HM, sid, tenant .. '\\t' .. replica .. '\\t' .. now)
+      redis.call('HSET', HM, sid, tenant .. '\t' .. replica .. '\t' .. now)
       ractive = ractive + 1
       tcache[tkey] = t_now + 1
-      if rank ~= false then forget_ticket(sid) end
-      emit(1, 0, 0, '')
+      if rank ~= false then
+        forget_ticket(sid)
+        qlen = qlen - 1
+      end
+      out[#out + 1] = '1,0,0,'
     else
       local reason = r_ok and 'tenant_limit' or 'replica_full'
       local slots = r_ok and math.max(tlimit, 1) or math.max(rlimit, 1)
-      if mode == '1' and (rank ~= false or redis.call('ZCARD', q) < maxq) then
+      if mode == '1' and (rank ~= false or qlen < maxq) then
         if rank == false then
           redis.call('ZADD', q, redis.call('INCR', seqk), sid)
-          redis.call('HSET', TM, sid, tkey .. '\\t' .. tlimit .. '\\t' .. replica)
-          rank = redis.call('ZCARD', q) - 1
+          redis.call('HSET', TM, sid, tkey .. '\t' .. tlimit .. '\t' .. replica)
+          rank = qlen
+          qlen = qlen + 1
         end
         redis.call('ZADD', TICKETS, now + tlease, sid)
         local pos = rank + 1
-        emit(2, pos, math.floor(pos * hold / slots), reason)
+        out[#out + 1] = '2,' .. pos .. ',' .. math.floor(pos * hold / slots) .. ',' .. reason
       else
         if mode == '1' then reason = 'queue_full' end
-        if rank ~= false then forget_ticket(sid) end
-        emit(3, math.floor(hold / slots), 0, reason)
+        if rank ~= false then
+          forget_ticket(sid)
+          qlen = qlen - 1
+        end
+        out[#out + 1] = '3,' .. math.floor(hold / slots) .. ',0,' .. reason
       end
     end
   end
 end
-return out
+return table.concat(out, ';')
 """
+)
 
 # KEYS: leases holder tickets ticket stats; ARGV: prefix sid
-_RELEASE_LUA = _REAP_LUA + """
+_RELEASE_LUA = (
+    _REAP_LUA
+    + """
 local sid = ARGV[2]
 forget_ticket(sid)
 local meta = forget_holder(sid)
@@ -166,9 +179,12 @@ local old = tonumber(redis.call('HGET', KEYS[5], 'hold_ewma_ms') or held)
 redis.call('HSET', KEYS[5], 'hold_ewma_ms', math.floor(old * 0.8 + held * 0.2))
 return 1
 """
+)
 
 # KEYS: leases holder tickets ticket rh; ARGV: prefix lease_ms
-_RENEW_LUA = _REAP_LUA + """
+_RENEW_LUA = (
+    _REAP_LUA
+    + """
 local deadline = now + tonumber(ARGV[2])
 local n = 0
 for _, sid in ipairs(redis.call('ZRANGE', KEYS[5], 0, -1)) do
@@ -178,15 +194,19 @@ for _, sid in ipairs(redis.call('ZRANGE', KEYS[5], 0, -1)) do
 end
 return n
 """
+)
 
 # KEYS: leases holder tickets ticket rh q [tenant_key]
 # returns replica_active queued holders tickets [tenant_active]
-_COUNTS_LUA = _REAP_LUA + """
+_COUNTS_LUA = (
+    _REAP_LUA
+    + """
 local out = {redis.call('ZCARD', KEYS[5]), redis.call('ZCARD', KEYS[6]),
              redis.call('HLEN', HM), redis.call('ZCARD', TICKETS)}
 if KEYS[7] then table.insert(out, redis.call('ZCARD', KEYS[7])) end
 return out
 """
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,20 +387,20 @@ class AdmissionController:
             int(self.ticket_lease_s * 1000),
             self.max_queue,
             int(self.default_hold_s * 1000),
-            len(batch),
         ]
         for req in batch:
             tkey = self._tenant_key(req.tenant)
             if tkey not in index:
                 keys.append(tkey)
                 index[tkey] = len(keys)  # Lua KEYS are 1-based
-            args += [req.session_id, req.tenant, index[tkey], req.tenant_limit, "1" if req.may_queue else "0"]
+            mode = "1" if req.may_queue else "0"
+            args.append(f"{req.session_id}\t{req.tenant}\t{index[tkey]}\t{req.tenant_limit}\t{mode}")
         async with redis_errors():
             raw = await self._decide(keys=keys, args=args)
         self.round_trips += 1
         out: list[Decision] = []
-        for i, req in enumerate(batch):
-            status, a, b, reason = raw[4 * i : 4 * i + 4]
+        for req, encoded in zip(batch, str(raw).split(";"), strict=True):
+            status, a, b, reason = encoded.split(",")
             if int(status) == 1:
                 out.append(Admitted(req.session_id))
             elif int(status) == 2:

@@ -130,6 +130,7 @@ class RealtimeDriver:
         self._timer_wake = asyncio.Event()
         self._closing: tuple[int, str] | None = None
         self._done = asyncio.Event()
+        self._receive_error: Exception | None = None
         self.stats = _Stats()
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -146,23 +147,29 @@ class RealtimeDriver:
         self._spawn(self._vad_worker(), "vad")
         self._spawn(self._timer(), "timer")
         self.apply(self.core.start(self.now(), self.options.epoch()))
+        # One long-lived receiver task, not a task (or two) per client frame: at 25 appends a
+        # second per session, per-frame tasks were the driver's largest event-loop cost.
+        self._spawn(self._receive(incoming), "receiver")
         try:
-            while self._closing is None:
-                receive = asyncio.ensure_future(incoming())
-                done_wait = asyncio.ensure_future(self._done.wait())
-                finished, _ = await asyncio.wait({receive, done_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if receive not in finished:
-                    receive.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await receive
-                    break
-                done_wait.cancel()
-                raw = receive.result()
-                if raw is None:
-                    break
-                self.apply(self.core.handle_client_event(raw, self.now()))
+            await self._done.wait()
         finally:
             await self.shutdown(sender)
+        if self._receive_error is not None:
+            raise self._receive_error
+
+    async def _receive(self, incoming: Callable[[], Awaitable[str | None]]) -> None:
+        try:
+            while self._closing is None:
+                raw = await incoming()
+                if raw is None:
+                    return
+                self.apply(self.core.handle_client_event(raw, self.now()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # re-raised by run() after shutdown
+            self._receive_error = exc
+        finally:
+            self._done.set()
 
     async def shutdown(self, sender: asyncio.Task[Any] | None = None) -> None:
         for resp in list(self._responses.values()):
@@ -253,7 +260,12 @@ class RealtimeDriver:
             event = await self._outbox.get()
             if event is None:
                 return
-            await self._send(event)
+            try:
+                await self._send(event)
+            except Exception:  # the transport is gone: end the session, nothing left to say
+                log.debug("session %s: send failed", self.core.session_id, exc_info=True)
+                self._done.set()
+                return
 
     async def _vad_worker(self) -> None:
         while True:

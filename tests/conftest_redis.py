@@ -59,9 +59,26 @@ def start_tcp_redis(data_dir: Path, *, timeout_s: float = 10.0) -> RedisServerPr
     for _ in range(5):
         port = _free_port()
         proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir), "--save", "",
-             "--appendonly", "no", "--daemonize", "no", "--logfile", str(data_dir / f"redis-{port}.log")],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(data_dir),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(data_dir / f"redis-{port}.log"),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s

@@ -8,14 +8,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
+from media.webrtc import parse_ice_servers
 from session.identity import api_key_from_request, authenticate
+from session.video.runtimes import OrchestratorPool
 from web.context import ServerContext, server_context
 from web.realtime_ws import error_body, realtime_endpoint
 from web.settings import ServerSettings
+from web.video import Denial, VideoService
 from web.webrtc import WebRtcService
 
 
@@ -107,8 +110,27 @@ def routes() -> list[BaseRoute]:
     ]
 
 
+async def video_gate(conn: HTTPConnection) -> Denial | None:
+    """World-model sessions authenticate like realtime ones (API key or ephemeral key)."""
+    ctx: ServerContext = conn.app.state.ctx
+    if ctx.open_mode:
+        return None
+    protocols = [p.strip() for p in conn.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+    key = api_key_from_request(conn.headers.get("authorization"), protocols)
+    if await authenticate(key, ctx.api_keys, ctx.ephemeral) is None:
+        return Denial(401, "invalid_api_key", "Missing or invalid API key.")
+    return None
+
+
 def create_app(settings: ServerSettings) -> Starlette:
     webrtc = WebRtcService(settings)
+    pool = OrchestratorPool()
+    video = VideoService(
+        pool,
+        ice_servers=parse_ice_servers(settings.stun, settings.turn),
+        gate=video_gate,
+        max_sessions=settings.max_sessions,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -121,5 +143,8 @@ def create_app(settings: ServerSettings) -> Starlette:
                 yield
             finally:
                 await webrtc.close()
+                await video.close()
+                await pool.close()
 
-    return Starlette(routes=routes() + webrtc.routes(), lifespan=lifespan)
+    # The video routes come first: they include a static mount for /world.
+    return Starlette(routes=video.routes() + routes() + webrtc.routes(), lifespan=lifespan)

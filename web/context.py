@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -107,7 +108,12 @@ async def server_context(settings: ServerSettings) -> Any:
             speech=speech,
         )
         ctx.metrics.bind_runtime(orchestrator.metrics)
-        ctx.metrics.bind_sessions(lambda: len(ctx.sessions))
+        ctx.metrics.bind_sessions(lambda: ctx.sessions.values())
+        # Everything loaded so far (modules, torch, models) lives as long as the process. Out
+        # of the cyclic GC's sight, full collections stop scanning it: under load they had
+        # been stopping the event loop for ~100 ms each (see omniduplex_gc_pause_seconds).
+        gc.collect()
+        gc.freeze()
         ctx.ready = True
         try:
             async with loop_lag_watcher(ctx.metrics):

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -158,6 +159,11 @@ class ServerMetrics:
         )
         self.responses = Counter(f"{PREFIX}_responses", "Responses started.", registry=r)
         self.active_sessions = Gauge(f"{PREFIX}_active_sessions", "Open realtime sessions.", registry=r)
+        self.conversation_audio_bytes = Gauge(
+            f"{PREFIX}_conversation_audio_bytes",
+            "Audio held by the conversations of open sessions (input float32 16 kHz, output as sent).",
+            registry=r,
+        )
         self.admissions = Counter(
             f"{PREFIX}_admissions",
             "Session opens by outcome (admitted, or the refusal code).",
@@ -174,6 +180,14 @@ class ServerMetrics:
             buckets=LAG_BUCKETS,
             registry=r,
         )
+        self.gc_pause = Histogram(
+            f"{PREFIX}_gc_pause_seconds",
+            "Cyclic garbage collector pauses (they stop the event loop), by generation.",
+            ["generation"],
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        self._gc_started: float | None = None
         self._runtime_bound = False
         self._ttfa = self.time_to_first_audio
         self._turn: dict[str, Any] = {}
@@ -188,8 +202,11 @@ class ServerMetrics:
         self.registry.register(_RuntimeStateCollector(runtime))
         runtime.add_hook(_RuntimeHook(self))
 
-    def bind_sessions(self, count: Callable[[], int]) -> None:
-        self.active_sessions.set_function(lambda: float(count()))
+    def bind_sessions(self, sessions: Callable[[], Iterable[Any]]) -> None:
+        """Open sessions (live drivers), read at scrape time: their count, and the audio their
+        conversations hold (what grows server memory turn after turn)."""
+        self.active_sessions.set_function(lambda: float(sum(1 for _ in sessions())))
+        self.conversation_audio_bytes.set_function(lambda: float(conversation_audio_bytes(sessions())))
 
     # --- DriverObserver --------------------------------------------------------------------------
 
@@ -219,7 +236,16 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    # --- event-loop lag --------------------------------------------------------------------------
+    # --- event-loop lag and GC pauses -------------------------------------------------------------
+
+    def on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        """A `gc.callbacks` entry: time each collection."""
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            pause = time.perf_counter() - self._gc_started
+            self._gc_started = None
+            self.gc_pause.labels(generation=str(info.get("generation", "?"))).observe(pause)
 
     async def watch_loop_lag(
         self, interval_s: float = 0.1, clock: Callable[[], float] = time.monotonic
@@ -231,13 +257,30 @@ class ServerMetrics:
             self.loop_lag.observe(max(0.0, clock() - before - interval_s))
 
 
+def conversation_audio_bytes(drivers: Iterable[Any]) -> int:
+    """Bytes of audio stored in the conversation items of realtime drivers (others count 0)."""
+    total = 0
+    for driver in list(drivers):
+        conversation = getattr(getattr(driver, "core", None), "conversation", None)
+        for item in getattr(conversation, "items", ()):
+            for part in item.content:
+                if part.input_audio is not None:
+                    total += part.input_audio.nbytes
+                if part.output_audio is not None:
+                    total += len(part.output_audio)
+    return total
+
+
 @contextlib.asynccontextmanager
 async def loop_lag_watcher(metrics: ServerMetrics) -> Any:
-    """Own the lag-watching task for the lifetime of the block."""
+    """Own the lag-watching task and the GC timing callback for the lifetime of the block."""
     task = asyncio.create_task(metrics.watch_loop_lag(), name="metrics:loop-lag")
+    gc.callbacks.append(metrics.on_gc)
     try:
         yield task
     finally:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(metrics.on_gc)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

@@ -130,6 +130,12 @@ class RealtimeCall:
             with contextlib.suppress(asyncio.CancelledError):
                 await watchdog
             await self.link.close("session ended")
+            log.info(
+                "call %s ended (%s); outbound track %s",
+                self.call_id,
+                self.link.end_reason,
+                json.dumps(self.link.outbound.stats()),
+            )
 
     async def _watch_connect(self) -> None:
         """ICE that never connects (or no events channel): release the call and its slot."""

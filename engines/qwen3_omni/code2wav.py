@@ -54,6 +54,8 @@ class Code2WavEngine(Engine):
         super().__init__(options)
         self._loaded: LoadedModel | None = None
         self.gain = float(self.options.get("gain", 1.0))
+        # Frames (rows × window) per forward: bounds the activations of batched long decodes.
+        self.max_batch_frames = max(1, int(self.options.get("max_batch_frames", 400)))
         #: Shapes of the batched forwards of the last step (tests and metrics read it).
         self.last_batch_shapes: list[tuple[int, ...]] = []
 
@@ -110,7 +112,11 @@ class Code2WavEngine(Engine):
         for job in jobs:
             by_length.setdefault(job.codes.shape[0], []).append(job)
         code2wav = self.loaded.model.code2wav
-        for group in by_length.values():
+        groups: list[list[_Job]] = []
+        for same in by_length.values():
+            rows = max(1, self.max_batch_frames // same[0].codes.shape[0])
+            groups += [same[i : i + rows] for i in range(0, len(same), rows)]
+        for group in groups:
             codes = torch.from_numpy(np.stack([j.codes.T for j in group]))  # [B, Q, T]
             self.last_batch_shapes.append(tuple(codes.shape))
             wav = code2wav(codes).float()[:, 0]  # [B, samples]

@@ -47,7 +47,7 @@ from session.store.errors import (
     StaleEpoch,
     StoreUnavailable,
 )
-from session.store.event_ids import parse_event_id, seq_of_stream_id, session_tag
+from session.store.event_ids import parse_event_id, session_tag
 from session.store.keys import DEFAULT_PREFIX, SessionKeys, session_keys
 
 # (op, a, b, c): ("e", seq, event_id, event_json) | ("i", item_id, item_json, after) |
@@ -111,6 +111,39 @@ return top
 """
 
 
+# KEYS: meta events; ARGV: start_seq last_event_id ('' = from the first event) count
+# Returns {status, events JSON array text, meta hash flat}.
+_REPLAY_LUA = """
+local meta = redis.call('HGETALL', KEYS[1])
+if #meta == 0 then return {'not_found', '', meta} end
+local stored = 0
+for i = 1, #meta, 2 do
+  if meta[i] == 'event_seq' then stored = tonumber(meta[i + 1]) end
+end
+local start, from_start = tonumber(ARGV[1]), ARGV[2] == ''
+if (not from_start) and start > stored then return {'unknown_event_id', '', meta} end
+local entries = redis.call('XRANGE', KEYS[2], '0-' .. start, '+', 'COUNT', ARGV[3])
+if #entries == 0 then
+  if from_start and stored == 0 then return {'ok', '[]', meta} end
+  return {'trimmed', '', meta}
+end
+local function seq_of(id) return tonumber(string.sub(id, 3)) end
+if seq_of(entries[1][1]) ~= start then return {'trimmed', '', meta} end
+local i0, expected = 1, start
+if not from_start then
+  if entries[1][2][2] ~= ARGV[2] then return {'unknown_event_id', '', meta} end
+  i0, expected = 2, start + 1
+end
+local parts = {}
+for i = i0, #entries do
+  if seq_of(entries[i][1]) ~= expected then return {'gap', '', meta} end
+  parts[#parts + 1] = entries[i][2][4]
+  expected = expected + 1
+end
+return {'ok', '[' .. table.concat(parts, ',') .. ']', meta}
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class SessionRecord:
     session_id: str
@@ -144,6 +177,15 @@ class SessionSnapshot:
     items: list[dict[str, Any]]
 
 
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """A resume's outcome: ``events`` to replay, or ``None`` and why (then resync from snapshot)."""
+
+    record: SessionRecord
+    events: list[dict[str, Any]] | None
+    replay_unavailable: ReplayUnavailable | None
+
+
 @asynccontextmanager
 async def redis_errors() -> AsyncIterator[None]:
     """Map transport failures to :class:`StoreUnavailable` (HTTP 503 at the edge)."""
@@ -172,6 +214,7 @@ class SessionStore:
         self.clock = clock
         self._create = redis.register_script(_CREATE_LUA)
         self._apply = redis.register_script(_APPLY_LUA)
+        self._replay_script = redis.register_script(_REPLAY_LUA)
 
     def keys(self, session_id: str) -> SessionKeys:
         return session_keys(session_id, self.prefix)
@@ -179,7 +222,7 @@ class SessionStore:
     async def load_scripts(self) -> None:
         """Load the Lua scripts now, so the first flush is one round trip, not three."""
         async with redis_errors():
-            for script in (self._create, self._apply):
+            for script in (self._create, self._apply, self._replay_script):
                 script.sha = await self.redis.script_load(script.script)
 
     # --- open / read ------------------------------------------------------------------------
@@ -257,6 +300,28 @@ class SessionStore:
             order, items = await pipe.execute()
         return [json.loads(items[i]) for i in order if i in items]
 
+    async def _replay(
+        self, session_id: str, last_event_id: str | None, limit: int | None
+    ) -> tuple[dict[str, str], list[dict[str, Any]] | ReplayUnavailable]:
+        """One EVALSHA: the meta hash and the events after ``last_event_id`` (or why not)."""
+        ref = parse_event_id(last_event_id) if last_event_id is not None else None
+        bad_id = last_event_id is not None and (ref is None or ref.tag != session_tag(session_id))
+        start_seq = ref.seq if ref is not None else 1
+        count = (limit if limit is not None else self.stream_maxlen * 2) + 1
+        k = self.keys(session_id)
+        args: list[str | int] = [start_seq, last_event_id or "", count]
+        async with redis_errors():
+            status, payload, flat = await self._replay_script(keys=[k.meta, k.events], args=args)
+        meta = {str(flat[i]): str(flat[i + 1]) for i in range(0, len(flat), 2)}
+        if status == "not_found":
+            return meta, ReplayUnavailable(session_id, last_event_id, "not_found")
+        if bad_id:
+            return meta, ReplayUnavailable(session_id, last_event_id, "unknown_event_id")
+        if status != "ok":
+            return meta, ReplayUnavailable(session_id, last_event_id, str(status))
+        events: list[dict[str, Any]] = json.loads(payload)
+        return meta, events
+
     async def events_after(
         self, session_id: str, last_event_id: str | None, *, limit: int | None = None
     ) -> list[dict[str, Any]]:
@@ -266,43 +331,33 @@ class SessionStore:
         :class:`ReplayUnavailable` (``trimmed`` / ``unknown_event_id`` / ``gap``); the caller
         then resyncs the client from :meth:`load_snapshot`. Events still buffered in this
         process's writer are not here: use ``SessionWriter.events_after`` (flushes first).
+        The script checks the first entry and contiguity and returns the events as one JSON
+        array string, so the client parses one bulk reply, not two RESP items per event.
         """
-        ref = parse_event_id(last_event_id) if last_event_id is not None else None
-        if last_event_id is not None and (ref is None or ref.tag != session_tag(session_id)):
-            raise ReplayUnavailable(session_id, last_event_id, "unknown_event_id")
-        start_seq = ref.seq if ref is not None else 1
-        count = (limit if limit is not None else self.stream_maxlen * 2) + 1
-        k = self.keys(session_id)
-        async with redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hget(k.meta, "event_seq")
-            pipe.xrange(k.events, min=f"0-{start_seq}", max="+", count=count)
-            stored, entries = await pipe.execute()
-        if stored is None:
+        meta, result = await self._replay(session_id, last_event_id, limit)
+        if not meta:
             raise SessionNotFound(session_id)
-        if start_seq > int(stored) and ref is not None:
-            raise ReplayUnavailable(session_id, last_event_id, "unknown_event_id")
-        if not entries:
-            if ref is None:
-                return []  # no event logged yet
-            raise ReplayUnavailable(session_id, last_event_id, "trimmed")
-        first_seq = seq_of_stream_id(entries[0][0])
-        if first_seq != start_seq:
-            raise ReplayUnavailable(session_id, last_event_id, "trimmed")
-        if ref is not None:
-            if entries[0][1].get("i") != last_event_id:
-                raise ReplayUnavailable(session_id, last_event_id, "unknown_event_id")
-            entries = entries[1:]
-            expected = start_seq + 1
-        else:
-            expected = start_seq
-        out: list[dict[str, Any]] = []
-        for stream_id, fields in entries:
-            if seq_of_stream_id(stream_id) != expected:
-                raise ReplayUnavailable(session_id, last_event_id, "gap")
-            out.append(json.loads(fields["e"]))
-            expected += 1
-        return out
+        if isinstance(result, ReplayUnavailable):
+            raise result
+        return result
+
+    async def resume(
+        self, tenant: str, session_id: str, token: str | None, last_event_id: str | None
+    ) -> Resumed:
+        """Authorize a resume and fetch what the client missed, in one round trip.
+
+        Raises :class:`SessionNotFound` (unknown, expired, other tenant) or
+        :class:`ResumeTokenInvalid`; no event leaves this method before both checks pass.
+        """
+        meta, result = await self._replay(session_id, last_event_id, None)
+        if not meta or meta.get("tenant") != tenant:
+            raise SessionNotFound(session_id)
+        if not resume_token_matches(token, meta.get("resume_token_sha256")):
+            raise ResumeTokenInvalid(session_id)
+        record = SessionRecord.from_hash(session_id, meta)
+        if isinstance(result, ReplayUnavailable):
+            return Resumed(record, None, result)
+        return Resumed(record, result, None)
 
     # --- write / end ------------------------------------------------------------------------
 

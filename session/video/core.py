@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from media.video import EncodedChunk
-from session.video.config import VideoConfig, WorldModel
+from session.video.config import VideoConfig, VideoLimits, WorldModel
 from session.video.events import (
     ChunkMetadata,
     ClientEvent,
@@ -111,6 +111,78 @@ class _Request:
     in_flight: dict[int, tuple[list[str], float]] = field(default_factory=dict)  # chunk → ids, oldest
 
 
+def plan_generation(
+    event: SessionStart, model: WorldModel, limits: VideoLimits, request_id: str
+) -> StartGeneration:
+    """Validate a ``session.start`` against the model and limits → the generation to start."""
+    lim = limits
+    if event.format not in lim.formats:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_FORMAT,
+            f"format {event.format!r} is not supported (use one of {', '.join(lim.formats)})",
+        )
+    width = lim.default_width if event.width is None else event.width
+    height = lim.default_height if event.height is None else event.height
+    if width <= 0 or height <= 0:
+        raise ProtocolError(
+            ErrorCode.INVALID_PARAMETER, f"width and height must be positive, got {width}x{height}"
+        )
+    if width > lim.max_width or height > lim.max_height:
+        raise ProtocolError(
+            ErrorCode.SIZE_TOO_LARGE,
+            f"{width}x{height} is over the maximum {lim.max_width}x{lim.max_height}",
+        )
+    if event.format == "m4s" and (width % 2 or height % 2):
+        raise ProtocolError(
+            ErrorCode.INVALID_PARAMETER,
+            f"m4s (H.264) needs an even width and height, got {width}x{height}",
+        )
+    fps = lim.default_fps if event.fps is None else event.fps
+    if not 0 < fps <= lim.max_fps:
+        raise ProtocolError(ErrorCode.INVALID_PARAMETER, f"fps must lie in (0, {lim.max_fps}], got {fps}")
+    if event.num_frames is not None and not 0 < event.num_frames <= lim.max_num_frames:
+        raise ProtocolError(ErrorCode.INVALID_PARAMETER, f"num_frames must lie in 1..{lim.max_num_frames}")
+    if len(event.prompt) > lim.max_prompt_chars:
+        raise ProtocolError(
+            ErrorCode.INVALID_PARAMETER, f"prompt is limited to {lim.max_prompt_chars} characters"
+        )
+    extra = dict(event.extra_params)
+    default_chunk = model.chunk_frames or max(1, int(fps * lim.target_chunk_ms / 1000.0))
+    chunk_frames = extra.pop("chunk_frames", default_chunk)
+    if (
+        isinstance(chunk_frames, bool)
+        or not isinstance(chunk_frames, int)
+        or not 1 <= chunk_frames <= lim.max_chunk_frames
+    ):
+        raise ProtocolError(
+            ErrorCode.INVALID_PARAMETER,
+            f"extra_params.chunk_frames must be an integer in 1..{lim.max_chunk_frames}",
+        )
+    quality = extra.pop("jpeg_quality", 80)
+    if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 95:
+        raise ProtocolError(
+            ErrorCode.INVALID_PARAMETER, "extra_params.jpeg_quality must be an integer in 1..95"
+        )
+    for key, value in extra.items():
+        if not isinstance(value, str | int | float | bool) and value is not None:
+            raise ProtocolError(
+                ErrorCode.INVALID_PARAMETER, f"extra_params.{key} must be a string, number or boolean"
+            )
+    params: dict[str, Any] = {
+        **extra,
+        "prompt": event.prompt,
+        "seed": 0 if event.seed is None else event.seed,
+        "width": width,
+        "height": height,
+        "fps": fps,
+        "chunk_frames": chunk_frames,
+        "flow": "demand",  # the session paces generation to playback
+    }
+    if event.num_frames is not None:
+        params["num_frames"] = event.num_frames
+    return StartGeneration(request_id, model.pipeline, params, event.format, width, height, fps, quality)
+
+
 class VideoSessionCore:
     """Protocol state of one video connection (see the module docstring)."""
 
@@ -193,83 +265,12 @@ class VideoSessionCore:
                 ErrorCode.UNKNOWN_MODEL,
                 f"unknown model {event.model!r} (available: {', '.join(sorted(self.config.models))})",
             )
-        start = self._plan_start(event, model)
+        start = plan_generation(event, model, self.limits, self._new_id("vreq"))
         self._request = _Request(
             start.request_id, model, start, int(start.params["chunk_frames"]), event.num_frames
         )
         self.phase = Phase.STARTING
         return [start]
-
-    def _plan_start(self, event: SessionStart, model: WorldModel) -> StartGeneration:
-        lim = self.limits
-        if event.format not in lim.formats:
-            raise ProtocolError(
-                ErrorCode.UNSUPPORTED_FORMAT,
-                f"format {event.format!r} is not supported (use one of {', '.join(lim.formats)})",
-            )
-        width = lim.default_width if event.width is None else event.width
-        height = lim.default_height if event.height is None else event.height
-        if width <= 0 or height <= 0:
-            raise ProtocolError(
-                ErrorCode.INVALID_PARAMETER, f"width and height must be positive, got {width}x{height}"
-            )
-        if width > lim.max_width or height > lim.max_height:
-            raise ProtocolError(
-                ErrorCode.SIZE_TOO_LARGE,
-                f"{width}x{height} is over the maximum {lim.max_width}x{lim.max_height}",
-            )
-        if event.format == "m4s" and (width % 2 or height % 2):
-            raise ProtocolError(
-                ErrorCode.INVALID_PARAMETER,
-                f"m4s (H.264) needs an even width and height, got {width}x{height}",
-            )
-        fps = lim.default_fps if event.fps is None else event.fps
-        if not 0 < fps <= lim.max_fps:
-            raise ProtocolError(ErrorCode.INVALID_PARAMETER, f"fps must lie in (0, {lim.max_fps}], got {fps}")
-        if event.num_frames is not None and not 0 < event.num_frames <= lim.max_num_frames:
-            raise ProtocolError(
-                ErrorCode.INVALID_PARAMETER, f"num_frames must lie in 1..{lim.max_num_frames}"
-            )
-        if len(event.prompt) > lim.max_prompt_chars:
-            raise ProtocolError(
-                ErrorCode.INVALID_PARAMETER, f"prompt is limited to {lim.max_prompt_chars} characters"
-            )
-        extra = dict(event.extra_params)
-        default_chunk = model.chunk_frames or max(1, int(fps * lim.target_chunk_ms / 1000.0))
-        chunk_frames = extra.pop("chunk_frames", default_chunk)
-        if (
-            isinstance(chunk_frames, bool)
-            or not isinstance(chunk_frames, int)
-            or not 1 <= chunk_frames <= lim.max_chunk_frames
-        ):
-            raise ProtocolError(
-                ErrorCode.INVALID_PARAMETER,
-                f"extra_params.chunk_frames must be an integer in 1..{lim.max_chunk_frames}",
-            )
-        quality = extra.pop("jpeg_quality", 80)
-        if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 95:
-            raise ProtocolError(
-                ErrorCode.INVALID_PARAMETER, "extra_params.jpeg_quality must be an integer in 1..95"
-            )
-        for key, value in extra.items():
-            if not isinstance(value, str | int | float | bool) and value is not None:
-                raise ProtocolError(
-                    ErrorCode.INVALID_PARAMETER, f"extra_params.{key} must be a string, number or boolean"
-                )
-        params: dict[str, Any] = {
-            **extra,
-            "prompt": event.prompt,
-            "seed": 0 if event.seed is None else event.seed,
-            "width": width,
-            "height": height,
-            "fps": fps,
-            "chunk_frames": chunk_frames,
-            "flow": "demand",  # the session paces generation to playback
-        }
-        if event.num_frames is not None:
-            params["num_frames"] = event.num_frames
-        request_id = self._new_id("vreq")
-        return StartGeneration(request_id, model.pipeline, params, event.format, width, height, fps, quality)
 
     def _interact(self, event: SessionInteraction, now: float) -> list[Output]:
         req = self._request
@@ -371,7 +372,15 @@ class VideoSessionCore:
         return Demand(req.request_id, index, prompt, req.keys.flush())
 
     def on_chunk(
-        self, chunk_index: int, encoded: EncodedChunk, mime_type: str, fps: float, now: float
+        self,
+        chunk_index: int,
+        encoded: EncodedChunk,
+        mime_type: str,
+        fps: float,
+        now: float,
+        *,
+        kind: str = "media",
+        queue_depth: int | None = None,
     ) -> list[ServerEvent]:
         """A chunk is about to go out: the events to send before its binary frame."""
         req = self._request
@@ -393,8 +402,10 @@ class VideoSessionCore:
                 fps=fps,
                 pts_ms=round(req.frames_sent * 1e3 / fps, 3),
                 mime_type=mime_type,
+                kind=kind,
                 frame_byte_lengths=encoded.frame_byte_lengths or None,
                 init_byte_length=encoded.init_byte_length or None,
+                queue_depth=queue_depth,
             )
         )
         req.chunks_sent += 1

@@ -23,7 +23,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from media.video import ChunkEncoder, make_encoder
 from runtime.payloads import Action, Conditioning, Frames, Payload
 from runtime.progress import AdmissionError, RequestHandle, RequestStatus
 from session.video.core import (
@@ -34,6 +33,7 @@ from session.video.core import (
     VideoSessionCore,
 )
 from session.video.events import ErrorCode, ServerEvent
+from session.video.outlets import ChunkOutlet, encoded_outlet
 from session.video.pacing import ChunkPacer
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class WorldRuntime(Protocol):
 
 
 RuntimeProvider = Callable[[str], Awaitable[WorldRuntime]]  # pipeline name → started runtime
+OutletFactory = Callable[[StartGeneration], Awaitable[ChunkOutlet]]
 
 
 class _Stalled(Exception):
@@ -95,9 +96,11 @@ class VideoSessionDriver:
         transport: VideoTransport,
         runtimes: RuntimeProvider,
         *,
+        outlets: OutletFactory = encoded_outlet,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.core = core
+        self._outlets = outlets
         self.stats = DriverStats()
         self._transport = transport
         self._runtimes = runtimes
@@ -250,18 +253,11 @@ class VideoSessionDriver:
             )
             return
         self._runtime = runtime
-        encoder: ChunkEncoder | None = None
+        outlet: ChunkOutlet | None = None
         try:
-            encoder = await asyncio.to_thread(
-                make_encoder,
-                start.format,
-                start.width,
-                start.height,
-                start.fps,
-                jpeg_quality=start.jpeg_quality,
-            )
+            outlet = await self._outlets(start)
             await self._perform(self.core.on_started())
-            await self._pump(runtime, handle, encoder, start)
+            await self._pump(runtime, handle, outlet, start)
         except asyncio.CancelledError:
             await runtime.cancel(start.request_id)
             raise
@@ -274,11 +270,11 @@ class VideoSessionDriver:
             await runtime.cancel(start.request_id)
             await self._perform(self.core.on_generation_end("failed", f"{type(exc).__name__}: {exc}"))
         finally:
-            if encoder is not None:
-                encoder.close()
+            if outlet is not None:
+                outlet.close()
 
     async def _pump(
-        self, runtime: WorldRuntime, handle: RequestHandle, encoder: ChunkEncoder, start: StartGeneration
+        self, runtime: WorldRuntime, handle: RequestHandle, outlet: ChunkOutlet, start: StartGeneration
     ) -> None:
         pacer = ChunkPacer()
         demanded_at = await self._demand(runtime)
@@ -289,21 +285,45 @@ class VideoSessionDriver:
             if not isinstance(out, Frames):
                 continue
             self.stats.chunks_received += 1
-            encoded = await asyncio.to_thread(encoder.encode, out.frames)
+            encoded = await outlet.prepare(out.frames)
             now = self._clock()
             if demanded_at is not None:
                 pacer.observe_latency(now - demanded_at)
             await self._sleep_until(pacer.send_at(now))
             fps = out.fps or start.fps
             sent_at = self._clock()
-            events = self.core.on_chunk(out.chunk_index, encoded, encoder.mime_type, fps, sent_at)
-            await self._send(*(event.to_json() for event in events), encoded.data)
+            events = self.core.on_chunk(
+                out.chunk_index,
+                encoded,
+                outlet.mime_type,
+                fps,
+                sent_at,
+                kind=outlet.kind,
+                queue_depth=outlet.queue_depth,
+            )
+            if outlet.kind == "media":
+                await self._send(*(event.to_json() for event in events), encoded.data)
+            else:
+                await self._send(*(event.to_json() for event in events))
+                await self._play(outlet, out.frames, fps)
             self.stats.chunks_sent += 1
             pacer.sent(sent_at, encoded.frame_count / fps)
             await self._sleep_until(pacer.demand_at(self._clock()))
             demanded_at = await self._demand(runtime)
         # the stream ended without a status: the runtime went away
         await self._perform(self.core.on_generation_end("failed", "the runtime ended the stream"))
+
+    async def _play(self, outlet: ChunkOutlet, frames: Any, fps: float) -> None:
+        """Frames onto a track outlet, which waits while about a chunk is queued: a peer that
+        stops taking frames blocks here, and as long as a blocked socket send counts as a stall."""
+        started = self._clock()
+        try:
+            async with asyncio.timeout(self._limits.stall_timeout_s):
+                await outlet.play(frames, fps)
+        except TimeoutError:
+            waited = self._clock() - started
+            self.stats.send_blocked_s = max(self.stats.send_blocked_s, waited)
+            raise _Stalled(waited) from None
 
     async def _demand(self, runtime: WorldRuntime) -> float | None:
         """Send pending interactions, then demand one chunk; when it was demanded (None: not)."""

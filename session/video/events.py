@@ -211,7 +211,8 @@ class VideoStart(ServerEvent):
 
 @dataclass(slots=True)
 class ChunkMetadata(ServerEvent):
-    """Describes the binary frame that follows it at once."""
+    """Describes the binary frame that follows it at once (``kind: "media"``); over WebRTC
+    (``kind: "rtp"``) it is a status message and the frames travel on the video track."""
 
     type: ClassVar[str] = "video.chunk_metadata"
     request_id: str
@@ -226,6 +227,7 @@ class ChunkMetadata(ServerEvent):
     kind: str = "media"
     frame_byte_lengths: list[int] | None = None  # jpeg: where each JPEG ends
     init_byte_length: int | None = None  # m4s: leading init segment bytes (first chunk)
+    queue_depth: int | None = None  # rtp: frames waiting in the track when the chunk was queued
 
     def to_dict(self) -> dict[str, Any]:
         body = ServerEvent.to_dict(self)  # slots=True dataclasses break zero-argument super()

@@ -1,7 +1,8 @@
 """When to send a chunk and when to ask for the next one (pure; the driver supplies the time).
 
 Chunks go out at the stream's frame rate: chunk ``k+1`` is due one chunk duration after chunk
-``k`` went out; a late chunk goes out at once and the timeline moves (no burst to catch up).
+``k`` was due; a chunk later than that goes out at once and the timeline moves (no burst to
+catch up).
 The next chunk is demanded *just in time*: its due time minus the expected time to make and
 encode it (twice the smoothed demand → ready latency, plus a margin). Demanding late is what
 keeps an action's latency near one chunk instead of a whole queue of chunks.
@@ -34,8 +35,11 @@ class ChunkPacer:
         return now if self.next_due is None else max(now, self.next_due)
 
     def sent(self, at: float, duration_s: float) -> None:
-        """A chunk of ``duration_s`` started going out at ``at``."""
-        self.next_due = at + duration_s
+        """A chunk of ``duration_s`` started going out at ``at``. A little late (timer jitter)
+        keeps the timeline, so the rate does not drift; a whole chunk late moves it."""
+        due = self.next_due
+        base = due if due is not None and at - due < duration_s else at
+        self.next_due = base + duration_s
 
     def demand_at(self, now: float) -> float:
         """When to demand the next chunk (``now`` or later)."""

@@ -232,7 +232,9 @@ def test_talker_batches_the_code_predictor_across_requests(engines: Engines) -> 
         live = [i for i in range(len(prompts)) if not talker_done[i]]
         if not live:
             break
-        batch = [StepInput(state=k_states[i], chunks=inbox[i], upstream_finished=thinker_done[i]) for i in live]
+        batch = [
+            StepInput(state=k_states[i], chunks=inbox[i], upstream_finished=thinker_done[i]) for i in live
+        ]
         for i in live:
             inbox[i] = []
         for i, out in zip(live, talker.step(batch), strict=True):
@@ -241,3 +243,18 @@ def test_talker_batches_the_code_predictor_across_requests(engines: Engines) -> 
     assert all(talker_done)
     for ref, got in zip(alone, codes, strict=True):
         np.testing.assert_array_equal(np.concatenate(got), ref)
+
+
+def test_code2wav_splits_batches_over_its_frame_budget() -> None:
+    c2w = make_engines().code2wav
+    c2w.max_batch_frames = 8  # two 4-frame windows per forward
+    frames = [CodecCodes(np.full((1, 16), i, dtype=np.int64)) for i in range(4)]
+    states = [c2w.start(EngineRequest(f"m{i}", {})) for i in range(3)]
+    outs = c2w.step([StepInput(state=s, chunks=[EdgeChunk(items=frames)]) for s in states])
+    assert c2w.last_batch_shapes == [(2, 16, 4), (1, 16, 4)]
+    first = outs[0].client[0]
+    assert isinstance(first, AudioChunk)
+    for out in outs[1:]:
+        chunk = out.client[0]
+        assert isinstance(chunk, AudioChunk)
+        np.testing.assert_allclose(chunk.samples, first.samples, rtol=0, atol=1e-9)

@@ -15,16 +15,18 @@ from session.store.embedded import pid_alive
 async def test_start_ping_stop_leaves_nothing(tmp_path: Path) -> None:
     server = EmbeddedRedis(tmp_path / "od")
     url = await server.start()
-    assert url.startswith("unix://")
     pid = server.pid
-    assert pid is not None and pid_alive(pid)
-    client = redis.asyncio.Redis.from_url(url, decode_responses=True)
-    assert await client.ping()
-    assert (await client.config_get("appendonly"))["appendonly"] == "yes"
-    assert (await client.config_get("appendfsync"))["appendfsync"] == "everysec"
-    assert (await client.config_get("port"))["port"] == "0"  # no TCP socket
-    await client.aclose()
-    await server.stop()
+    try:
+        assert url.startswith("unix://")
+        assert pid is not None and pid_alive(pid)
+        client = redis.asyncio.Redis.from_url(url, decode_responses=True)
+        assert await client.ping()
+        assert (await client.config_get("appendonly"))["appendonly"] == "yes"
+        assert (await client.config_get("appendfsync"))["appendfsync"] == "always"
+        assert (await client.config_get("port"))["port"] == "0"  # no TCP socket
+        await client.aclose()
+    finally:
+        await server.stop()
     assert not pid_alive(pid)
     assert not (tmp_path / "od" / "redis.pid").exists()
     await server.stop()  # idempotent
@@ -34,10 +36,13 @@ async def test_reuses_running_server_from_same_dir(tmp_path: Path) -> None:
     first = EmbeddedRedis(tmp_path / "od")
     await first.start()
     second = EmbeddedRedis(tmp_path / "od")
-    await second.start()
-    assert second.reused and second.pid == first.pid
-    await second.stop()
-    assert first.pid is not None and not pid_alive(first.pid)
+    try:
+        await second.start()
+        assert second.reused and second.pid == first.pid
+    finally:
+        await second.stop()
+        await first.stop()
+    assert first.pid is None
 
 
 async def test_stale_pidfile_is_replaced(tmp_path: Path) -> None:
@@ -46,8 +51,10 @@ async def test_stale_pidfile_is_replaced(tmp_path: Path) -> None:
     (data / "redis.pid").write_text("999999\n")
     server = EmbeddedRedis(data)
     await server.start()
-    assert not server.reused and server.pid != 999999
-    await server.stop()
+    try:
+        assert not server.reused and server.pid != 999999
+    finally:
+        await server.stop()
 
 
 async def test_kill_dash_nine_and_restart_keeps_session_and_events(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import redis.asyncio
 
-from session.store import ReplayUnavailable, SessionNotFound, SessionStore, SessionWriter
+from session.store import ReplayUnavailable, ResumeTokenInvalid, SessionNotFound, SessionStore, SessionWriter
 from session.store.event_ids import parse_event_id
 
 
@@ -158,3 +158,34 @@ async def test_writer_survives_redis_outage_and_catches_up(store: SessionStore, 
     await writer.flush()
     assert await store.events_after(record.session_id, None) == sent
     await dead.aclose()
+
+
+async def test_resume_mid_response_matches_uninterrupted_run(store: SessionStore) -> None:
+    record, token = await store.create_session("tenantA")
+    writer = SessionWriter(store, record, flush_interval_s=0.005)
+    await writer.start()
+    client_got: list[dict[str, object]] = []
+    all_sent: list[dict[str, object]] = []
+    for i in range(60):  # a response streaming; the socket drops after event 25
+        event = writer.append({"type": "response.output_audio.delta", "delta": f"chunk{i}"})
+        all_sent.append(event)
+        if i < 25:
+            client_got.append(event)
+        if i % 7 == 0:
+            await asyncio.sleep(0.002)
+    last = str(client_got[-1]["event_id"])
+    with pytest.raises(ResumeTokenInvalid):
+        await store.resume("tenantA", record.session_id, "rt_wrong", last)
+    with pytest.raises(SessionNotFound):
+        await store.resume("tenantB", record.session_id, token, last)
+    await writer.flush()  # the resuming process flushes its own writer first (writer.events_after)
+    resumed = await store.resume("tenantA", record.session_id, token, last)
+    assert resumed.replay_unavailable is None and resumed.events is not None
+    client_got += resumed.events
+    client_got.append(writer.append({"type": "response.done"}))  # live again
+    all_sent.append(client_got[-1])
+    assert [e["event_id"] for e in client_got] == [e["event_id"] for e in all_sent]
+    assert client_got == all_sent
+    await writer.close()
+    unavailable = await store.resume("tenantA", record.session_id, token, "event_nope")
+    assert unavailable.events is None and unavailable.replay_unavailable is not None

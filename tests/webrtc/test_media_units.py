@@ -290,3 +290,37 @@ def test_parse_ice_servers() -> None:
         parse_ice_servers(["stun:user@host"])
     with pytest.raises(ValueError, match="TURN"):
         parse_ice_servers([], ["turn:user:pw@"])
+
+
+async def test_underruns_count_only_real_gaps() -> None:
+    vt = VirtualTime()
+    track = OutboundAudioTrack(clock=vt.clock, sleep=vt.sleep)
+    track.play("r1", tone(0.04, 48_000), 48_000)
+    for _ in range(5):  # 2 frames of audio, then 3 frames dry
+        await track.recv()
+    assert track.underrun_frames == 0  # maybe it was all: not an underrun yet
+    track.play("r1", tone(0.04, 48_000), 48_000)  # more came: those 3 frames were a gap
+    assert track.underrun_frames == 3
+    for _ in range(4):
+        await track.recv()
+    track.finish("r1")  # complete: the trailing silence was no underrun
+    assert track.underrun_frames == 3
+    assert track.stats()["underrun_frames"] == 3
+
+
+def test_immediate_audio_buffer_hands_packets_on_at_once() -> None:
+    from aiortc.rtp import RtpPacket
+
+    from media.webrtc import ImmediateAudioBuffer
+
+    buf = ImmediateAudioBuffer()
+
+    def packet(seq: int) -> RtpPacket:
+        p = RtpPacket(payload_type=111, sequence_number=seq, timestamp=seq * 960, payload=bytes([seq % 256]))
+        p._data = p.payload  # type: ignore[attr-defined]
+        return p
+
+    got = [buf.add(packet(s))[1] for s in (65534, 65535, 0, 0, 65535, 2, 1)]
+    frames = [None if f is None else f.timestamp for f in got]
+    # In order (across the sequence wrap) at once; the duplicate and the late ones dropped.
+    assert frames == [65534 * 960, 65535 * 960, 0, None, None, 2 * 960, None]

@@ -30,12 +30,14 @@ class WorldServer:
         return self.url.replace("http://", "ws://") + "/v1/realtime/video"
 
 
-async def serve(config: VideoConfig, *, sndbuf: int | None = None) -> AsyncIterator[WorldServer]:
+async def serve(
+    config: VideoConfig, *, sndbuf: int | None = None, **service_options: Any
+) -> AsyncIterator[WorldServer]:
     """A server on a free loopback port. ``sndbuf``: a small, fixed kernel send buffer for every
     accepted connection (Linux copies it from the listening socket), so a stalled client blocks
     the server's sends after kilobytes instead of the megabytes autotuning allows."""
     pool = OrchestratorPool()
-    service = VideoService(pool, config)
+    service = VideoService(pool, config, **service_options)
     app = Starlette(routes=service.routes())
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

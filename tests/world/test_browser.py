@@ -25,11 +25,10 @@ LAUNCH_ARGS = [
     "--disable-sync",
 ]
 
-pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM}")
 
 
 async def test_page_renders_frames_and_key_press_changes_picture(world_server: WorldServer) -> None:
-    playwright_api = pytest.importorskip("playwright.async_api")
+    import playwright.async_api as playwright_api
     url = f"{world_server.url}/world/?autostart&debug&model=tiny-jepa&seed=0&size=128&fps=30"
     async with playwright_api.async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
@@ -82,6 +81,30 @@ async def test_page_renders_frames_and_key_press_changes_picture(world_server: W
                 )
             latency = await press.text_content("#latency")
             assert latency is not None and latency.strip().isdigit()
+            assert errors == []
+        finally:
+            await browser.close()
+
+
+async def test_page_plays_the_webrtc_video_track(world_server: WorldServer) -> None:
+    import playwright.async_api as playwright_api
+    url = f"{world_server.url}/world/?autostart&model=tiny-jepa&size=128&fps=30&transport=webrtc"
+    async with playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        try:
+            page = await browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(url)
+            await page.wait_for_function("window.__world.framesDrawn >= 15", timeout=20_000)
+            size = await page.evaluate(
+                "[document.getElementById('video').videoWidth, document.getElementById('video').videoHeight]"
+            )
+            assert size == [128, 128]
+            await page.click("#video")
+            await page.keyboard.down("ArrowUp")
+            await page.wait_for_function("Object.keys(window.__world.queued).length > 0", timeout=10_000)
+            await page.wait_for_function("window.__world.latencies.length > 0", timeout=10_000)
             assert errors == []
         finally:
             await browser.close()

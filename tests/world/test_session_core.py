@@ -222,5 +222,9 @@ def test_pacer_sends_on_time_and_demands_just_in_time() -> None:
     assert pacer.demand_at(10.0) == pytest.approx(10.1 - 0.022)
     assert pacer.send_at(10.05) == pytest.approx(10.1)  # early: wait for its slot
     assert pacer.send_at(10.3) == 10.3  # late: at once, no burst to catch up
+    pacer.sent(10.102, 0.1)  # timer jitter: the timeline holds, the rate does not drift
+    assert pacer.next_due == pytest.approx(10.2)
+    pacer.sent(10.35, 0.1)  # a whole chunk late: the timeline moves
+    assert pacer.next_due == pytest.approx(10.45)
     pacer.observe_latency(0.020)
     assert pacer.latency_s == pytest.approx(0.013)

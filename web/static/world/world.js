@@ -1,6 +1,8 @@
-// World-model demo client for /v1/realtime/video (format "jpeg").
-// Each video.chunk_metadata is followed by one binary frame holding the chunk's JPEGs back to
-// back (frame_byte_lengths says where each ends); frames are drawn 1/fps apart.
+// World-model demo client for /v1/realtime/video.
+// WebSocket: each video.chunk_metadata is followed by one binary frame holding the chunk's
+// JPEGs back to back (frame_byte_lengths says where each ends); frames are drawn 1/fps apart.
+// WebRTC: POST an SDP offer to /v1/realtime/video/calls; frames arrive on the video track and
+// the same JSON events travel on the "controls" data channel (chunk metadata = status).
 
 const params = new URLSearchParams(location.search);
 const DEBUG = params.has("debug"); // record a pixel hash of the canvas per chunk (tests compare them)
@@ -9,6 +11,8 @@ const $ = (id) => document.getElementById(id);
 
 const state = {
   ws: null,
+  pc: null,                 // WebRTC: the peer connection and its controls channel
+  channel: null,
   config: null,
   pendingMeta: null,        // metadata waiting for its binary frame
   playout: [],              // {bitmap, chunkIndex, due}
@@ -32,22 +36,68 @@ function log(line) {
 
 function send(event) {
   if (state.ws && state.ws.readyState === WebSocket.OPEN) state.ws.send(JSON.stringify(event));
+  if (state.channel && state.channel.readyState === "open") state.channel.send(JSON.stringify(event));
+}
+
+function startEvent(format) {
+  const size = Number($("size").value) || 256;
+  return {
+    type: "session.start", model: $("model").value, format,
+    width: size, height: size, fps: Number($("fps").value) || 30, seed: Number($("seed").value) || 0,
+    prompt: $("prompt").value || "",
+  };
+}
+
+function showVideo(on) {
+  $("video").hidden = !on;
+  $("screen").hidden = on;
+}
+
+async function startRtc() {
+  const pc = new RTCPeerConnection({ iceServers: [] });
+  state.pc = pc;
+  pc.addTransceiver("video", { direction: "recvonly" });
+  const channel = pc.createDataChannel("controls");
+  state.channel = channel;
+  channel.onopen = () => { send(startEvent("jpeg")); $("status").textContent = "starting"; };
+  channel.onmessage = (msg) => onEvent(JSON.parse(msg.data));
+  channel.onclose = () => { $("status").textContent = "closed"; $("stop").disabled = true; };
+  pc.ontrack = (ev) => { $("video").srcObject = ev.streams[0] || new MediaStream([ev.track]); };
+  await pc.setLocalDescription(await pc.createOffer());
+  const response = await fetch("/v1/realtime/video/calls", {
+    method: "POST", body: pc.localDescription.sdp, headers: { "Content-Type": "application/sdp" },
+  });
+  if (response.status !== 201) {
+    log(`call refused: ${await response.text()}`);
+    return;
+  }
+  await pc.setRemoteDescription({ type: "answer", sdp: await response.text() });
+  const video = $("video");
+  const count = () => {
+    state.framesDrawn += 1;
+    state.drawTimes.push(performance.now());
+    if (state.pc === pc) video.requestVideoFrameCallback(count);
+  };
+  video.requestVideoFrameCallback(count);
 }
 
 function start() {
   stop();
-  const size = Number($("size").value) || 256;
+  $("stop").disabled = false;
+  if ($("transport").value === "webrtc") {
+    showVideo(true);
+    $("video").focus();
+    startRtc().catch((err) => log(`webrtc: ${err}`));
+    return;
+  }
+  showVideo(false);
   const url = new URL("/v1/realtime/video", location.href);
   url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
   const ws = new WebSocket(url);
   ws.binaryType = "arraybuffer";
   state.ws = ws;
   ws.onopen = () => {
-    send({
-      type: "session.start", model: $("model").value, format: "jpeg",
-      width: size, height: size, fps: Number($("fps").value) || 30, seed: Number($("seed").value) || 0,
-      prompt: $("prompt").value || "",
-    });
+    send(startEvent("jpeg"));
     $("status").textContent = "starting";
   };
   ws.onmessage = (msg) => (typeof msg.data === "string" ? onEvent(JSON.parse(msg.data)) : onBinary(msg.data));
@@ -57,7 +107,6 @@ function start() {
     $("send-prompt").disabled = true;
     if (state.ws === ws) state.ws = null;
   };
-  $("stop").disabled = false;
   $("screen").focus();
 }
 
@@ -66,6 +115,12 @@ function stop() {
     send({ type: "session.stop" });
     state.ws.close(1000, "client stopped");
     state.ws = null;
+  }
+  if (state.pc) {
+    send({ type: "session.stop" });
+    state.pc.close();
+    state.pc = null;
+    state.channel = null;
   }
   state.playout = [];
   state.pendingMeta = null;
@@ -78,13 +133,21 @@ function onEvent(event) {
       const canvas = $("screen");
       canvas.width = event.config.width;
       canvas.height = event.config.height;
+      $("video").width = event.config.width;
+      $("video").height = event.config.height;
       $("status").textContent = `streaming ${event.config.model}`;
       $("send-prompt").disabled = !event.config.prompt_updates;
       log(`started ${event.request_id} ${JSON.stringify(event.config)}`);
       break;
     }
     case "video.chunk_metadata":
-      state.pendingMeta = event;
+      if (event.kind === "rtp") {
+        // WebRTC status: the chunk went onto the track (displayed a jitter buffer later)
+        state.lastChunk = event.chunk_index;
+        noteApplied(event.chunk_index, performance.now());
+      } else {
+        state.pendingMeta = event;
+      }
       break;
     case "session.interaction.queued": {
       state.queued[event.event_id] = event.applies_at_chunk;
@@ -196,7 +259,7 @@ $("send-prompt").addEventListener("click", () => {
   send({ type: "session.interaction", event_id: `prompt_${++state.eventSeq}`, prompt: $("prompt").value });
 });
 requestAnimationFrame(render);
-for (const name of ["model", "size", "fps", "seed", "prompt"]) {
+for (const name of ["model", "size", "fps", "seed", "prompt", "transport"]) {
   if (params.has(name)) $(name).value = params.get(name);
 }
 if (params.has("autostart")) start();
