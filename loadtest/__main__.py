@@ -34,6 +34,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plots", type=Path, default=None, help="PNG directory (default: --out)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--piper-cache", type=Path, default=Path(".omniduplex/loadtest-cache"))
+    g.add_argument(
+        "--server-logs", type=Path, default=Path(".omniduplex/loadtest-logs"), help="logs of started servers"
+    )
     g.add_argument("--slo", default="", help="objectives, e.g. 'ttfa_p95_ms<=1500,underruns==0,errors==0'")
 
 
@@ -92,7 +95,7 @@ async def _cmd_run(args: argparse.Namespace, results: dict[str, Any]) -> int:
     objectives = parse_slo(args.slo)
     bank = speech_bank(workload, args.piper_cache)
     config = ConfigSpec(args.label or "server", shlex.split(args.server_args)) if args.server_args else None
-    async with server_target(args.url, config, args.out) as target:
+    async with server_target(args.url, config, args.server_logs) as target:
         if args.label:
             target.label = args.label
         results["levels"] = await run_levels(
@@ -115,7 +118,7 @@ async def _cmd_compare(args: argparse.Namespace, results: dict[str, Any]) -> int
     objectives = parse_slo(args.slo)
     bank = speech_bank(workload, args.piper_cache)
     for config in configs:
-        async with server_target(None, config, args.out) as target:
+        async with server_target(None, config, args.server_logs) as target:
             results["levels"] += await run_levels(
                 target,
                 workload,
@@ -136,7 +139,7 @@ async def _cmd_capacity(args: argparse.Namespace, results: dict[str, Any]) -> in
     workload = workload_from_args(args, sessions=args.start)
     bank = speech_bank(workload, args.piper_cache)
     config = ConfigSpec(args.label or "server", shlex.split(args.server_args)) if args.server_args else None
-    async with server_target(args.url, config, args.out) as target:
+    async with server_target(args.url, config, args.server_logs) as target:
         if args.label:
             target.label = args.label
         results["levels"], results["capacity"] = await find_capacity(

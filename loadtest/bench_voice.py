@@ -7,7 +7,8 @@ then runs four scenarios with clients that stream Piper speech as 20 ms
 * **turn latency, 1 and 8 sessions**: the client's last speech frame (the append carrying the
   utterance's last audible sample) → the first ``response.output_audio.delta``. Server VAD
   (``silence_duration_ms``) must hear that much silence first, so the target is
-  ``silence + 400 ms`` (1 session) and ``silence + 800 ms`` (8 sessions, turns staggered).
+  ``silence + 400 ms`` (1 session) and ``silence + 800 ms`` (8 sessions). Each user listens
+  to the whole reply, thinks 0.3–0.8 s and speaks again; the 8 sessions start staggered.
   The split: last speech → ``speech_stopped`` (VAD), → first transcript delta (ASR and the
   responder), → first audio delta (TTS of the first clause).
 * **barge-in**: while a long response streams, the client starts speaking; first speech frame
@@ -72,7 +73,12 @@ def append_frames(audio: np.ndarray) -> list[str]:
     """`input_audio_buffer.append` events, one per 20 ms (the last one may be shorter)."""
     pcm = np.rint(np.clip(audio, -1.0, 1.0) * 32767).astype("<i2")
     return [
-        json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i : i + CHUNK].tobytes()).decode()})
+        json.dumps(
+            {
+                "type": "input_audio_buffer.append",
+                "audio": base64.b64encode(pcm[i : i + CHUNK].tobytes()).decode(),
+            }
+        )
         for i in range(0, len(pcm), CHUNK)
     ]
 
@@ -96,7 +102,9 @@ async def server_process(extra_args: list[str]) -> AsyncIterator[tuple[str, int]
     data_dir = tempfile.mkdtemp(prefix="bench-voice-")
     log = open(Path(data_dir) / "server.log", "wb")  # noqa: SIM115 - closed below
     cmd = [sys.executable, "-m", "web.cli", "serve", "--port", str(port), "--data-dir", data_dir]
-    proc = subprocess.Popen([*cmd, "--log-level", "warning", *extra_args], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [*cmd, "--log-level", "warning", *extra_args], stdout=log, stderr=subprocess.STDOUT
+    )
     try:
         async with httpx.AsyncClient(timeout=2.0) as http:
             deadline = time.monotonic() + 300
@@ -164,13 +172,13 @@ class VoiceClient:
             if delay > 0:
                 await asyncio.sleep(delay)
             k += 1
-            frame = self._script.pop(0) if self._script else SILENCE_FRAME
-            await self.ws.send(frame)
-            if frame is not SILENCE_FRAME:
+            scripted = bool(self._script)
+            await self.ws.send(self._script.pop(0) if scripted else SILENCE_FRAME)
+            self.samples_sent += CHUNK
+            if scripted:
                 self._sent.append(time.monotonic())
                 if not self._script and self._done is not None and not self._done.done():
                     self._done.set_result(None)
-            self.samples_sent += CHUNK
 
     def wait(self, predicate: Callable[[dict[str, Any]], bool], within_s: float = 60.0) -> Any:
         future: asyncio.Future[Arrival] = asyncio.get_running_loop().create_future()
@@ -239,14 +247,23 @@ async def one_turn(client: VoiceClient, frames: list[str]) -> TurnTiming:
     done = client.wait(first("response.done"))
     _, last, _ = await client.speak(frames)
     t_stopped, t_text, t_audio, t_done = await asyncio.gather(stopped, text, audio, done)
-    assert t_done.event["response"]["status"] == "completed", t_done.event["response"]["status_details"]
-    return TurnTiming(
-        (t_stopped.at - last) * 1000, (t_text.at - last) * 1000, (t_audio.at - last) * 1000
+    response = t_done.event["response"]
+    assert response["status"] == "completed", response["status_details"]
+    # The user listens to the whole reply before speaking again (playback starts on arrival).
+    b64_chars = sum(
+        len(a.event["delta"])
+        for a in client.events
+        if a.event["type"] == "response.output_audio.delta" and a.event["response_id"] == response["id"]
     )
+    await asyncio.sleep(max(0.0, t_audio.at + b64_chars * 3 / 4 / 2 / RATE - time.monotonic()))
+    return TurnTiming((t_stopped.at - last) * 1000, (t_text.at - last) * 1000, (t_audio.at - last) * 1000)
 
 
-async def turn_latency(url: str, sessions: int, turns: int, silence_ms: int, frames: list[str]) -> list[TurnTiming]:
-    cycle_s = len(frames) * CHUNK_MS / 1000 + silence_ms / 1000 + 1.5
+async def turn_latency(
+    url: str, sessions: int, turns: int, silence_ms: int, frames: list[str]
+) -> list[TurnTiming]:
+    # speech, silence, ~0.5 s to the reply, ~3.5 s of reply audio, a pause
+    cycle_s = len(frames) * CHUNK_MS / 1000 + silence_ms / 1000 + 4.5
 
     async def run_one(index: int) -> list[TurnTiming]:
         async with session(url) as client:
@@ -255,7 +272,7 @@ async def turn_latency(url: str, sessions: int, turns: int, silence_ms: int, fra
             out = []
             for _ in range(turns):
                 out.append(await one_turn(client, frames))
-                await asyncio.sleep(random.uniform(0.2, 0.6))
+                await asyncio.sleep(random.uniform(0.3, 0.8))  # the user thinks
             return out
 
     results = await asyncio.gather(*(run_one(k) for k in range(sessions)))
@@ -277,7 +294,11 @@ async def barge_in(url: str, trials: int, silence_ms: int, frames: list[str]) ->
         prefix_ms = 300
         for _ in range(trials):
             await asyncio.sleep(0.5)
-            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG_REPLY}]}
+            item = {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": LONG_REPLY}],
+            }
             await client.ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
             first_audio = client.wait(lambda e: e["type"] == "response.output_audio.delta")
             await client.ws.send(json.dumps({"type": "response.create"}))
@@ -286,7 +307,14 @@ async def barge_in(url: str, trials: int, silence_ms: int, frames: list[str]) ->
             started = client.wait(lambda e: e["type"] == "input_audio_buffer.speech_started")
             done = client.wait(lambda e: e["type"] == "response.done")
             speaking = asyncio.create_task(client.speak(frames))
-            t_started, t_done = await asyncio.gather(started, done)
+            try:
+                t_started, t_done = await asyncio.gather(started, done)
+            except TimeoutError:
+                log(
+                    "barge-in trial timed out; events: "
+                    + ", ".join(a.event["type"] for a in client.events[-30:])
+                )
+                raise
             first, _, start_sample = await speaking
             status = t_done.event["response"]
             assert status["status"] == "cancelled", status["status_details"]
@@ -340,6 +368,10 @@ async def _delayed(coro: Any, delay: float) -> None:
     await coro
 
 
+def log(message: str) -> None:
+    print(f"[bench_voice {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 # --- report -------------------------------------------------------------------------------
 
 
@@ -358,10 +390,14 @@ class Report:
     rows: list[dict[str, Any]] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict)
 
-    def add(self, metric: str, sessions: int, values: list[float], target: float | None, unit: str = "ms") -> None:
+    def add(
+        self, metric: str, sessions: int, values: list[float], target: float | None, unit: str = "ms"
+    ) -> None:
         s = summary(values)
         ok = None if target is None else s["p50"] <= target
-        self.rows.append({"metric": metric, "sessions": sessions, **s, "target": target, "unit": unit, "meets": ok})
+        self.rows.append(
+            {"metric": metric, "sessions": sessions, **s, "target": target, "unit": unit, "meets": ok}
+        )
 
     def markdown(self) -> str:
         lines = [
@@ -384,13 +420,28 @@ async def main_async(args: argparse.Namespace) -> Report:
     report = Report(args.silence_ms)
     s = args.silence_ms
     async with server_process(args.server_arg) as (url, pid):
+        log(f"server ready (pid {pid}); warm-up turn")
         await turn_latency(url, 1, 1, s, speech)  # warm-up: first-call costs of every model
         for sessions, slack in ((1, 400), (args.sessions, 800)):
+            log(f"turn latency: {sessions} session(s) x {args.turns} turns")
             timings = await turn_latency(url, sessions, args.turns, s, speech)
             report.raw[f"turns_{sessions}"] = [vars_of(t) for t in timings]
-            report.add("last speech → speech_stopped", sessions, [t.last_speech_to_stopped_ms for t in timings], None)
-            report.add("last speech → first transcript delta", sessions, [t.last_speech_to_text_ms for t in timings], None)
-            report.add("last speech → first audio delta", sessions, [t.last_speech_to_audio_ms for t in timings], s + slack)
+            report.add(
+                "last speech → speech_stopped", sessions, [t.last_speech_to_stopped_ms for t in timings], None
+            )
+            report.add(
+                "last speech → first transcript delta",
+                sessions,
+                [t.last_speech_to_text_ms for t in timings],
+                None,
+            )
+            report.add(
+                "last speech → first audio delta",
+                sessions,
+                [t.last_speech_to_audio_ms for t in timings],
+                s + slack,
+            )
+        log(f"barge-in: {args.barge_trials} trials")
         trials = await barge_in(url, args.barge_trials, s, interruption)
         report.raw["barge_in"] = [vars_of(t) for t in trials]
         report.add("barge-in: first frame → VAD onset (audio)", 1, [t.onset_ms for t in trials], None)
@@ -398,6 +449,7 @@ async def main_async(args: argparse.Namespace) -> Report:
         onset_p50 = statistics.median(t.onset_ms for t in trials)
         report.add("barge-in: first frame → response.done", 1, [t.done_ms for t in trials], onset_p50 + 150)
         report.add("barge-in: response.done − VAD onset", 1, [t.done_ms - t.onset_ms for t in trials], 150)
+        log(f"CPU: {args.cpu_sessions} sessions streaming for {args.cpu_seconds:g} s")
         cpu = await cpu_load(url, pid, args.cpu_sessions, args.cpu_seconds, speech)
         report.raw["cpu"] = cpu
         report.add("server CPU, streaming, no responses", args.cpu_sessions, [cpu["server_cpu_pct"]], 50, "%")
@@ -409,7 +461,9 @@ def vars_of(obj: Any) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--silence-ms", type=int, default=500, help="server VAD silence_duration_ms")
     parser.add_argument("--turns", type=int, default=4, help="turns per session in the latency runs")
     parser.add_argument("--sessions", type=int, default=8, help="concurrent sessions in the second run")
@@ -423,7 +477,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"voice-cascade, silence_duration_ms={args.silence_ms}, {os.cpu_count()} CPUs\n")
     print(report.markdown())
     if args.out is not None:
-        doc = {"silence_ms": report.silence_ms, "cpus": os.cpu_count(), "rows": report.rows, "raw": report.raw}
+        doc = {
+            "silence_ms": report.silence_ms,
+            "cpus": os.cpu_count(),
+            "rows": report.rows,
+            "raw": report.raw,
+        }
         args.out.write_text(json.dumps(doc, indent=2))
     return 0
 

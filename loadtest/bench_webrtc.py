@@ -201,7 +201,11 @@ async def webrtc_turn(target: Target, speech: np.ndarray, jitter: list[float], u
     if first is not None:
         # Digital silence between the answer's first and last audible packets: an underrun.
         start = int(np.searchsorted(packets.at, first))
-        audible = [k for k in range(start, len(packets.at)) if packets.at[k] <= stopped_at and packets.peak(k) > AUDIBLE]
+        audible = [
+            k
+            for k in range(start, len(packets.at))
+            if packets.at[k] <= stopped_at and packets.peak(k) > AUDIBLE
+        ]
         if audible:
             underruns.append(sum(1 for k in range(start, audible[-1]) if packets.peak(k) < 1e-4))
     return Turn("webrtc", utterance.ended_at, first, started_at)
@@ -220,7 +224,7 @@ class BargeIn:
 async def webrtc_barge_in(target: Target, speech: np.ndarray, interruption: np.ndarray) -> BargeIn:
     async with webrtc_call(target) as client:
         client.say("user", speech, RTC_RATE)
-        started_at, _ = await client.wait_event("output_audio_buffer.started", timeout_s=60)
+        await client.wait_event("output_audio_buffer.started", timeout_s=60)
         await asyncio.sleep(0.8)  # let the answer play a while
         mark = len(client.events)
         utterance = client.say("interruption", interruption, RTC_RATE)
@@ -324,10 +328,24 @@ def report(result: dict[str, Any]) -> str:
         ("first audio, WebSocket (median)", f"{fa['websocket']['p50']} ms", "", ""),
         ("first audio, WebRTC (median)", f"{fa['webrtc']['p50']} ms", "", ""),
         ("WebRTC − WebSocket, end to end (medians)", f"{diff} ms", "≤ 40 ms", verdict(diff, 40)),
-        ("WebRTC track path − WebSocket playback offset (medians)", f"{added} ms", "≤ 40 ms", verdict(added, 40)),
-        ("pacing jitter p99, client (|inter-arrival − 20 ms|)", f"{jit['p99']} ms", "≤ 5 ms", verdict(jit["p99"], 5)),
-        ("pacing lateness p99, server track (worst call)", f"{result['server_pacer_late_p99_ms']} ms", "≤ 5 ms",
-         verdict(result["server_pacer_late_p99_ms"], 5)),
+        (
+            "WebRTC track path − WebSocket playback offset (medians)",
+            f"{added} ms",
+            "≤ 40 ms",
+            verdict(added, 40),
+        ),
+        (
+            "pacing jitter p99, client (|inter-arrival − 20 ms|)",
+            f"{jit['p99']} ms",
+            "≤ 5 ms",
+            verdict(jit["p99"], 5),
+        ),
+        (
+            "pacing lateness p99, server track (worst call)",
+            f"{result['server_pacer_late_p99_ms']} ms",
+            "≤ 5 ms",
+            verdict(result["server_pacer_late_p99_ms"], 5),
+        ),
         ("underrun frames (server track)", str(under), "0", verdict(under, 0)),
         ("barge-in: onset → VAD speech_started (median)", f"{barge['vad_onset_ms']['p50']} ms", "", ""),
         ("barge-in: onset → track silent (median)", f"{barge['silent_ms']['p50']} ms", "", ""),

@@ -25,8 +25,8 @@ LEVEL_HEADER = (
 SERVER_HEADER = (
     "| config | N | server CPU mean / max | CPU ms per session-s "
     "| RSS idle → peak (growth; conversation audio) | loop lag p99 "
-    "| server TTFA p50 / p95 | client CPU | late client sends |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    "| server TTFA p50 / p95 | client CPU | late client sends | host CPU (all processes) / load avg |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
 )
 
 
@@ -43,11 +43,22 @@ def level_row(lv: dict[str, Any]) -> str:
     )
 
 
+def _host(lv: dict[str, Any]) -> str:
+    h = lv["summary"].get("host") or {}
+    if not h:
+        return "–"
+    load = h.get("loadavg_1m") or [None, None]
+    return f"{_f(h.get('cpu_percent'), 0, '%')} of {h.get('cpus')}00% / {_f(load[0], 1)} → {_f(load[1], 1)}"
+
+
 def server_row(lv: dict[str, Any]) -> str:
     sv, c = lv["server"], lv["summary"].get("client", {})
     if not sv.get("available"):
         blanks = " – |" * 5
-        return f"| {lv['label']} | {lv['sessions']} |{blanks} {_f(c.get('cpu_percent'), 0, '%')} | – |\n"
+        return (
+            f"| {lv['label']} | {lv['sessions']} |{blanks} {_f(c.get('cpu_percent'), 0, '%')} | – "
+            f"| {_host(lv)} |\n"
+        )
     lag, st = sv["loop_lag_ms"], sv["server_ttfa_ms"]
     return (
         f"| {lv['label']} | {lv['sessions']} | {_f(sv['cpu_mean_percent'], 0, '%')} / "
@@ -56,7 +67,7 @@ def server_row(lv: dict[str, Any]) -> str:
         f"({_f(sv['rss_growth_mb'], 0, ' MB')}; {_f(sv.get('peak_conversation_audio_mb'), 0, ' MB')} audio) "
         f"| {_f(lag['p99'], 1, ' ms')} "
         f"| {_f(st['p50'])} / {_f(st['p95'])} "
-        f"| {_f(c.get('cpu_percent'), 0, '%')} | {c.get('late_sends', 0)} |\n"
+        f"| {_f(c.get('cpu_percent'), 0, '%')} | {c.get('late_sends', 0)} | {_host(lv)} |\n"
     )
 
 
@@ -142,6 +153,9 @@ GLOSSARY = """## What the columns mean
 - **conversation audio**: audio the server holds in open sessions' conversations (peak); it
   grows with every turn by design (items keep their audio for `conversation.item.retrieve`).
 - **loop lag**: how late a 100 ms timer fires on the server's event loop.
+- **host CPU**: every process on the host, in % of one core (the host has `cpus` × 100 %),
+  and the 1-minute load average at the start and end of the level; when it is well above
+  server + client, other work competed for the CPUs and latencies include that.
 - **late client sends**: appends the load generator sent > 20 ms behind schedule (if many, the
   client, not the server, is the bottleneck).
 """

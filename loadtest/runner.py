@@ -7,6 +7,7 @@ read only that, so a saved results file can be re-rendered without re-running th
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 import traceback
@@ -91,8 +92,12 @@ async def run_level(
     await asyncio.sleep(settle_s)
     me = psutil.Process()
     cpu_before = me.cpu_times()
+    host_before = psutil.cpu_times()
+    load_before = os.getloadavg()
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     await sampler.start()
+    if target.idle_rss_mb is None and sampler.scrapes:
+        target.idle_rss_mb = sampler.scrapes[0].value("process_resident_memory_bytes") / 2**20
     t0 = time.monotonic()
     end_at = t0 + workload.total_s
     step = workload.ramp_s / workload.sessions
@@ -121,6 +126,7 @@ async def run_level(
         "late_sends": sum(r.late_sends for r in results),
         "max_send_lag_ms": round(max((r.max_send_lag_ms for r in results), default=0.0), 1),
     }
+    summary["host"] = host_load(host_before, psutil.cpu_times(), load_before)
     return {
         "label": target.label,
         "server_args": target.server_args,
@@ -129,7 +135,7 @@ async def run_level(
         "started_at": started_at,
         "wall_s": round(wall, 2),
         "summary": summary,
-        "server": server_summary(sampler.scrapes, t0),
+        "server": server_summary(sampler.scrapes, t0, server_idle_rss_mb=target.idle_rss_mb),
         "sessions_detail": [
             {
                 "index": r.index,
@@ -143,6 +149,19 @@ async def run_level(
             for r in results
         ],
         "turns": [t.to_json() for r in results for t in r.turns],
+    }
+
+
+def host_load(before: Any, after: Any, load_before: tuple[float, float, float]) -> dict[str, Any]:
+    """How busy the whole host was: the load generator and the server share it with anything
+    else running, and a busy host delays both."""
+    busy = sum(after) - sum(before) - (after.idle - before.idle) - (after.iowait - before.iowait)
+    total = sum(after) - sum(before)
+    cpus = psutil.cpu_count() or 1
+    return {
+        "cpu_percent": round(busy / total * 100 * cpus, 1) if total > 0 else None,  # of one core
+        "cpus": cpus,
+        "loadavg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
     }
 
 

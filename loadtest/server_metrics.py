@@ -135,8 +135,13 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000.0, 1)
 
 
-def server_summary(scrapes: list[Scrape], t0: float) -> dict[str, Any]:
-    """What the server did between the first and the last scrape."""
+def server_summary(
+    scrapes: list[Scrape], t0: float, *, server_idle_rss_mb: float | None = None
+) -> dict[str, Any]:
+    """What the server did between the first and the last scrape.
+
+    RSS growth is measured from ``server_idle_rss_mb`` (the server before any load, when a
+    sweep runs several levels against one server) or else from this level's first scrape."""
     if len(scrapes) < 2:
         return {"available": False}
     first, last = scrapes[0], scrapes[-1]
@@ -161,7 +166,8 @@ def server_summary(scrapes: list[Scrape], t0: float) -> dict[str, Any]:
             }
         )
     span = last.at - first.at
-    idle_rss = first.value("process_resident_memory_bytes") / 2**20
+    level_start_rss = first.value("process_resident_memory_bytes") / 2**20
+    idle_rss = level_start_rss if server_idle_rss_mb is None else server_idle_rss_mb
     peak_rss = max(s.value("process_resident_memory_bytes") for s in scrapes) / 2**20
     cpu_mean = (
         (last.value("process_cpu_seconds_total") - first.value("process_cpu_seconds_total")) / span * 100
@@ -175,6 +181,7 @@ def server_summary(scrapes: list[Scrape], t0: float) -> dict[str, Any]:
     return {
         "available": True,
         "idle_rss_mb": round(idle_rss, 1),
+        "level_start_rss_mb": round(level_start_rss, 1),
         "peak_rss_mb": round(peak_rss, 1),
         "end_rss_mb": round(last.value("process_resident_memory_bytes") / 2**20, 1),
         "rss_growth_mb": round(peak_rss - idle_rss, 1),

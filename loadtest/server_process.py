@@ -33,6 +33,7 @@ class Target:
     base_url: str
     label: str = "server"
     server_args: list[str] = field(default_factory=list)  # when we started it ourselves
+    idle_rss_mb: float | None = None  # before the first level: the baseline for RSS growth
 
     @property
     def ws_url(self) -> str:
@@ -129,7 +130,7 @@ class ServerProcess:
     async def stop(self) -> None:
         proc = self._proc
         if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
             try:
                 await asyncio.to_thread(proc.wait, 30)
             except subprocess.TimeoutExpired:

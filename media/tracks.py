@@ -135,7 +135,6 @@ class OutboundAudioTrack(MediaStreamTrack):
         self.frame_samples = rate * frame_ms // 1000
         self.buffer = PlayoutBuffer(rate, max_buffered_s=max_buffered_s)
         self.pacer = FramePacer(frame_ms / 1000.0, clock=clock, sleep=sleep)
-        self._clock = clock
         self._time_base = fractions.Fraction(1, rate)
         # Responses with audio still to come (not finished or cleared) → silent frames sent
         # since their audio ran dry; those count as underruns once more of their audio comes.
@@ -143,8 +142,6 @@ class OutboundAudioTrack(MediaStreamTrack):
         self.frames_sent = 0
         self.audible_frames = 0
         self.underrun_frames = 0  # silence sent inside a response (its audio came too late)
-        self.last_audible_at: float | None = None  # clock time of the last frame with audio
-        self.last_cleared_at: float | None = None
 
     # --- control, from the session ---------------------------------------------------------
 
@@ -169,7 +166,6 @@ class OutboundAudioTrack(MediaStreamTrack):
             self._dry.clear()
         else:
             self._dry.pop(response_id, None)
-        self.last_cleared_at = self._clock()
 
     # --- the media side --------------------------------------------------------------------
 
@@ -185,7 +181,6 @@ class OutboundAudioTrack(MediaStreamTrack):
         self.frames_sent += 1
         if pulled.audible:
             self.audible_frames += 1
-            self.last_audible_at = self._clock()
         if pulled.filled < self.frame_samples:
             for rid in self._dry:
                 if self.buffer.played_ms(rid) > 0 and not self.buffer.holds(rid):

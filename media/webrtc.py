@@ -35,6 +35,7 @@ MAX_OFFER_BYTES = 64 * 1024
 AUDIO_CODECS = ("opus", "pcmu", "pcma", "g722")  # what aiortc can decode
 CHANNEL_HIGH_WATER = 1 << 20  # bytes queued on the data channel before `send_text` waits
 CHANNEL_LOW_WATER = 256 << 10
+DEFAULT_MAX_MESSAGE_SIZE = 65_536  # RFC 8841, when the offer has no a=max-message-size
 
 
 # --- ICE servers ---------------------------------------------------------------------------
@@ -184,9 +185,16 @@ MessageCallback = Callable[[str], None]
 class PeerLink:
     """One answered peer connection: audio in, the outbound track, the events channel."""
 
-    def __init__(self, pc: RTCPeerConnection, outbound: OutboundAudioTrack) -> None:
+    def __init__(
+        self,
+        pc: RTCPeerConnection,
+        outbound: OutboundAudioTrack,
+        *,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    ) -> None:
         self.pc = pc
         self.outbound = outbound
+        self.max_message_size = max_message_size  # the largest message the peer accepts
         self.on_audio: AudioCallback | None = None
         self.on_message: MessageCallback | None = None
         self.channel: RTCDataChannel | None = None
@@ -206,9 +214,11 @@ class PeerLink:
         cls, offer_sdp: str, *, ice_servers: Sequence[IceServer], outbound: OutboundAudioTrack
     ) -> tuple[PeerLink, str]:
         """Check `offer_sdp`, answer it; raises `OfferError` (and leaves nothing open)."""
-        check_offer(offer_sdp)
+        offer = check_offer(offer_sdp)
         config = RTCConfiguration(iceServers=[s.to_aiortc() for s in ice_servers])
-        link = cls(RTCPeerConnection(config), outbound)
+        caps = [m.sctpCapabilities for m in offer.media if m.sctpCapabilities is not None]
+        max_size = caps[0].maxMessageSize if caps and caps[0].maxMessageSize else DEFAULT_MAX_MESSAGE_SIZE
+        link = cls(RTCPeerConnection(config), outbound, max_message_size=max_size)
         try:
             await link.pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
             analyse_audio_on_arrival(link.pc)
@@ -305,7 +315,8 @@ class PeerLink:
             return False
         try:
             channel.send(text)
-        except InvalidStateError:
+        except (InvalidStateError, ValueError):  # closed meanwhile; over the peer's size limit
+            log.warning("events channel: could not send a %d-byte message", len(text))
             return False
         return True
 

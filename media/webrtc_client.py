@@ -14,7 +14,7 @@ import contextlib
 import json
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,7 +141,9 @@ class RealtimeCallClient:
         if resp.status_code != 201:
             raise RuntimeError(f"call rejected: {resp.status_code} {resp.text}")
         location = resp.headers["location"]
-        self.call = CallInfo(location.rsplit("/", 1)[-1], location, resp.text, resp.status_code, dict(resp.headers))
+        self.call = CallInfo(
+            location.rsplit("/", 1)[-1], location, resp.text, resp.status_code, dict(resp.headers)
+        )
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=resp.text, type="answer"))
         await asyncio.wait_for(self._open.wait(), timeout_s)
         return self.call
@@ -229,13 +231,14 @@ class RealtimeCallClient:
             receiver = transceiver.receiver
             if receiver.track is not track:
                 continue
-            handle = receiver._handle_rtp_packet
+            receiver._handle_rtp_packet = self._tapped(receiver._handle_rtp_packet)  # type: ignore[method-assign,assignment]
 
-            async def tapped(packet: Any, arrival_time_ms: int) -> None:
-                self.rtp.append(RtpArrival(self.clock(), packet.timestamp, bytes(packet.payload)))
-                await handle(packet, arrival_time_ms)
+    def _tapped(self, handle: Callable[[Any, int], Awaitable[None]]) -> Callable[[Any, int], Awaitable[None]]:
+        async def tapped(packet: Any, arrival_time_ms: int) -> None:
+            self.rtp.append(RtpArrival(self.clock(), packet.timestamp, bytes(packet.payload)))
+            await handle(packet, arrival_time_ms)
 
-            receiver._handle_rtp_packet = tapped  # type: ignore[method-assign]
+        return tapped
 
     async def _listen(self, track: MediaStreamTrack) -> None:
         while True:

@@ -3,9 +3,17 @@ and the orchestrator.
 
 The core decides; the driver performs its effects: VAD scoring and transcription run in worker
 threads (never on the event loop), responses are orchestrator requests whose client-visible
-outputs are fed back into the core, and server events leave through one bounded outbox drained
-by a single sender task (so events keep their order, and a client that stops reading is
-closed with 1008 instead of growing memory).
+outputs are fed back into the core, and server events leave through the attached
+:class:`~session.link.TransportLink`: one bounded outbox drained by a single sender task (so
+events keep their order, and a client that stops reading is closed with 1008 instead of
+growing memory).
+
+The session outlives its connections: with a :class:`SessionLog` (the store's
+``SessionWriter``) every server event is first stamped and logged, and the stamped copy is
+what the client gets; conversation items and config changes are logged as they happen. A
+connection can then drop (`attach` returns a link whose end the host watches) while the
+session runs on, and a new one can be attached later. `run(incoming)` keeps the simple
+one-connection life (WebRTC): start, serve one transport, shut down when it ends.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,6 +31,7 @@ import numpy as np
 from runtime.orchestrator import Orchestrator
 from runtime.payloads import AudioChunk, TextDelta, Transcript
 from runtime.progress import AdmissionError, RequestStatus
+from session.link import LinkEnd, Transport, TransportLink
 from session.realtime.core import RealtimeSessionCore
 from session.realtime.effects import (
     CancelResponse,
@@ -31,9 +40,11 @@ from session.realtime.effects import (
     CoreOutput,
     DetectSpeech,
     PlayAudio,
+    PrepareTranscript,
     StartResponse,
     TranscribeInput,
 )
+from session.store.aio import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +82,45 @@ class DriverObserver(Protocol):
     def error(self, code: str) -> None: ...
 
 
+class SessionLog(Protocol):
+    """Where a session's client-visible events and durable state go (the store's
+    ``SessionWriter``). Every method is synchronous and does no I/O: the log batches."""
+
+    def append(self, event: Mapping[str, Any]) -> dict[str, Any]:
+        """Log one server event; returns the copy to send (the log owns `event_id`)."""
+        ...
+
+    def put_item(self, item: Mapping[str, Any], previous_item_id: str | None = None) -> None: ...
+
+    def delete_item(self, item_id: str) -> None: ...
+
+    def set_config(self, config: Mapping[str, Any]) -> None: ...
+
+    def mark_activity(self) -> None: ...
+
+
 SendEvent = Callable[[dict[str, Any]], Awaitable[None]]
 CloseTransport = Callable[[int, str], Awaitable[None]]
-EventSink = Callable[[list[dict[str, Any]]], None]
+
+
+class _CallbackTransport:
+    """`run(incoming)`'s transport: the constructor's send/close plus the `incoming` reader."""
+
+    def __init__(
+        self, send: SendEvent, close: CloseTransport, incoming: Callable[[], Awaitable[str | None]]
+    ) -> None:
+        self._send = send
+        self._close = close
+        self._incoming = incoming
+
+    async def send(self, event: dict[str, Any]) -> None:
+        await self._send(event)
+
+    async def close(self, code: int, reason: str) -> None:
+        await self._close(code, reason)
+
+    async def receive(self) -> str | None:
+        return await self._incoming()
 
 
 @dataclass(slots=True)
@@ -98,6 +145,8 @@ class _Stats:
     responses: int = 0
     cancelled: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    transcripts_prepared: int = 0  # PrepareTranscript runs
+    transcripts_prepared_used: int = 0  # ... whose text a response used instead of audio
 
 
 class RealtimeDriver:
@@ -106,12 +155,12 @@ class RealtimeDriver:
         core: RealtimeSessionCore,
         orchestrator: Orchestrator | None,
         *,
-        send: SendEvent,
-        close: CloseTransport,
+        send: SendEvent | None = None,
+        close: CloseTransport | None = None,
         vad: VadScorer | None = None,
         transcriber: Transcriber | None = None,
         audio_sink: AudioSink | None = None,
-        event_sink: EventSink | None = None,
+        log: SessionLog | None = None,
         options: DriverOptions | None = None,
     ) -> None:
         self.core = core
@@ -121,75 +170,112 @@ class RealtimeDriver:
         self._vad = vad
         self._transcriber = transcriber
         self._audio_sink = audio_sink
-        self._event_sink = event_sink
+        self._log = log
         self.options = options or DriverOptions()
-        self._outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(self.options.outbox_limit)
         self._vad_queue: asyncio.Queue[DetectSpeech] = asyncio.Queue()
         self._responses: dict[str, _Response] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timer_wake = asyncio.Event()
         self._closing: tuple[int, str] | None = None
-        self._done = asyncio.Event()
-        self._receive_error: Exception | None = None
+        self.closed = asyncio.Event()  # set once the session asked to close (`request_close`)
+        self.on_close: Callable[[], None] | None = None  # the host's hook for `closed`
+        self.link: TransportLink | None = None
+        self._links = 0
+        self._started = False
+        self.last_event_id: str | None = None  # of the last event sent or logged
+        self.last_activity = self.now()  # client input or server events (retention's idle clock)
         self.stats = _Stats()
+        # The latest PrepareTranscript: its key and the transcription (None if it failed).
+        self._prepared: tuple[tuple[str, int], asyncio.Task[str | None]] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
 
     def now(self) -> float:
         return self.options.clock()
 
-    async def run(self, incoming: Callable[[], Awaitable[str | None]]) -> None:
-        """Serve until the client goes away or the core closes the session.
-
-        `incoming()` returns the next client text frame, or None when the client is gone.
-        """
-        sender = self._spawn(self._sender(), "sender")
+    def start(self, epoch: float | None = None) -> None:
+        """Start the session's own tasks and open it (`session.created`; a restored core
+        only starts its timers). `epoch`: wall seconds of the session's creation."""
+        if self._started:
+            return
+        self._started = True
         self._spawn(self._vad_worker(), "vad")
         self._spawn(self._timer(), "timer")
-        self.apply(self.core.start(self.now(), self.options.epoch()))
-        # One long-lived receiver task, not a task (or two) per client frame: at 25 appends a
-        # second per session, per-frame tasks were the driver's largest event-loop cost.
-        self._spawn(self._receive(incoming), "receiver")
-        try:
-            await self._done.wait()
-        finally:
-            await self.shutdown(sender)
-        if self._receive_error is not None:
-            raise self._receive_error
+        if not self.core.started:
+            self.apply(self.core.start(self.now(), self.options.epoch() if epoch is None else epoch))
 
-    async def _receive(self, incoming: Callable[[], Awaitable[str | None]]) -> None:
-        try:
-            while self._closing is None:
-                raw = await incoming()
-                if raw is None:
-                    return
-                self.apply(self.core.handle_client_event(raw, self.now()))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # re-raised by run() after shutdown
-            self._receive_error = exc
-        finally:
-            self._done.set()
+    def attach(self, transport: Transport, *, held: bool = False) -> TransportLink:
+        """Serve the session on `transport` from now on (a previous link is closed with 4000,
+        "replaced"). `held`: queue events until `link.release(...)` (resume handoff)."""
+        old = self.link
+        if old is not None:
+            old.finish(LinkEnd.REPLACED, 4000, "session resumed on another connection")
+        self._links += 1
+        self.link = TransportLink(
+            transport,
+            self._on_client_text,
+            limit=self.options.outbox_limit,
+            held=held,
+            name=f"{self.core.session_id}:link{self._links}",
+        )
+        return self.link
 
-    async def shutdown(self, sender: asyncio.Task[Any] | None = None) -> None:
+    def detach(self, link: TransportLink) -> None:
+        """Forget `link` if it is still the current one (its connection ended)."""
+        if self.link is link:
+            self.link = None
+
+    async def run(self, incoming: Callable[[], Awaitable[str | None]]) -> None:
+        """Serve until the client goes away or the core closes the session (one connection,
+        no resume). `incoming()` returns the next client text frame, or None when the client
+        is gone. Exceptions from handling a client frame are re-raised after shutdown."""
+        assert self._send is not None and self._close is not None, "run() needs send and close"
+        link = self.attach(_CallbackTransport(self._send, self._close, incoming))
+        self.start()
+        ended = asyncio.ensure_future(link.wait())
+        closed = asyncio.ensure_future(self.closed.wait())
+        try:
+            await asyncio.wait({ended, closed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in (ended, closed):
+                waiter.cancel()
+            await self.shutdown()
+        if link.error is not None:
+            raise link.error
+
+    def _on_client_text(self, raw: str) -> None:
+        now = self.now()
+        self.last_activity = now
+        if self._log is not None:
+            self._log.mark_activity()
+        self.apply(self.core.handle_client_event(raw, now))
+
+    async def shutdown(self, *, drain_s: float = 2.0) -> None:
+        """End the session here: cancel responses, close the link (after up to `drain_s` of
+        delivering what the core said last, e.g. session_expired, when closing), stop tasks."""
         for resp in list(self._responses.values()):
             await self._cancel_request(resp)
-        with contextlib.suppress(asyncio.QueueFull):
-            self._outbox.put_nowait(None)
-        if sender is not None and self._closing is not None:
-            # Let the sender deliver what the core said before closing (e.g. session_expired).
-            with contextlib.suppress(asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(asyncio.shield(sender), timeout=2.0)
+        link, self.link = self.link, None
+        if link is not None:
+            if self._closing is not None:
+                code, reason = self._closing
+                await link.aclose(code, reason, drain_s=drain_s)
+            else:
+                await link.aclose()
         for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait(task)
         self._tasks.clear()
-        if self._closing is not None:
-            code, reason = self._closing
-            with contextlib.suppress(Exception):
-                await self._close(code, reason)
+
+    @property
+    def active_responses(self) -> int:
+        return len(self._responses)
+
+    async def wait_responses(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for in-flight responses to finish; True if none is left."""
+        tasks = [r.task for r in self._responses.values() if r.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        return not self._responses
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=f"{self.core.session_id}:{name}")
@@ -198,9 +284,14 @@ class RealtimeDriver:
         return task
 
     def request_close(self, code: int, reason: str) -> None:
+        """Close the session: the link delivers what is queued, then closes with `code`."""
         if self._closing is None:
             self._closing = (code, reason)
-            self._done.set()
+            if self.link is not None:
+                self.link.close_after_drain(code, reason)
+            self.closed.set()
+            if self.on_close is not None:
+                self.on_close()
 
     # --- feeding the core from other sources ---------------------------------------------
 
@@ -217,27 +308,39 @@ class RealtimeDriver:
     # --- effects -------------------------------------------------------------------------
 
     def apply(self, out: CoreOutput) -> None:
-        """Queue the core's events, then perform its effects. Never blocks."""
+        """Log and queue the core's events, log its state changes, then perform its
+        effects. Never blocks, never does I/O (the log batches)."""
+        log = self._log
         if out.events:
-            if self._event_sink is not None:
-                self._event_sink(out.events)
+            link = self.link
             for event in out.events:
-                if event.get("type") == "error":
-                    code = str(event.get("error", {}).get("code"))
+                sent = log.append(event) if log is not None else event
+                if sent["type"] == "error":
+                    code = str(sent.get("error", {}).get("code"))
                     self.stats.errors[code] = self.stats.errors.get(code, 0) + 1
                     if self.options.observer is not None:
                         self.options.observer.error(code)
-                try:
-                    self._outbox.put_nowait(event)
-                except asyncio.QueueFull:
-                    self.request_close(1008, "client is not reading its events")
-                    break
+                if link is not None and not link.push(sent):
+                    link = None  # closing (or just overflowed: 1008); the log keeps the rest
+            self.last_event_id = sent["event_id"]
+            self.last_activity = self.now()
             self._timer_wake.set()
+        if log is not None:
+            changes = self.core.take_state_changes()
+            if changes is not None:
+                for item_id in changes.deletes:
+                    log.delete_item(item_id)
+                for record, previous in changes.upserts:
+                    log.put_item(record, previous)
+                if changes.config is not None:
+                    log.set_config(changes.config)
         for effect in out.effects:
             if isinstance(effect, DetectSpeech):
                 self._vad_queue.put_nowait(effect)
             elif isinstance(effect, StartResponse):
                 self._start_response(effect)
+            elif isinstance(effect, PrepareTranscript):
+                self._prepare_transcript(effect)
             elif isinstance(effect, CancelResponse):
                 resp = self._responses.get(effect.response_id)
                 if resp is not None:
@@ -254,18 +357,6 @@ class RealtimeDriver:
                     self._audio_sink.clear(effect.response_id)
             elif isinstance(effect, Close):
                 self.request_close(effect.code, effect.reason)
-
-    async def _sender(self) -> None:
-        while True:
-            event = await self._outbox.get()
-            if event is None:
-                return
-            try:
-                await self._send(event)
-            except Exception:  # the transport is gone: end the session, nothing left to say
-                log.debug("session %s: send failed", self.core.session_id, exc_info=True)
-                self._done.set()
-                return
 
     async def _vad_worker(self) -> None:
         while True:
@@ -302,8 +393,11 @@ class RealtimeDriver:
             deadline = self.core.next_deadline()
             self._timer_wake.clear()
             timeout = None if deadline is None else max(0.0, deadline - self.now())
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._timer_wake.wait(), timeout=timeout)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands as
+            # the wake event fires, and shutdown() then waited forever for this task.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._timer_wake.wait()
             if deadline is not None and self.now() >= deadline:
                 self.apply(self.core.tick(self.now()))
 
@@ -320,15 +414,50 @@ class RealtimeDriver:
             return
         self.apply(self.core.on_input_transcript(effect.item_id, text, now=self.now()))
 
+    def _prepare_transcript(self, effect: PrepareTranscript) -> None:
+        transcriber = self._transcriber
+        if transcriber is None:
+            return
+
+        async def transcribe() -> str | None:
+            try:
+                return await asyncio.to_thread(transcriber.transcribe, effect.audio)
+            except Exception:  # the response then transcribes in the pipeline as usual
+                log.exception("transcription ahead of the turn's end failed")
+                return None
+
+        self.stats.transcripts_prepared += 1
+        # An earlier one (the speaker went on after a pause) is left to finish unread.
+        self._prepared = (effect.key, self._spawn(transcribe(), f"prepare:{effect.key[0]}"))
+
+    async def _prepared_params(
+        self, rid: str, key: tuple[str, int], params: dict[str, Any]
+    ) -> dict[str, Any]:
+        """`params` with the prepared transcript of its audio as `text` (what an ASR-first
+        pipeline would have made of it), or unchanged if there is none."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None or prepared[0] != key:
+            return params
+        text = await prepared[1]
+        if text is None:
+            return params
+        self.stats.transcripts_prepared_used += 1
+        self.apply(self.core.on_input_transcript(rid, text, final=True, now=self.now()))
+        return {**{k: v for k, v in params.items() if k != "audio"}, "text": text}
+
     # --- responses -----------------------------------------------------------------------
 
     def _start_response(self, effect: StartResponse) -> None:
         resp = _Response(effect.response_id)
         self._responses[effect.response_id] = resp
         self.stats.responses += 1
-        resp.task = self._spawn(self._run_response(resp, effect.params), f"response:{resp.response_id}")
+        resp.task = self._spawn(
+            self._run_response(resp, effect.params, effect.transcript_key), f"response:{resp.response_id}"
+        )
 
-    async def _run_response(self, resp: _Response, params: dict[str, Any]) -> None:
+    async def _run_response(
+        self, resp: _Response, params: dict[str, Any], transcript_key: tuple[str, int] | None = None
+    ) -> None:
         rid = resp.response_id
         observer = self.options.observer
         started = self.now()
@@ -339,6 +468,8 @@ class RealtimeDriver:
             if self._orch is None:
                 self.apply(self.core.on_response_done(rid, "failed", "no pipeline", now=self.now()))
                 return
+            if transcript_key is not None:
+                params = await self._prepared_params(rid, transcript_key, params)
             try:
                 handle = await self._orch.submit(params, session_key=self.options.session_key)
             except AdmissionError as exc:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
@@ -17,6 +18,8 @@ from session.identity import api_key_from_request, authenticate
 from session.video.runtimes import OrchestratorPool
 from web.context import ServerContext, server_context
 from web.realtime_ws import error_body, realtime_endpoint
+from web.replica import ReplicaGate, replica_membership, replica_routes
+from web.sessions_api import session_routes
 from web.settings import ServerSettings
 from web.video import Denial, VideoService
 from web.webrtc import WebRtcService
@@ -107,6 +110,7 @@ def routes() -> list[BaseRoute]:
         Route("/v1/models", models),
         Route("/v1/realtime/client_secrets", client_secrets, methods=["POST"]),
         WebSocketRoute("/v1/realtime", realtime_endpoint),
+        *session_routes(),
     ]
 
 
@@ -140,11 +144,20 @@ def create_app(settings: ServerSettings) -> Starlette:
             app.state.started = started
             app.state.webrtc = webrtc
             try:
-                yield
+                # Scale-out (web/replica.py): registry lease and SIGTERM drain; None when standalone.
+                async with replica_membership(settings, ctx.redis, load=lambda: len(ctx.sessions)) as replica:
+                    app.state.replica = replica
+                    if replica is not None:  # admit and bind under the deployment's replica id
+                        ctx.host.join_replica(replica.replica_id, replica.claim)
+                    yield
             finally:
                 await webrtc.close()
                 await video.close()
                 await pool.close()
 
     # The video routes come first: they include a static mount for /world.
-    return Starlette(routes=video.routes() + routes() + webrtc.routes(), lifespan=lifespan)
+    return Starlette(
+        routes=video.routes() + routes() + webrtc.routes() + replica_routes(),
+        middleware=[Middleware(ReplicaGate)],  # refuses new sessions while the replica drains
+        lifespan=lifespan,
+    )

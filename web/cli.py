@@ -19,7 +19,20 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--admin-key", default=None, help="admin API key (or env OMNIDUPLEX_ADMIN_KEY)")
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without API keys")
     p.add_argument("--advertise-url", default=None, help="URL other replicas/gateways reach this one at")
+    # scale-out (web/replica.py)
+    p.add_argument("--replica-id", default=None, help="registry id (default: random per process)")
+    p.add_argument("--replica-lease-s", type=float, default=5.0, help="registry lease; lapses without beats")
+    p.add_argument("--replica-refresh-s", type=float, default=2.0, help="registry heartbeat interval")
+    p.add_argument("--drain-timeout-s", type=float, default=600.0, help="SIGTERM: max wait for sessions")
     p.add_argument("--max-sessions", type=int, default=64)
+    # sessions (session/hosting.py)
+    p.add_argument("--idle-ttl-s", type=float, default=600.0, help="session idle TTL (deleted after)")
+    p.add_argument("--max-lifetime-s", type=float, default=3600.0, help="session maximum lifetime")
+    p.add_argument(
+        "--disconnect-grace-s", type=float, default=30.0, help="a dropped session runs on this long"
+    )
+    p.add_argument("--tenant-max-sessions", type=int, default=None, help="per-tenant slots (default: max)")
+    p.add_argument("--admission-queue-s", type=float, default=10.0, help="max wait in the admission queue")
     p.add_argument("--stun", action="append", default=[], help="STUN server URL (repeatable)")
     p.add_argument("--turn", action="append", default=[], help="TURN server URL user:pass@host (repeatable)")
     p.add_argument(
@@ -58,8 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8080)
     g.add_argument("--redis-url", required=True)
-    g.add_argument("--api-keys", default=None)
+    g.add_argument("--api-keys", default=None, help="key:tenant,... (or env OMNIDUPLEX_API_KEYS)")
+    g.add_argument("--admin-key", default=None, help="admin API key (or env OMNIDUPLEX_ADMIN_KEY)")
     g.add_argument("--insecure", action="store_true")
+    g.add_argument("--log-level", default="info")
     sub.add_parser("loadtest", help="run the load generator (same as python -m loadtest)", add_help=False)
     return parser
 

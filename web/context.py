@@ -9,10 +9,13 @@ import asyncio
 import contextlib
 import gc
 import logging
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 
 from runtime.orchestrator import Orchestrator
 from runtime.spec import PipelineSpec, load_pipeline
@@ -21,6 +24,17 @@ from web.metrics import ServerMetrics, loop_lag_watcher
 from web.settings import ServerSettings
 
 log = logging.getLogger(__name__)
+
+# Fail fast when Redis is unreachable (open → 503, a writer retries on its own backoff)
+# rather than redis-py's default of 10 retries and 5 s timeouts per call.
+REDIS_CLIENT_OPTIONS: dict[str, Any] = {
+    "socket_timeout": 2.0,
+    "socket_connect_timeout": 1.0,
+    "retry": Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.2), retries=2),
+    # redis-py's pool raises past 100 connections in use; hundreds of sessions opening or
+    # flushing at once need more (Redis itself allows 10,000 clients).
+    "max_connections": 1024,
+}
 
 
 @dataclass(slots=True)
@@ -77,6 +91,7 @@ class ServerContext:
     sessions: dict[str, Any] = field(default_factory=dict)  # session id → live driver
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     ready: bool = False
+    host: Any = None  # session.hosting.SessionHost: the realtime WebSocket sessions (resume, retention)
 
     @property
     def open_mode(self) -> bool:
@@ -94,7 +109,9 @@ async def server_context(settings: ServerSettings) -> Any:
 
     api_keys = ApiKeyMap.parse(settings.api_keys) if settings.api_keys else ApiKeyMap()
     spec = pipeline_spec(settings)
-    async with redis_connection(settings.redis_url, data_dir=settings.data_dir) as redis:
+    async with redis_connection(
+        settings.redis_url, data_dir=settings.data_dir, **REDIS_CLIENT_OPTIONS
+    ) as redis:
         speech = await asyncio.to_thread(_load_speech_models, settings)
         orchestrator = Orchestrator.from_spec(spec)
         await orchestrator.start()
@@ -109,6 +126,10 @@ async def server_context(settings: ServerSettings) -> Any:
         )
         ctx.metrics.bind_runtime(orchestrator.metrics)
         ctx.metrics.bind_sessions(lambda: ctx.sessions.values())
+        from web.session_factory import build_host
+
+        ctx.host = build_host(ctx, settings.replica_id or f"standalone-{uuid.uuid4().hex[:12]}")
+        await ctx.host.start()
         # Everything loaded so far (modules, torch, models) lives as long as the process. Out
         # of the cyclic GC's sight, full collections stop scanning it: under load they had
         # been stopping the event loop for ~100 ms each (see omniduplex_gc_pause_seconds).
@@ -120,6 +141,7 @@ async def server_context(settings: ServerSettings) -> Any:
                 yield ctx
         finally:
             ctx.ready = False
+            await ctx.host.close()  # parks its sessions in Redis: resumable after a restart
             for driver in list(ctx.sessions.values()):
                 driver.request_close(1001, "server shutting down")
             await orchestrator.close()

@@ -1,32 +1,61 @@
-"""`GET /v1/realtime`: the OpenAI Realtime (GA) protocol over WebSocket.
+"""`GET /v1/realtime`: the OpenAI Realtime (GA) protocol over WebSocket, with resume.
 
-Only bytes ⇄ events here: authentication before the upgrade, then text frames in to the
-session driver and server events out as JSON text frames.
+Only bytes ⇄ events here; sessions live in `ctx.host` (:mod:`session.hosting`). Everything
+that can be refused is refused before the upgrade, as an HTTP answer with a JSON body:
+
+* 401 `invalid_api_key`; 400 `invalid_session_config`;
+* open: 429 `server_at_capacity` with `Retry-After` when admission rejects at once (queue
+  full, draining); 503 `store_unavailable` when Redis is down. A client that must wait is
+  upgraded and gets `omni.admission.queued {position, estimated_wait_ms}` updates, then
+  either `session.created` or `error server_at_capacity` and close 1013;
+* resume (`?session_id=…&last_event_id=…`, token in `X-Omni-Resume-Token` or the
+  `omni-resume-token.<token>` subprotocol): 403 `invalid_resume_token` for a missing or wrong
+  token; 404 `session_not_found` for an unknown, expired or another tenant's session; 429 when
+  the session must be restored here and no slot is free; 503 when Redis is down.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+from collections import deque
 from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from session.driver import DriverOptions, RealtimeDriver
-from session.identity import Principal, api_key_from_request, authenticate, new_session_id
+from session.admission import Admitted, Queued, Rejected
+from session.hosting import AdmissionRefused, SessionElsewhere, SessionHost
+from session.identity import (
+    RESUME_HEADER,
+    Principal,
+    api_key_from_request,
+    authenticate,
+    is_session_id,
+    new_session_id,
+    resume_token_from_request,
+)
 from session.realtime.config import SessionConfig, SessionIn
-from session.realtime.core import CoreOptions, RealtimeSessionCore
+from session.resume import connection_event
+from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from web.context import ServerContext
+from web.session_factory import build_driver
+
+__all__ = ["build_driver", "error_body", "initial_config", "realtime_endpoint"]
 
 log = logging.getLogger(__name__)
 
 REALTIME_SUBPROTOCOL = "realtime"
+CAPACITY_CLOSE = 1013  # "try again later"
 
 
-def error_body(status: int, code: str, message: str) -> JSONResponse:
+def error_body(status: int, code: str, message: str, *, retry_after_s: int | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"type": kind, "code": code, "message": message}}, status_code=status)
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    body = {"error": {"type": kind, "code": code, "message": message}}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def offered_subprotocols(websocket: WebSocket) -> list[str]:
@@ -49,36 +78,45 @@ def initial_config(ctx: ServerContext, model: str | None, principal: Principal) 
     return config
 
 
-def build_driver(
-    ctx: ServerContext,
-    config: SessionConfig,
-    *,
-    send: Any,
-    close: Any,
-    session_id: str | None = None,
-    audio_out_via_track: bool = False,
-    audio_sink: Any = None,
-) -> RealtimeDriver:
-    session_id = session_id or new_session_id()
-    core = RealtimeSessionCore(
-        CoreOptions(
-            config=config,
-            max_duration_s=ctx.settings.session_max_duration_s,
-            audio_out_via_track=audio_out_via_track,
-            pipeline_transcribes_input=ctx.pipeline_transcribes_input,
-            session_id=session_id,
-        )
-    )
-    return RealtimeDriver(
-        core,
-        ctx.orchestrator,
-        send=send,
-        close=close,
-        vad=ctx.speech.new_vad_stream(),
-        transcriber=ctx.speech.asr,
-        audio_sink=audio_sink,
-        options=DriverOptions(session_key=session_id, observer=ctx.metrics),
-    )
+class WebSocketTransport:
+    """A starlette WebSocket as a session `Transport`; remembers how the client left."""
+
+    def __init__(self, websocket: WebSocket) -> None:
+        self.websocket = websocket
+        self.disconnect_code: int | None = None
+        self.pending: deque[str] = deque()  # frames read while waiting in the admission queue
+
+    @property
+    def connected(self) -> bool:
+        return self.websocket.application_state == WebSocketState.CONNECTED
+
+    async def send(self, event: dict[str, Any]) -> None:
+        if self.connected:
+            await self.websocket.send_text(json.dumps(event, separators=(",", ":")))
+
+    async def close(self, code: int, reason: str) -> None:
+        if self.connected:
+            await self.websocket.close(code=code, reason=reason)
+
+    async def receive(self) -> str | None:
+        if self.pending:
+            return self.pending.popleft()
+        return await self.read()
+
+    async def read(self) -> str | None:
+        try:
+            message = await self.websocket.receive()
+        except (WebSocketDisconnect, RuntimeError):
+            self.disconnect_code = self.disconnect_code or 1006
+            return None
+        if message["type"] == "websocket.disconnect":
+            self.disconnect_code = int(message.get("code") or 1005)
+            return None
+        text = message.get("text")
+        if text is None:
+            data = message.get("bytes") or b""
+            text = data.decode("utf-8", errors="replace")
+        return str(text)
 
 
 async def realtime_endpoint(websocket: WebSocket) -> None:
@@ -91,45 +129,189 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
             error_body(401, "invalid_api_key", "Missing or invalid API key (Authorization: Bearer <key>).")
         )
         return
-    if len(ctx.sessions) >= ctx.settings.max_sessions:
-        ctx.metrics.admission("server_busy")
-        await websocket.send_denial_response(
-            error_body(503, "server_busy", f"All {ctx.settings.max_sessions} session slots are in use.")
-        )
-        return
+    session_id = websocket.query_params.get("session_id")
+    if session_id is not None:
+        await resume_session(ctx, websocket, principal, session_id, subprotocols)
+    else:
+        await open_session(ctx, websocket, principal, subprotocols)
+
+
+async def _accept(websocket: WebSocket, subprotocols: list[str]) -> None:
+    await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in subprotocols else None)
+
+
+def _capacity_error(decision: Rejected) -> dict[str, Any]:
+    return connection_event(
+        "error",
+        None,
+        error={
+            "type": "server_error",
+            "code": decision.code,
+            "message": f"The server is at capacity ({decision.reason}); retry in {decision.retry_after_s} s.",
+            "param": None,
+            "event_id": None,
+        },
+    )
+
+
+async def open_session(
+    ctx: ServerContext, websocket: WebSocket, principal: Principal, subprotocols: list[str]
+) -> None:
+    host: SessionHost = ctx.host
     try:
         config = initial_config(ctx, websocket.query_params.get("model"), principal)
     except Exception as exc:
         ctx.metrics.admission("invalid_session_config")
         await websocket.send_denial_response(error_body(400, "invalid_session_config", str(exc)))
         return
-    ctx.metrics.admission("admitted")
-    await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in subprotocols else None)
-
-    async def send(event: dict[str, Any]) -> None:
-        if websocket.application_state == WebSocketState.CONNECTED:
-            await websocket.send_text(json.dumps(event, separators=(",", ":")))
-
-    async def close(code: int, reason: str) -> None:
-        if websocket.application_state == WebSocketState.CONNECTED:
-            await websocket.close(code=code, reason=reason)
-
-    async def incoming() -> str | None:
-        try:
-            message = await websocket.receive()
-        except (WebSocketDisconnect, RuntimeError):
-            return None
-        if message["type"] == "websocket.disconnect":
-            return None
-        text = message.get("text")
-        if text is None:
-            data = message.get("bytes") or b""
-            text = data.decode("utf-8", errors="replace")
-        return str(text)
-
-    driver = build_driver(ctx, config, send=send, close=close)
-    ctx.sessions[driver.core.session_id] = driver
+    session_id = new_session_id()
     try:
-        await driver.run(incoming)
+        decision = await host.admission.try_admit(session_id, principal.tenant)
+    except StoreUnavailable:
+        ctx.metrics.admission("store_unavailable")
+        await websocket.send_denial_response(_store_down())
+        return
+    if isinstance(decision, Rejected):
+        ctx.metrics.admission(decision.code)
+        await websocket.send_denial_response(
+            error_body(
+                429,
+                decision.code,
+                f"No session slot is free ({decision.reason}).",
+                retry_after_s=decision.retry_after_s,
+            )
+        )
+        return
+    transport = WebSocketTransport(websocket)
+    if isinstance(decision, Queued):
+        await _accept(websocket, subprotocols)
+        waited = await _wait_in_queue(host, transport, decision, principal.tenant)
+        if waited is None:  # the client left while queued
+            return
+        if isinstance(waited, Rejected):
+            ctx.metrics.admission(waited.code)
+            with contextlib.suppress(Exception):
+                await transport.send(_capacity_error(waited))
+                await transport.close(CAPACITY_CLOSE, "server at capacity")
+            return
+    try:
+        hs, token = await host.create(session_id, principal.tenant, config)
+    except StoreUnavailable:
+        await host.forfeit(session_id)
+        ctx.metrics.admission("store_unavailable")
+        if websocket.application_state == WebSocketState.CONNECTED:
+            await transport.close(1011, "session store unavailable")
+        else:
+            await websocket.send_denial_response(_store_down())
+        return
+    ctx.metrics.admission("admitted")
+    if websocket.application_state != WebSocketState.CONNECTED:
+        await _accept(websocket, subprotocols)
+    await host.serve_new(hs, transport, token)
+
+
+async def _wait_in_queue(
+    host: SessionHost, transport: WebSocketTransport, first: Queued, tenant: str
+) -> Admitted | Rejected | None:
+    """Queued: send `omni.admission.queued` updates until admitted or refused. Frames the
+    client sends meanwhile are kept for the session; None if the client leaves (its queue
+    place or slot is given back)."""
+
+    async def on_queued(q: Queued) -> None:
+        event = connection_event(
+            "omni.admission.queued", None, position=q.position, estimated_wait_ms=q.estimated_wait_ms
+        )
+        await transport.send(event)
+
+    await on_queued(first)
+    sid = first.session_id
+    acquire = asyncio.create_task(
+        host.admission.acquire(sid, tenant, deadline_s=host.settings.queue_deadline_s, on_queued=on_queued),
+        name=f"admission:{sid}",
+    )
+    outcome: Admitted | Rejected | None = None
+    reader: asyncio.Task[str | None] | None = None
+    try:
+        while True:
+            reader = asyncio.create_task(transport.read(), name=f"queued-read:{sid}")
+            await asyncio.wait({acquire, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if acquire.done():
+                outcome = acquire.result()
+                break
+            text = reader.result()
+            if text is None:
+                break
+            transport.pending.append(text)
+    except Exception:
+        log.warning("session %s: admission wait failed", sid, exc_info=True)
     finally:
-        ctx.sessions.pop(driver.core.session_id, None)
+        for task in (acquire, reader):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if not isinstance(outcome, Admitted) or transport.disconnect_code is not None:
+            await host.forfeit(sid)  # leaves the queue, or gives back a slot nobody will use
+    if transport.disconnect_code is not None:
+        return None
+    return outcome
+
+
+async def resume_session(
+    ctx: ServerContext, websocket: WebSocket, principal: Principal, session_id: str, subprotocols: list[str]
+) -> None:
+    host: SessionHost = ctx.host
+    token = resume_token_from_request(websocket.headers.get(RESUME_HEADER), subprotocols)
+    if not token:
+        ctx.metrics.resume("invalid_resume_token")
+        await websocket.send_denial_response(_bad_token())
+        return
+    try:
+        if not is_session_id(session_id):
+            raise SessionNotFound(session_id)
+        await host.authorize(principal.tenant, session_id, token)
+        hs = await host.restore(principal.tenant, session_id)
+    except SessionNotFound:
+        ctx.metrics.resume("session_not_found")
+        await websocket.send_denial_response(
+            error_body(404, "session_not_found", "No such session (it may have expired).")
+        )
+        return
+    except ResumeTokenInvalid:
+        ctx.metrics.resume("invalid_resume_token")
+        await websocket.send_denial_response(_bad_token())
+        return
+    except AdmissionRefused as refused:
+        ctx.metrics.resume(refused.decision.code)
+        await websocket.send_denial_response(
+            error_body(
+                429,
+                refused.decision.code,
+                f"No session slot is free ({refused.decision.reason}).",
+                retry_after_s=refused.decision.retry_after_s,
+            )
+        )
+        return
+    except SessionElsewhere:
+        ctx.metrics.resume("session_elsewhere")
+        await websocket.send_denial_response(
+            error_body(409, "session_elsewhere", "The session is served by another replica.", retry_after_s=1)
+        )
+        return
+    except StoreUnavailable:
+        ctx.metrics.resume("store_unavailable")
+        await websocket.send_denial_response(_store_down())
+        return
+    ctx.metrics.resume("resumed")
+    await _accept(websocket, subprotocols)
+    await host.serve_resume(hs, WebSocketTransport(websocket), websocket.query_params.get("last_event_id"))
+
+
+def _bad_token() -> JSONResponse:
+    return error_body(403, "invalid_resume_token", "The resume token is missing or not valid.")
+
+
+def _store_down() -> JSONResponse:
+    return error_body(
+        503, "store_unavailable", "The session store (Redis) is unavailable; retry shortly.", retry_after_s=1
+    )

@@ -10,6 +10,7 @@ import uvicorn
 
 from web.app import create_app
 from web.auth import is_loopback_host
+from web.replica import DrainingServer
 from web.settings import ServerSettings
 
 log = logging.getLogger("omniduplex")
@@ -51,5 +52,7 @@ def serve(args: argparse.Namespace) -> int:
         log.warning(
             "no API keys configured: the server is OPEN to anyone who can reach %s (loopback)", settings.host
         )
-    uvicorn.Server(uvicorn_config(settings, log_level=str(args.log_level))).run()
+    # DrainingServer: a replica's first SIGTERM drains its sessions first (web/replica.py);
+    # standalone it is plain uvicorn.
+    DrainingServer(uvicorn_config(settings, log_level=str(args.log_level))).run()
     return 0

@@ -19,14 +19,33 @@ class ServerSettings:
     admin_key: str | None = None
     insecure: bool = False
     advertise_url: str | None = None
+    # scale-out (web/replica.py): registry lease, drain
+    replica_id: str | None = None  # None: random per process
+    replica_lease_s: float = 5.0
+    replica_refresh_s: float = 2.0
+    drain_timeout_s: float = 600.0
     max_sessions: int = 64
     max_message_bytes: int = 2 * 1024 * 1024  # a frame over this closes with 1009
-    session_max_duration_s: float = 3600.0
+    session_max_duration_s: float = 3600.0  # kept for compatibility; see `max_lifetime`
+    # sessions (session/hosting.py): retention, admission, event log
+    idle_ttl_s: float = 600.0  # no client input and no server event for this long: deleted
+    max_lifetime_s: float = 3600.0  # then `session_expired`, close 1001, deleted
+    disconnect_grace_s: float = 30.0  # a dropped session runs on this long, then is parked
+    tenant_max_sessions: int | None = None  # per-tenant slots (None: max_sessions)
+    admission_queue_s: float = 10.0  # how long an open may wait in the queue for a slot
+    admission_queue_max: int = 64  # waiters per replica; beyond it, 429 at once
+    event_log_maxlen: int = 4096  # events kept per session for replay (XADD MAXLEN ~)
     ephemeral_ttl_s: float = 600.0
     vad: bool = True  # load Silero for server_vad (tests of pure protocol paths may turn it off)
     stun: list[str] = field(default_factory=list)
     turn: list[str] = field(default_factory=list)
     edge_modes: dict[str, str] = field(default_factory=dict)  # "from->to" → mode, for every request
+
+    @property
+    def max_lifetime(self) -> float:
+        """A session's maximum lifetime: the tighter of `max_lifetime_s` and the older
+        `session_max_duration_s`."""
+        return min(self.max_lifetime_s, self.session_max_duration_s)
 
     @classmethod
     def from_args(cls, args: object) -> ServerSettings:
@@ -44,7 +63,16 @@ class ServerSettings:
             admin_key=get("admin_key") or os.environ.get("OMNIDUPLEX_ADMIN_KEY"),
             insecure=bool(get("insecure", False)),
             advertise_url=get("advertise_url"),
+            replica_id=get("replica_id"),
+            replica_lease_s=float(get("replica_lease_s", 5.0) or 5.0),
+            replica_refresh_s=float(get("replica_refresh_s", 2.0) or 2.0),
+            drain_timeout_s=float(get("drain_timeout_s", 600.0) or 600.0),
             max_sessions=get("max_sessions", 64),
+            idle_ttl_s=float(get("idle_ttl_s", 600.0) or 600.0),
+            max_lifetime_s=float(get("max_lifetime_s", 3600.0) or 3600.0),
+            disconnect_grace_s=float(get("disconnect_grace_s", 30.0)),
+            tenant_max_sessions=get("tenant_max_sessions"),
+            admission_queue_s=float(get("admission_queue_s", 10.0) or 10.0),
             stun=list(get("stun", []) or []),
             turn=list(get("turn", []) or []),
             edge_modes=parse_edge_modes(get("edge_mode", []) or []),

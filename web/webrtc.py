@@ -31,11 +31,14 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from media.tracks import OutboundAudioTrack
-from media.webrtc import MAX_OFFER_BYTES, IceServer, OfferError, PeerLink, parse_ice_servers
+from media.webrtc import MAX_OFFER_BYTES, IceServer, OfferError, PeerLink, check_offer, parse_ice_servers
+from session.admission import Rejected
 from session.driver import RealtimeDriver
-from session.identity import Principal, api_key_from_request, authenticate
+from session.identity import Principal, api_key_from_request, authenticate, new_session_id
 from session.realtime.config import SessionConfig, SessionIn
-from session.realtime.effects import PlayAudio
+from session.realtime.effects import CoreOutput, PlayAudio
+from session.realtime.ids import random_id
+from session.store.errors import StoreUnavailable
 from web.context import ServerContext
 from web.realtime_ws import build_driver, error_body, initial_config
 from web.settings import ServerSettings
@@ -50,6 +53,49 @@ DEMO_SESSION: dict[str, Any] = {
     "type": "realtime",
     "audio": {"input": {"transcription": {"model": "whisper-1"}}},
 }
+
+
+APPEND = "input_audio_buffer.append"
+
+
+def append_rejection(text: str) -> dict[str, Any] | None:
+    """The `error` event for an `input_audio_buffer.append` sent on the events channel (mic
+    audio belongs on the track), or None when `text` is another event."""
+    try:
+        event = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(event, dict) or event.get("type") != APPEND:
+        return None
+    client_id = event.get("event_id")
+    return {
+        "type": "error",
+        "event_id": random_id("event"),
+        "error": {
+            "type": "invalid_request_error",
+            "code": "invalid_event",
+            "message": "input_audio_buffer.append is not supported on WebRTC calls: "
+            "send microphone audio on the audio track.",
+            "param": "type",
+            "event_id": client_id if isinstance(client_id, str) else None,
+        },
+    }
+
+
+def too_large(event: dict[str, Any], size: int, limit: int) -> dict[str, Any]:
+    """What the peer gets instead of an event its data channel cannot carry."""
+    return {
+        "type": "error",
+        "event_id": random_id("event"),
+        "error": {
+            "type": "server_error",
+            "code": "event_too_large",
+            "message": f"A {event.get('type')} event of {size} bytes exceeds this data channel's "
+            f"{limit}-byte message limit and was not sent.",
+            "param": None,
+            "event_id": None,
+        },
+    }
 
 
 class TrackAudioSink:
@@ -89,12 +135,20 @@ class RealtimeCall:
         if event.get("type") == "response.done":
             # All of the response's audio has been queued on the track by now.
             self.link.outbound.finish(str(event.get("response", {}).get("id", "")))
-        await self.link.send_text(json.dumps(event, separators=(",", ":")))
+        text = json.dumps(event, separators=(",", ":"))
+        if len(text.encode()) > self.link.max_message_size:
+            text = json.dumps(too_large(event, len(text.encode()), self.link.max_message_size))
+        await self.link.send_text(text)
 
     async def close_transport(self, code: int, reason: str) -> None:
         await self.link.close(f"session closed ({code}): {reason}")
 
     def _on_message(self, text: str) -> None:
+        if APPEND in text and self.driver is not None:
+            rejection = append_rejection(text)
+            if rejection is not None:
+                self.driver.apply(CoreOutput(events=[rejection]))
+                return
         try:
             self._inbox.put_nowait(text)
         except asyncio.QueueFull:
@@ -184,10 +238,8 @@ class WebRtcService:
         ctx: ServerContext = request.app.state.ctx
         principal = await _principal(ctx, request)
         if principal is None:
+            ctx.metrics.admission("invalid_api_key")
             return _unauthorized()
-        if len(ctx.sessions) >= ctx.settings.max_sessions:
-            slots = ctx.settings.max_sessions
-            return error_body(503, "server_busy", f"All {slots} session slots are in use.")
         offer = await _read_offer(request)
         if isinstance(offer, Response):
             return offer
@@ -197,16 +249,36 @@ class WebRtcService:
             if session_part is not None:
                 config = config.apply_update(SessionIn.model_validate(session_part))
         except Exception as exc:
+            ctx.metrics.admission("invalid_session_config")
             return error_body(400, "invalid_session_config", str(exc))
+        try:
+            check_offer(sdp)  # before taking a slot
+        except OfferError as exc:
+            ctx.metrics.admission("invalid_offer")
+            return error_body(400, "invalid_offer", str(exc))
+        session_id = new_session_id()
+        refused = await _admit(ctx, session_id, principal.tenant)
+        if refused is not None:
+            return refused
         try:
             link, answer = await PeerLink.answer(
                 sdp, ice_servers=self.ice_servers, outbound=OutboundAudioTrack()
             )
-        except OfferError as exc:
-            return error_body(400, "invalid_offer", str(exc))
+        except BaseException as exc:
+            await _release(ctx, session_id)
+            if isinstance(exc, OfferError):
+                ctx.metrics.admission("invalid_offer")
+                return error_body(400, "invalid_offer", str(exc))
+            raise
         call_id = CALL_PREFIX + secrets.token_hex(12)
         call = RealtimeCall(call_id, principal.tenant, link, connect_timeout_s=self.connect_timeout_s)
-        self._start(ctx, call, config)
+        try:
+            self._start(ctx, call, config, session_id)
+        except BaseException:
+            await link.close("session setup failed")
+            await _release(ctx, session_id)
+            raise
+        ctx.metrics.admission("admitted")
         return Response(
             answer,
             status_code=201,
@@ -214,17 +286,17 @@ class WebRtcService:
             headers={"Location": f"/v1/realtime/calls/{call_id}"},
         )
 
-    def _start(self, ctx: ServerContext, call: RealtimeCall, config: SessionConfig) -> None:
+    def _start(self, ctx: ServerContext, call: RealtimeCall, config: SessionConfig, session_id: str) -> None:
         driver = build_driver(
             ctx,
             config,
             send=call.send,
             close=call.close_transport,
+            session_id=session_id,
             audio_out_via_track=True,
             audio_sink=call.sink,
         )
         call.bind(driver)
-        session_id = driver.core.session_id
         ctx.sessions[session_id] = driver
         self.calls[call.call_id] = call
 
@@ -234,6 +306,7 @@ class WebRtcService:
             finally:
                 ctx.sessions.pop(session_id, None)
                 self.calls.pop(call.call_id, None)
+                await _release(ctx, session_id)
 
         task = asyncio.create_task(serve(), name=f"{call.call_id}:{session_id}")
         self._tasks.add(task)
@@ -271,6 +344,40 @@ class WebRtcService:
                 "ice_servers": [s.to_browser() for s in self.ice_servers],
             }
         )
+
+
+async def _admit(ctx: ServerContext, session_id: str, tenant: str) -> Response | None:
+    """Take a session slot from the shared admission (the WebSocket's), or say why not.
+    A call is one HTTP request, so it cannot wait in the admission queue: full is 429."""
+    host = ctx.host
+    if host is None:  # no session host (tests of bare contexts): count this process's sessions
+        if len(ctx.sessions) < ctx.settings.max_sessions:
+            return None
+        return error_body(429, "server_at_capacity", "No session slot is free.", retry_after_s=1)
+    try:
+        decision = await host.admission.try_admit(session_id, tenant, may_queue=False)
+    except StoreUnavailable:
+        ctx.metrics.admission("store_unavailable")
+        return error_body(
+            503,
+            "store_unavailable",
+            "The session store (Redis) is unavailable; retry shortly.",
+            retry_after_s=1,
+        )
+    if isinstance(decision, Rejected):
+        ctx.metrics.admission(decision.code)
+        return error_body(
+            429,
+            decision.code,
+            f"No session slot is free ({decision.reason}).",
+            retry_after_s=decision.retry_after_s,
+        )
+    return None
+
+
+async def _release(ctx: ServerContext, session_id: str) -> None:
+    if ctx.host is not None:
+        await ctx.host.forfeit(session_id)  # retried by the host's sweeper while Redis is down
 
 
 def _unauthorized() -> Response:

@@ -134,7 +134,9 @@ class TalkerEngine(Engine):
                     state.frames += 1
                     state.pending = sums[row : row + 1]
                     state.done = state.frames >= state.max_frames
-                    outputs[i] = StepOutput(downstream=[CodecCodes(codes[row : row + 1])], done=state.done)
+                    outputs[i] = StepOutput(
+                        downstream=[CodecCodes(codes[row : row + 1].copy())], done=state.done
+                    )
         return [out if out is not None else StepOutput() for out in outputs]
 
     def _ingest(self, state: TalkerState, item: StepInput) -> None:

@@ -60,6 +60,7 @@ class ThinkerState:
     next_embed: torch.Tensor | None = None  # embedding of generated[-1], fed at the next step
     talker_started: bool = False
     finished: bool = False
+    broken: bool = False  # a step raised: the cache may hold a partial update, never retain it
 
 
 def _int_param(params: Mapping[str, Any], options: Mapping[str, Any], name: str, default: int) -> int:
@@ -157,7 +158,7 @@ class ThinkerEngine(Engine):
         state.reused_tokens = keep
 
     def finish(self, state: Any, *, cancelled: bool) -> None:
-        if not isinstance(state, ThinkerState) or state.session_key is None:
+        if not isinstance(state, ThinkerState) or state.session_key is None or state.broken:
             return
         if state.cache.get_seq_length() != len(state.keys) or not state.keys:
             return
@@ -170,8 +171,12 @@ class ThinkerEngine(Engine):
         outputs = []
         for item in batch:
             state: ThinkerState = item.state
-            with torch.inference_mode():
-                outputs.append(self._advance(state))
+            try:
+                with torch.inference_mode():
+                    outputs.append(self._advance(state))
+            except BaseException:
+                state.broken = True
+                raise
         return outputs
 
     def _advance(self, state: ThinkerState) -> StepOutput:

@@ -12,6 +12,7 @@ from session.realtime.effects import (
     DetectSpeech,
     Effect,
     PlayAudio,
+    PrepareTranscript,
     StartResponse,
     TranscribeInput,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "DetectSpeech",
     "Effect",
     "PlayAudio",
+    "PrepareTranscript",
     "ProtocolError",
     "RealtimeSessionCore",
     "SessionConfig",

@@ -109,6 +109,9 @@ class Conversation:
     def __init__(self) -> None:
         self._items: list[Item] = []
         self._by_id: dict[str, Item] = {}
+        # The change journal for the store: ids changed / deleted since `take_changes`.
+        self._changed: dict[str, None] = {}
+        self._deleted: list[str] = []
 
     def __len__(self) -> int:
         return len(self._items)
@@ -156,13 +159,35 @@ class Conversation:
             index = self._items.index(self._by_id[previous_item_id]) + 1
         self._items.insert(index, item)
         self._by_id[item.id] = item
+        self._changed[item.id] = None
         return self._items[index - 1].id if index > 0 else None
 
     def delete(self, item_id: str) -> Item:
         item = self.get(item_id)
         self._items.remove(item)
         del self._by_id[item_id]
+        self._changed.pop(item_id, None)
+        self._deleted.append(item_id)
         return item
+
+    def mark_changed(self, item_id: str) -> None:
+        """An item's stored form changed (status, transcript): persist it at the next take."""
+        if item_id in self._by_id:
+            self._changed[item_id] = None
+
+    def take_changes(self) -> tuple[list[str], list[tuple[Item, str]]] | None:
+        """Deleted ids, then changed items in conversation order with the id of the item
+        before each ("root" for the first); None when nothing changed since the last take."""
+        if not self._changed and not self._deleted:
+            return None
+        deleted, self._deleted = self._deleted, []
+        changed, self._changed = self._changed, {}
+        upserts: list[tuple[Item, str]] = []
+        if changed:
+            for index, item in enumerate(self._items):
+                if item.id in changed:
+                    upserts.append((item, self._items[index - 1].id if index > 0 else "root"))
+        return deleted, upserts
 
     def truncate(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
         """Cut assistant audio at `audio_end_ms` and the transcript in proportion."""
@@ -194,6 +219,7 @@ class Conversation:
         part.truncated = True
         if item.status == "in_progress":
             item.status = "incomplete"
+        self._changed[item_id] = None
 
 
 def cut_text(text: str, fraction: float) -> str:

@@ -24,6 +24,7 @@ from session.realtime.effects import (
     ClearAudioOutput,
     Close,
     CoreOutput,
+    PrepareTranscript,
     StartResponse,
     TranscribeInput,
 )
@@ -43,10 +44,17 @@ from session.realtime.events import (
     parse_client_event,
 )
 from session.realtime.ids import IdFactory, random_id
-from session.realtime.input_audio import SAMPLES_PER_MS, InputAudio, ms_of
+from session.realtime.input_audio import FRAME, SAMPLES_PER_MS, InputAudio, ms_of
 from session.realtime.prompt import build_submit_params, item_from_client
+from session.realtime.records import StateChanges, config_record, item_from_record, item_to_record
 from session.realtime.response_request import resolve_response_request
-from session.realtime.responses import CancelReason, ResponseRun, ResponseStatus
+from session.realtime.responses import (
+    CancelReason,
+    ResponseRun,
+    ResponseSettings,
+    ResponseStatus,
+    end_orphaned_responses,
+)
 from session.realtime.server_events import Outbox
 from session.realtime.turns import SpeechDetector, SpeechStarted, SpeechStopped
 
@@ -64,6 +72,10 @@ class CoreOptions:
     # The pipeline's `Transcript` output transcribes the audio of StartResponse; if False,
     # every committed item is transcribed with a TranscribeInput effect (when configured).
     pipeline_transcribes_input: bool = True
+    # With such a pipeline and server VAD, once a pause in speech has lasted this long
+    # (capped at the silence duration) the turn so far is transcribed ahead of the turn's
+    # end (`PrepareTranscript`), hiding ASR time inside the silence. 0: never.
+    prepare_transcript_after_ms: int = 160
     session_id: str | None = None
     new_id: IdFactory = random_id
 
@@ -81,6 +93,7 @@ class RealtimeSessionCore:
         self._vad = SpeechDetector()
         self._speech_item_id: str | None = None
         self._speech_start = 0
+        self._prepared: tuple[str, int] | None = None  # key of the last PrepareTranscript
         self._active: ResponseRun | None = None
         self._prompt_items: OrderedDict[str, list[str]] = OrderedDict()  # response → audio items
         self._transcribed: set[str] = set()
@@ -91,8 +104,38 @@ class RealtimeSessionCore:
         self._voice_locked = False
         self._started_at: float | None = None
         self._expires_at_epoch = 0
+        self._config_changed = False
         self.closed = False
         self._apply_turn_detection()
+
+    @classmethod
+    def restore(
+        cls,
+        options: CoreOptions,
+        items: Sequence[dict[str, Any]],
+        *,
+        conversation_id: str | None,
+        now: float,
+        epoch: float,
+        expires_at: float,
+    ) -> RealtimeSessionCore:
+        """A started core rebuilt from stored state (`options.config`, item records from
+        `records.item_to_record`) after its process went away: no `session.created`, the same
+        expiry (`expires_at`, wall seconds) and conversation. Restored items have no audio."""
+        core = cls(options)
+        if conversation_id:
+            core.conversation_id = conversation_id
+        for record in items:
+            item = item_from_record(record)
+            core.conversation.insert(item)
+            if any(c.type == "input_audio" for c in item.content):
+                core._transcribed.add(item.id)  # its audio is gone: nothing left to transcribe
+            if item.role == "assistant" and any(c.type == "output_audio" for c in item.content):
+                core._voice_locked = True
+        core.conversation.take_changes()  # already stored
+        core._started_at = now - (options.max_duration_s - (expires_at - epoch))
+        core._expires_at_epoch = int(expires_at)
+        return core
 
     # --- properties ----------------------------------------------------------------------
 
@@ -103,6 +146,10 @@ class RealtimeSessionCore:
     @property
     def speaking(self) -> bool:
         return self._vad.speaking
+
+    @property
+    def started(self) -> bool:
+        return self._started_at is not None
 
     def session_object(self) -> dict[str, Any]:
         return self.config.to_wire(session_id=self.session_id, expires_at=self._expires_at_epoch)
@@ -122,8 +169,29 @@ class RealtimeSessionCore:
         """Open the session: `session.created`. `epoch` is wall-clock seconds (for `expires_at`)."""
         self._started_at = now
         self._expires_at_epoch = int(epoch + self.options.max_duration_s)
+        self._config_changed = True
         self._out.event("session.created", session=self.session_object())
         return self._out.drain()
+
+    def take_state_changes(self) -> StateChanges | None:
+        """What to persist since the last call (item boundaries and config updates only, so
+        deltas cost nothing); None when nothing changed. O(1) when nothing did."""
+        items = self.conversation.take_changes()
+        if items is None and not self._config_changed:
+            return None
+        changes = StateChanges()
+        if items is not None:
+            changes.deletes = items[0]
+            changes.upserts = [(item_to_record(item), previous) for item, previous in items[1]]
+        if self._config_changed:
+            self._config_changed = False
+            changes.config = config_record(
+                self.config,
+                session_id=self.session_id,
+                expires_at=self._expires_at_epoch,
+                conversation_id=self.conversation_id,
+            )
+        return changes
 
     def handle_client_event(self, raw: str | bytes | dict[str, Any], now: float) -> CoreOutput:
         """One client event (raw JSON text or decoded dict)."""
@@ -163,6 +231,8 @@ class RealtimeSessionCore:
                 self._on_speech_started(change, td, now)
             elif isinstance(change, SpeechStopped):
                 self._on_speech_stopped(change, td, now)
+            else:
+                self._maybe_prepare_transcript(frame_start + FRAME, td)
         if not self._vad.speaking:
             self._input.drop_before(self._input.first_unscored - td.prefix_padding_ms * SAMPLES_PER_MS)
         return self._out.drain()
@@ -212,6 +282,7 @@ class RealtimeSessionCore:
             return self._out.drain()
         self._transcribed.add(item_id)
         part.heard = text
+        self.conversation.mark_changed(item_id)
         if enabled:
             part.transcript = text
             seconds = 0.0 if part.input_audio is None else len(part.input_audio) / VAD_RATE
@@ -273,15 +344,44 @@ class RealtimeSessionCore:
             return self._out.drain()
         if now - self._started_at >= self.options.max_duration_s:
             minutes = round(self.options.max_duration_s / 60)
+            return self.expire(now, f"Your session hit the maximum duration of {minutes} minutes.")
+        return self._out.drain()
+
+    def expire(self, now: float, message: str) -> CoreOutput:
+        """End the session from the server side (maximum duration, idle TTL): cancel the
+        active response, `error session_expired`, `Close(1001)`."""
+        if not self.closed:
             if self._active is not None:
                 self._cancel_active("client_cancelled", now)
-            self._out.error(
-                ProtocolError(
-                    E.SESSION_EXPIRED, f"Your session hit the maximum duration of {minutes} minutes."
-                )
-            )
+            self._out.error(ProtocolError(E.SESSION_EXPIRED, message))
             self._out.effect(Close(1001, "session expired"))
             self.closed = True
+        return self._out.drain()
+
+    def cancel_response(self, now: float) -> CoreOutput:
+        """Cancel the active response for the server's own reasons (the client left past
+        its disconnect grace): `response.done` cancelled, as if the client had cancelled."""
+        if self._active is not None and not self.closed:
+            self._cancel_active("client_cancelled", now)
+        return self._out.drain()
+
+    def close_orphaned_responses(self, now: float) -> CoreOutput:
+        """After `restore`: end responses a dead process left in progress (their output item
+        was stored in progress) with `response.done` failed, so the client sees them end."""
+        end_orphaned_responses(
+            self.conversation,
+            lambda audio: ResponseSettings(
+                modalities=["audio"] if audio else ["text"],
+                output_format=self.config.output_format,
+                voice=self.config.voice,
+                max_output_tokens=self.config.max_output_tokens,
+                frame_ms=self.options.output_frame_ms,
+                via_track=self.options.audio_out_via_track,
+            ),
+            outbox=self._out,
+            conversation_id=self.conversation_id,
+            now=now,
+        )
         return self._out.drain()
 
     def tick(self, now: float) -> CoreOutput:
@@ -353,6 +453,7 @@ class RealtimeSessionCore:
 
     def _session_update(self, event: SessionUpdate) -> None:
         self.config = self.config.apply_update(event.session, voice_locked=self._voice_locked)
+        self._config_changed = True
         self._input.set_format(self.config.input_format)
         self._apply_turn_detection()
         self._out.event("session.updated", session=self.session_object())
@@ -466,11 +567,34 @@ class RealtimeSessionCore:
         audio = self._input.take(self._speech_start, change.commit_end)
         self._commit(item_id, audio, respond=respond)
         if respond:
-            self._start_response(None, now)
+            self._start_response(None, now, transcript_key=(item_id, change.end_sample))
+
+    def _maybe_prepare_transcript(self, frame_end: int, td: TurnDetection) -> None:
+        """A pause long enough that the turn may end here: transcribe it ahead (once)."""
+        pause = self._vad.silence_start
+        item_id = self._speech_item_id
+        after_ms = min(self.options.prepare_transcript_after_ms, td.effective_silence_ms())
+        if (
+            pause is None
+            or item_id is None
+            or after_ms <= 0
+            or not (td.create_response and self.options.pipeline_transcribes_input)
+            or frame_end - pause < after_ms * SAMPLES_PER_MS
+            or self._prepared == (item_id, pause)
+        ):
+            return
+        self._prepared = (item_id, pause)
+        self._out.effect(PrepareTranscript((item_id, pause), self._input.slice(self._speech_start, pause)))
 
     # --- responses -----------------------------------------------------------------------
 
-    def _start_response(self, event: ResponseCreate | None, now: float) -> None:
+    def _start_response(
+        self,
+        event: ResponseCreate | None,
+        now: float,
+        *,
+        transcript_key: tuple[str, int] | None = None,
+    ) -> None:
         if self._active is not None:
             raise ProtocolError(
                 E.ACTIVE_RESPONSE,
@@ -508,7 +632,11 @@ class RealtimeSessionCore:
         while len(self._prompt_items) > 16:
             self._prompt_items.popitem(last=False)
         run.start()
-        self._out.effect(StartResponse(response_id, params))
+        if transcript_key is not None and (
+            transcript_key != self._prepared or stats.audio_item_ids != [transcript_key[0]]
+        ):
+            transcript_key = None  # the prompt's audio is not (only) what was transcribed ahead
+        self._out.effect(StartResponse(response_id, params, transcript_key=transcript_key))
 
     def _response_cancel(self, event: ResponseCancel, now: float) -> None:
         if self._active is None or (event.response_id is not None and event.response_id != self._active.id):

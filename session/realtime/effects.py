@@ -21,6 +21,21 @@ class StartResponse:
 
     response_id: str
     params: dict[str, Any]
+    # Set when `params["audio"]` is exactly the audio of an earlier `PrepareTranscript` with
+    # this key: the driver may hand the pipeline that transcript as `text` instead (and
+    # report it with `on_input_transcript(response_id, text)`).
+    transcript_key: tuple[str, int] | None = None
+
+
+@dataclass(slots=True)
+class PrepareTranscript:
+    """Server VAD heard a pause that may end the turn: transcribe `audio` (float32 16 kHz,
+    the turn so far) now, while the silence runs, so a response that starts when the turn
+    ends does not wait for ASR. Only for pipelines that transcribe their audio input first.
+    A later `StartResponse` with the same `key` may use the result; otherwise drop it."""
+
+    key: tuple[str, int]  # (item id, timeline sample where the pause began)
+    audio: np.ndarray
 
 
 @dataclass(slots=True)
@@ -82,7 +97,14 @@ class Close:
 
 
 Effect = (
-    StartResponse | CancelResponse | TranscribeInput | DetectSpeech | PlayAudio | ClearAudioOutput | Close
+    StartResponse
+    | PrepareTranscript
+    | CancelResponse
+    | TranscribeInput
+    | DetectSpeech
+    | PlayAudio
+    | ClearAudioOutput
+    | Close
 )
 
 

@@ -81,14 +81,28 @@ class InputAudio:
         a, b = max(a, self.start), min(b, self.end)
         if b <= a:
             return np.zeros(0, dtype=np.float32)
-        out, pos = [], self.start
-        for chunk in self._chunks:
-            lo, hi = pos, pos + len(chunk)
-            if hi > a and lo < b:
-                out.append(chunk[max(a - lo, 0) : min(b - lo, len(chunk))])
-            pos = hi
-            if pos >= b:
-                break
+        out: list[np.ndarray] = []
+        if b - self.start <= self.end - a:
+            pos = self.start
+            for chunk in self._chunks:
+                lo, hi = pos, pos + len(chunk)
+                if hi > a and lo < b:
+                    out.append(chunk[max(a - lo, 0) : min(b - lo, len(chunk))])
+                pos = hi
+                if pos >= b:
+                    break
+        else:
+            # VAD frames are cut from the newest audio while a turn may hold seconds of it:
+            # walk from the end so the cost does not grow with the buffered turn.
+            pos = self.end
+            for chunk in reversed(self._chunks):
+                lo, hi = pos - len(chunk), pos
+                if hi > a and lo < b:
+                    out.append(chunk[max(a - lo, 0) : min(b - lo, len(chunk))])
+                pos = lo
+                if pos <= a:
+                    break
+            out.reverse()
         return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
 
     def take(self, a: int, b: int) -> np.ndarray:

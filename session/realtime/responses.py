@@ -10,6 +10,7 @@ response cancelled before any output has `output: []`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -81,6 +82,38 @@ class ResponseRun:
         self._format = PCM24K if settings.via_track else settings.output_format
         self._resampler: StreamingResampler | None = None
         self._framer = AudioFramer.for_duration(self._format, settings.frame_ms)
+
+    @classmethod
+    def orphaned(
+        cls,
+        item: Item,
+        settings: ResponseSettings,
+        *,
+        outbox: Outbox,
+        conversation: Conversation,
+        conversation_id: str,
+    ) -> ResponseRun:
+        """A response that a dead process left in progress, rebuilt from its stored output item
+        so that `finish` can end it (the client saw it start and must see it end)."""
+        run = cls(
+            item.response_id or "",
+            settings,
+            outbox=outbox,
+            conversation=conversation,
+            item_id=item.id,
+            conversation_id=conversation_id,
+            prompt=PromptStats(),
+        )
+        if not item.content:
+            item.content.append(
+                Content(type="output_audio", transcript="")
+                if settings.audio
+                else Content(type="output_text", text="")
+            )
+        run.item = item
+        part = item.content[0]
+        run._text = (part.transcript if settings.audio else part.text) or ""
+        return run
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -239,6 +272,7 @@ class ResponseRun:
             self._out.event("response.content_part.done", **where, part={"type": "text", "text": text})
         if self.item.status == "in_progress":
             self.item.status = item_status
+        self._conversation.mark_changed(self.item.id)
         wire = self.item.to_wire()
         self._out.event("response.output_item.done", response_id=self.id, output_index=0, item=wire)
         if self.settings.in_conversation and self.item.id in self._conversation:
@@ -290,6 +324,30 @@ class ResponseRun:
             else None,
             "metadata": s.metadata,
         }
+
+
+def end_orphaned_responses(
+    conversation: Conversation,
+    settings_for: Callable[[bool], ResponseSettings],
+    *,
+    outbox: Outbox,
+    conversation_id: str,
+    now: float,
+) -> None:
+    """End, with `response.done` failed, every response whose output item a dead process left
+    in progress (`settings_for(audio)` gives the settings to close it with)."""
+    for item in conversation.items:
+        if item.status != "in_progress" or item.role != "assistant" or item.response_id is None:
+            continue
+        audio = any(c.type == "output_audio" for c in item.content)
+        run = ResponseRun.orphaned(
+            item,
+            settings_for(audio),
+            outbox=outbox,
+            conversation=conversation,
+            conversation_id=conversation_id,
+        )
+        run.finish("failed", now=now, error="The server restarted during this response.")
 
 
 def _format_wire(fmt: WireFormat) -> dict[str, Any]:

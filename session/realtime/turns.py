@@ -36,6 +36,11 @@ class SpeechDetector:
         self.silence_ms = silence_ms
 
     @property
+    def silence_start(self) -> int | None:
+        """While speaking: where the current run of silent frames began (None: no silence)."""
+        return self._silence_start if self.speaking else None
+
+    @property
     def negative_threshold(self) -> float:
         return max(self.threshold - 0.15, 0.01)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import wave
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +32,24 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         yield live
 
 
-@pytest.fixture(scope="module")
-def speech_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """1.5 s of silence, the sentence, then a long silence (the fake mic may loop the file)."""
-    speech = speak(SENTENCE, WAV_RATE)
-    audio = np.concatenate(
-        [np.zeros(int(1.5 * WAV_RATE), np.float32), speech, np.zeros(40 * WAV_RATE, np.float32)]
-    )
-    path = Path(tmp_path_factory.mktemp("wav")) / "sentence.wav"
+LONG_SENTENCE = "The quick brown fox jumps over the lazy dog, and then the five boxing wizards jump quickly."
+INTERRUPTION = "Wait, stop please."
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--use-fake-ui-for-media-stream",
+    "--use-fake-device-for-media-stream",
+    "--autoplay-policy=no-user-gesture-required",
+]
+
+
+def write_wav(path: Path, parts: list[np.ndarray]) -> Path:
+    audio = np.concatenate(parts)
     with wave.open(str(path), "wb") as out:
         out.setnchannels(1)
         out.setsampwidth(2)
@@ -47,30 +58,55 @@ def speech_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture
-async def browser(speech_wav: Path) -> AsyncIterator[Browser]:
+def silence(seconds: float) -> np.ndarray:
+    return np.zeros(int(seconds * WAV_RATE), np.float32)
+
+
+@pytest.fixture(scope="module")
+def speech_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """1.5 s of silence, the sentence, then a long silence (the fake mic may loop the file)."""
+    path = Path(tmp_path_factory.mktemp("wav")) / "sentence.wav"
+    return write_wav(path, [silence(1.5), speak(SENTENCE, WAV_RATE), silence(40)])
+
+
+@pytest.fixture(scope="module")
+def barge_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A long sentence (its echoed answer lasts ~7 s), then an interruption 5 s after it ends:
+    while the answer plays for any turn latency up to ~5 s."""
+    path = Path(tmp_path_factory.mktemp("wav")) / "barge.wav"
+    parts = [
+        silence(1.5),
+        speak(LONG_SENTENCE, WAV_RATE),
+        silence(5.0),
+        speak(INTERRUPTION, WAV_RATE),
+        silence(40),
+    ]
+    return write_wav(path, parts)
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Path:
     assert CHROMIUM.exists(), f"{CHROMIUM} is missing: install Debian's chromium (make system-deps)"
+    return CHROMIUM
+
+
+@asynccontextmanager
+async def launch(chromium: Path, wav: Path) -> AsyncIterator[Browser]:
+    """Headless Chromium whose fake microphone plays `wav` once."""
     async with async_playwright() as pw:
         browser = await pw.chromium.launch(
-            executable_path=str(CHROMIUM),
-            args=[
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--use-fake-ui-for-media-stream",
-                "--use-fake-device-for-media-stream",
-                f"--use-file-for-fake-audio-capture={speech_wav}%noloop",
-                "--autoplay-policy=no-user-gesture-required",
-            ],
+            executable_path=str(chromium), args=[*ARGS, f"--use-file-for-fake-audio-capture={wav}%noloop"]
         )
         try:
             yield browser
         finally:
             await browser.close()
+
+
+@pytest.fixture
+async def browser(chromium: Path, speech_wav: Path) -> AsyncIterator[Browser]:
+    async with launch(chromium, speech_wav) as browser:
+        yield browser
 
 
 async def run_turn(page: Page, url: str) -> dict[str, Any]:
@@ -138,3 +174,36 @@ async def test_demo_page_websocket_fallback(server: LiveServer, browser: Browser
     assert result["latencies"][0] > 0
     await page.click("#hangup")
     await page.close()
+
+
+@pytest.mark.parametrize("transport", ["webrtc", "websocket"])
+async def test_demo_page_barge_in(
+    server: LiveServer, chromium: Path, barge_wav: Path, transport: str
+) -> None:
+    """Talking over the answer cuts it: the page shows it interrupted, then answers again."""
+    async with launch(chromium, barge_wav) as browser:
+        page = await browser.new_page()
+        await page.goto(f"{server.http_url}/?transport={transport}")
+        await page.click("#connect")
+        try:
+            await page.wait_for_function(
+                "document.querySelectorAll('.msg.assistant .badge').length > 0", timeout=120_000
+            )
+            await page.wait_for_function("window.demo.userTranscripts.length >= 2", timeout=60_000)
+        except Exception:
+            state = await page.evaluate("JSON.stringify(window.demo)")
+            raise AssertionError(f"demo state {state}") from None
+        ARTIFACTS.mkdir(exist_ok=True)
+        await page.screenshot(path=str(ARTIFACTS / f"{transport}-barge-in.png"), full_page=True)
+        demo = await page.evaluate(
+            "({events: window.demo.events.map(e => e[1]), errors: window.demo.errors,"
+            " user: window.demo.userTranscripts, transport: window.demo.transport})"
+        )
+        assert demo["transport"] == transport and demo["errors"] == [], demo
+        assert demo["events"].count("input_audio_buffer.speech_started") >= 2
+        assert "conversation.item.truncated" in demo["events"]
+        if transport == "webrtc":
+            assert "output_audio_buffer.cleared" in demo["events"]  # the server cut its own track
+        assert words(demo["user"][0]) == words(LONG_SENTENCE), demo
+        assert {"wait", "stop"} <= set(words(demo["user"][1])), demo
+        await page.close()

@@ -34,7 +34,9 @@ def interruption48k() -> np.ndarray:
 
 
 def webrtc_service(server: LiveServer) -> Any:
-    return server.server.config.app.state.webrtc
+    """The server's `WebRtcService` (read it from the test loop; its calls live on the server's)."""
+    app: Any = server.server.config.app
+    return app.state.webrtc
 
 
 def open_peer_connections() -> list[Any]:

@@ -40,6 +40,9 @@ async def test_voice_turn_over_webrtc(server: LiveServer, sentence48k: np.ndarra
         assert client.call is not None and client.call.status_code == 201
         assert client.call.location == f"/v1/realtime/calls/{client.call.call_id}"
         assert client.call.headers["content-type"].startswith("application/sdp")
+        # No STUN/TURN configured: host candidates only (nothing asked a public STUN server).
+        candidates = [line for line in client.call.answer_sdp.splitlines() if line.startswith("a=candidate")]
+        assert candidates and all(" typ host" in line for line in candidates)
         client.send({"type": "session.update", "session": TRANSCRIBED})
         await client.wait_event("session.updated")
         utterance = client.say("user-1", sentence48k, 48_000)
@@ -133,12 +136,17 @@ async def test_invalid_channel_messages_get_error_events(server: LiveServer) -> 
         client.send({"type": "no.such.event", "event_id": "evt_1"})
         _, err = await client.wait_event("error", where=lambda e: e["error"].get("event_id") == "evt_1")
         assert err["error"]["code"] == "invalid_event"
+        client.send({"type": "input_audio_buffer.append", "audio": "AAAA", "event_id": "evt_2"})
+        _, err = await client.wait_event("error", where=lambda e: e["error"].get("event_id") == "evt_2")
+        assert err["error"]["code"] == "invalid_event" and "audio track" in err["error"]["message"]
         client.send_raw(b"\xff\xfe not utf-8".decode("latin-1"))
         await client.wait_event("error", where=lambda e: e["error"]["code"] == "invalid_json")
         # The session is still alive and answers properly.
         client.send({"type": "session.update", "session": {"type": "realtime", "instructions": "be brief"}})
         _, updated = await client.wait_event("session.updated")
         assert updated["session"]["instructions"] == "be brief"
+        for _, event in client.events:
+            assert_valid_server_event(event)
 
 
 async def test_multipart_offer_with_session_config(server: LiveServer) -> None:
@@ -149,43 +157,47 @@ async def test_multipart_offer_with_session_config(server: LiveServer) -> None:
         assert_valid_server_event(created)
 
 
+async def settled(server: LiveServer) -> None:
+    """Calls of earlier tests end asynchronously (their peers closed): wait them out."""
+    await wait_until(lambda: not server.ctx.sessions and not webrtc_service(server).calls, 15)
+
+
 async def test_hangup_releases_the_call(server: LiveServer) -> None:
     service = webrtc_service(server)
-    before = len(server.ctx.sessions)
     async with RealtimeCallClient(server.http_url) as client:
-        await client.wait_event("session.created")
+        _, created = await client.wait_event("session.created")
+        session_id = created["session"]["id"]
         assert client.call is not None
-        assert client.call.call_id in service.calls
+        assert client.call.call_id in service.calls and session_id in server.ctx.sessions
         assert await client.hangup() == 200
         await wait_until(lambda: client.call.call_id not in service.calls)
         await wait_until(lambda: client.pc.connectionState == "closed")
-        assert len(server.ctx.sessions) == before
+        assert session_id not in server.ctx.sessions
         async with httpx.AsyncClient() as http:
             again = await http.post(f"{server.http_url}{client.call.location}/hangup")
         assert again.status_code == 404
 
 
 async def test_vanished_peer_releases_the_session(server: LiveServer) -> None:
-    service = webrtc_service(server)
-    before = len(server.ctx.sessions)
+    await settled(server)
     client = RealtimeCallClient(server.http_url)
     await client.connect()
-    await client.wait_event("session.created")
-    assert len(server.ctx.sessions) == before + 1
+    _, created = await client.wait_event("session.created")
+    assert created["session"]["id"] in server.ctx.sessions
     await client.pc.close()  # gone without a hangup
-    await wait_until(lambda: len(server.ctx.sessions) == before and not service.calls, 15)
+    await settled(server)
     await client.close()
 
 
 async def test_ice_that_never_connects_is_released(server: LiveServer) -> None:
     service = webrtc_service(server)
+    await settled(server)
     service.connect_timeout_s = 1.5
     try:
         client = RealtimeCallClient(server.http_url)
         offer = await client.offer()
         # No candidates: the server can never reach this peer.
         offer = "".join(line + "\r\n" for line in offer.splitlines() if not line.startswith("a=candidate"))
-        before = len(server.ctx.sessions)
         async with httpx.AsyncClient() as http:
             resp = await http.post(
                 f"{server.http_url}/v1/realtime/calls",
@@ -193,8 +205,10 @@ async def test_ice_that_never_connects_is_released(server: LiveServer) -> None:
                 headers={"Content-Type": "application/sdp"},
             )
         assert resp.status_code == 201
-        assert len(server.ctx.sessions) == before + 1
-        await wait_until(lambda: len(server.ctx.sessions) == before and not service.calls, 10)
+        assert len(server.ctx.sessions) == 1
+        started = time.monotonic()
+        await settled(server)
+        assert time.monotonic() - started < 5.0
         await client.close()
     finally:
         service.connect_timeout_s = 30.0
@@ -213,7 +227,7 @@ async def test_ice_that_never_connects_is_released(server: LiveServer) -> None:
 async def test_bad_offers_are_rejected_with_json(
     server: LiveServer, body: str, content_type: str, status: int, code: str
 ) -> None:
-    before = len(server.ctx.sessions)
+    await settled(server)
     async with httpx.AsyncClient() as http:
         resp = await http.post(
             f"{server.http_url}/v1/realtime/calls", content=body, headers={"Content-Type": content_type}
@@ -221,17 +235,20 @@ async def test_bad_offers_are_rejected_with_json(
     assert resp.status_code == status
     error = resp.json()["error"]
     assert error["code"] == code and error["message"]
-    assert len(server.ctx.sessions) == before and not webrtc_service(server).calls
+    assert not server.ctx.sessions and not webrtc_service(server).calls
 
 
 async def test_offer_aiortc_refuses_leaves_no_peer(server: LiveServer) -> None:
+    await settled(server)
     client = RealtimeCallClient(server.http_url)
     offer = await client.offer()
     await client.close()
     no_mux = "".join(line + "\r\n" for line in offer.splitlines() if line != "a=rtcp-mux")
     async with httpx.AsyncClient() as http:
         resp = await http.post(
-            f"{server.http_url}/v1/realtime/calls", content=no_mux, headers={"Content-Type": "application/sdp"}
+            f"{server.http_url}/v1/realtime/calls",
+            content=no_mux,
+            headers={"Content-Type": "application/sdp"},
         )
     assert resp.status_code == 400
     assert "RTCP mux" in resp.json()["error"]["message"]

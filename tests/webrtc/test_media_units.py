@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from media.pacing import FramePacer, PlayoutBuffer
-from media.tracks import InboundAudioPump, MediaStreamError, MediaStreamTrack, OutboundAudioTrack, frame_to_mono
+from media.tracks import (
+    InboundAudioPump,
+    MediaStreamError,
+    MediaStreamTrack,
+    OutboundAudioTrack,
+    frame_to_mono,
+)
 from media.webrtc import OfferError, check_offer, parse_ice_servers
 
 
@@ -276,7 +282,8 @@ def test_check_offer_says_why(sdp: str, why: str) -> None:
 def test_parse_ice_servers() -> None:
     assert parse_ice_servers() == []
     stun, turn, turns = parse_ice_servers(
-        ["stun.example.org:3478"], ["turn:alice:s3cret@turn.example.org:3478", "turns:bob:pw@t.example.org:5349"]
+        ["stun.example.org:3478"],
+        ["turn:alice:s3cret@turn.example.org:3478", "turns:bob:pw@t.example.org:5349"],
     )
     assert stun.to_browser() == {"urls": ["stun:stun.example.org:3478"]}
     assert turn.to_browser() == {
@@ -324,3 +331,20 @@ def test_immediate_audio_buffer_hands_packets_on_at_once() -> None:
     frames = [None if f is None else f.timestamp for f in got]
     # In order (across the sequence wrap) at once; the duplicate and the late ones dropped.
     assert frames == [65534 * 960, 65535 * 960, 0, None, None, 2 * 960, None]
+
+
+def test_configured_ice_servers_reach_the_service_and_bad_ones_stop_startup() -> None:
+    from web.app import create_app
+    from web.settings import ServerSettings
+    from web.webrtc import WebRtcService
+
+    service = WebRtcService(
+        ServerSettings(stun=["stun:stun.example.org:3478"], turn=["u:p@turn.example.org"])
+    )
+    assert [s.url for s in service.ice_servers] == [
+        "stun:stun.example.org:3478",
+        "turn:turn.example.org?transport=udp",
+    ]
+    assert WebRtcService(ServerSettings()).ice_servers == []  # nothing public by default
+    with pytest.raises(ValueError, match="TURN"):
+        create_app(ServerSettings(turn=["turn:"]))

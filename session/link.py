@@ -1,0 +1,208 @@
+"""One transport attached to a session driver: its bounded outbox, sender and receiver.
+
+A session outlives its connections (resume), so the driver keeps what belongs to the session
+(core, responses, timers) and a :class:`TransportLink` holds what belongs to one connection:
+
+* a bounded outbox of server events, drained in order by one sender task. Full means the
+  client stopped reading: the link ends with close 1008 and the outbox is dropped, so memory
+  never grows with a slow client (the session's event log keeps the events for a resume);
+* a receiver task that hands each client text frame to the driver;
+* a *held* start for resumes: events queue while the missed ones are read from the store,
+  then :meth:`release` sends a preamble (``omni.session.resumed`` and the replay) first and
+  skips queued events the replay already covered.
+
+The link owns its two tasks and ends exactly once (:attr:`end`), for one :class:`LinkEnd`
+reason; :meth:`wait` returns it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+SLOW_CLIENT_CODE = 1008
+SLOW_CLIENT_REASON = "client is not reading its events"
+
+
+class Transport(Protocol):
+    """What a link needs from a connection (WebSocket, WebRTC data channel, test fake)."""
+
+    async def send(self, event: dict[str, Any]) -> None: ...
+
+    async def close(self, code: int, reason: str) -> None: ...
+
+    async def receive(self) -> str | None:
+        """The next client text frame; None once the client is gone."""
+        ...
+
+
+class LinkEnd(enum.Enum):
+    CLIENT_GONE = "client_gone"  # the client closed or the connection dropped
+    SEND_FAILED = "send_failed"  # writing to the transport raised
+    SLOW_CLIENT = "slow_client"  # the outbox overflowed: closed with 1008
+    RECEIVE_ERROR = "receive_error"  # handling a client frame raised (a bug): closed with 1011
+    REPLACED = "replaced"  # a newer connection resumed the session
+    CLOSED = "closed"  # the server closed it (session ended, expired, detached by the host)
+
+
+class TransportLink:
+    def __init__(
+        self,
+        transport: Transport,
+        on_text: Callable[[str], None],
+        *,
+        limit: int,
+        held: bool = False,
+        name: str = "link",
+    ) -> None:
+        self.transport = transport
+        self.limit = limit
+        self.name = name
+        self.end: LinkEnd | None = None
+        self.error: BaseException | None = None
+        self._on_text = on_text
+        self._queue: deque[dict[str, Any]] = deque()
+        self._wake = asyncio.Event()
+        self._released = asyncio.Event()
+        self._preamble: list[dict[str, Any]] = []
+        self._skip: Callable[[dict[str, Any]], bool] | None = None
+        self._closing: tuple[int, str] | None = None  # close after the outbox drains
+        self._ended = asyncio.Event()
+        self._closer: asyncio.Task[None] | None = None
+        if not held:
+            self._released.set()
+        self._sender = asyncio.create_task(self._send_loop(), name=f"{name}:sender")
+        self._receiver = asyncio.create_task(self._receive_loop(), name=f"{name}:receiver")
+
+    # --- events out --------------------------------------------------------------------------
+
+    @property
+    def open(self) -> bool:
+        return self.end is None and self._closing is None
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def push(self, event: dict[str, Any]) -> bool:
+        """Queue one event (never blocks); False when the link is closing or just overflowed."""
+        if not self.open:
+            return False
+        if len(self._queue) >= self.limit:
+            self.finish(LinkEnd.SLOW_CLIENT, SLOW_CLIENT_CODE, SLOW_CLIENT_REASON)
+            return False
+        self._queue.append(event)
+        self._wake.set()
+        return True
+
+    def release(
+        self,
+        preamble: list[dict[str, Any]],
+        *,
+        skip: Callable[[dict[str, Any]], bool] | None = None,
+        drop_queued: bool = False,
+    ) -> None:
+        """Start sending a held link: `preamble` first, then the queue minus its leading
+        events for which `skip` is true (those the replay already had), or none of the queue
+        with `drop_queued` (a snapshot taken now supersedes them)."""
+        if drop_queued:
+            self._queue.clear()
+        self._preamble = preamble
+        self._skip = skip
+        self._released.set()
+
+    def close_after_drain(self, code: int, reason: str) -> None:
+        """Send what is queued (e.g. `session_expired`), then close with `code`."""
+        if self.open:
+            self._closing = (code, reason)
+            self._released.set()
+            self._wake.set()
+
+    def finish(self, end: LinkEnd, code: int | None = None, reason: str = "") -> None:
+        """End the link now: drop the outbox, stop both tasks, close the transport with `code`."""
+        if self.end is not None:
+            return
+        self.end = end
+        self._queue.clear()
+        self._closer = asyncio.create_task(self._shut(code, reason), name=f"{self.name}:close")
+
+    async def wait(self) -> LinkEnd:
+        await self._ended.wait()
+        assert self.end is not None
+        return self.end
+
+    async def aclose(self, code: int | None = None, reason: str = "", *, drain_s: float = 0.0) -> LinkEnd:
+        """End the link (after up to `drain_s` of sending what is queued) and wait for it."""
+        if self.end is None and drain_s > 0 and code is not None:
+            self.close_after_drain(code, reason)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(drain_s):
+                    await self._ended.wait()
+        self.finish(LinkEnd.CLOSED, code, reason)
+        return await self.wait()
+
+    # --- tasks -----------------------------------------------------------------------------
+
+    async def _send_loop(self) -> None:
+        await self._released.wait()
+        send = self.transport.send
+        try:
+            for event in self._preamble:
+                await send(event)
+            self._preamble = []
+            skip = self._skip
+            while True:
+                while self._queue:
+                    event = self._queue.popleft()
+                    if skip is not None:
+                        if skip(event):
+                            continue
+                        skip = None
+                    await send(event)
+                if self._closing is not None:
+                    code, reason = self._closing
+                    self.finish(LinkEnd.CLOSED, code, reason)
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the transport is gone: nothing more can be said on it
+            log.debug("%s: send failed", self.name, exc_info=True)
+            self.finish(LinkEnd.SEND_FAILED)
+
+    async def _receive_loop(self) -> None:
+        try:
+            while self.open:
+                raw = await self.transport.receive()
+                if raw is None:
+                    self.finish(LinkEnd.CLIENT_GONE)
+                    return
+                self._on_text(raw)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("%s: a client frame could not be handled", self.name)
+            self.error = exc
+            self.finish(LinkEnd.RECEIVE_ERROR, 1011, "internal error")
+
+    async def _shut(self, code: int | None, reason: str) -> None:
+        current = asyncio.current_task()
+        for task in (self._sender, self._receiver):
+            if task is not current:
+                task.cancel()
+        for task in (self._sender, self._receiver):
+            if task is not current:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if code is not None:
+            with contextlib.suppress(Exception):
+                await self.transport.close(code, reason)
+        self._ended.set()

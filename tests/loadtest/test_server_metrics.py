@@ -1,0 +1,55 @@
+"""`web.metrics.ServerMetrics`: a per-app registry fed by runtime and driver hooks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from loadtest.server_metrics import Scrape
+from runtime.metrics import RuntimeMetrics
+from web.metrics import ServerMetrics
+
+
+def test_metrics_from_hooks_and_scrape_time_state() -> None:
+    runtime = RuntimeMetrics()
+    runtime.add_stage("respond", replicas=1)
+    metrics = ServerMetrics()
+    metrics.bind_runtime(runtime)
+    item = SimpleNamespace(
+        content=[
+            SimpleNamespace(input_audio=np.zeros(1600, np.float32), output_audio=None),
+            SimpleNamespace(input_audio=None, output_audio=bytearray(960)),
+        ]
+    )
+    driver = SimpleNamespace(core=SimpleNamespace(conversation=SimpleNamespace(items=[item])))
+    metrics.bind_sessions(lambda: [driver, object()])
+
+    runtime.step("respond", 0, batch=8, step_s=0.002)
+    runtime.queue("respond", 0, depth=3, live=9)
+    runtime.request("respond", 0.5, "completed")
+    metrics.response_started()
+    metrics.first_audio(0.21)
+    metrics.response_finished("completed", 2.3)
+    metrics.error("invalid_value")
+    metrics.admission("admitted")
+    metrics.admission("server_busy")
+
+    scrape = Scrape.parse(metrics.render().decode(), 0.0)
+    assert scrape.value("omniduplex_stage_step_seconds_count", stage="respond") == 1
+    assert scrape.value("omniduplex_stage_batch_size_sum", stage="respond") == 8
+    assert scrape.value("omniduplex_stage_queue_depth", stage="respond", replica="0") == 3
+    assert scrape.value("omniduplex_stage_live_requests", stage="respond", replica="0") == 9
+    assert scrape.value("omniduplex_time_to_first_audio_seconds_sum") == 0.21
+    assert scrape.value("omniduplex_turn_latency_seconds_count", status="completed") == 1
+    assert scrape.value("omniduplex_errors_total", code="invalid_value") == 1
+    assert scrape.by_label("omniduplex_admissions_total", "outcome") == {"admitted": 1, "server_busy": 1}
+    assert scrape.value("omniduplex_active_sessions") == 2
+    assert scrape.value("omniduplex_conversation_audio_bytes") == 1600 * 4 + 960
+    assert scrape.value("process_resident_memory_bytes") > 0
+
+
+def test_registries_are_per_app() -> None:
+    a, b = ServerMetrics(), ServerMetrics()
+    a.error("x")
+    assert Scrape.parse(b.render().decode(), 0.0).value("omniduplex_errors_total", code="x") == 0

@@ -1,0 +1,77 @@
+"""Transcribing ahead of the turn's end (sans-I/O core, virtual time): once a pause has run
+`prepare_transcript_after_ms`, the core asks for the turn so far to be transcribed
+(`PrepareTranscript`); the response that starts when the pause becomes the turn's end
+carries the same key, so the driver can hand the pipeline that text instead of the audio."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from session.realtime import PrepareTranscript, StartResponse
+from tests.session.realtime_harness import Harness, silence, tone
+
+
+def prepared(h: Harness) -> list[PrepareTranscript]:
+    return [e for e in h.effects if isinstance(e, PrepareTranscript)]
+
+
+def speech_item_id(h: Harness) -> str:
+    started = [e for e in h.events if e["type"] == "input_audio_buffer.speech_started"]
+    return str(started[-1]["item_id"])
+
+
+def test_pause_is_transcribed_ahead_and_the_response_says_so() -> None:
+    h = Harness()
+    h.append(np.concatenate([silence(0.3), tone(1.0)]))
+    assert prepared(h) == []
+    h.append(silence(0.25))  # past 160 ms of pause, before the 500 ms that end the turn
+    [ahead] = prepared(h)
+    item_id = speech_item_id(h)
+    assert ahead.key[0] == item_id
+    # The turn so far: prefix padding (300 ms) + 1 s of speech, up to where the pause began.
+    assert abs(len(ahead.audio) - 1.3 * 16_000) <= 2 * 512
+    assert not any(isinstance(e, StartResponse) for e in h.effects)
+
+    h.append(silence(0.4))
+    start = h.started()
+    assert start.transcript_key == ahead.key
+    assert len(prepared(h)) == 1  # once per pause
+    stopped = [e for e in h.events if e["type"] == "input_audio_buffer.speech_stopped"][-1]
+    assert stopped["audio_end_ms"] == ahead.key[1] // 16
+
+
+def test_speech_after_a_pause_prepares_again() -> None:
+    h = Harness()
+    h.append(np.concatenate([silence(0.3), tone(0.5), silence(0.25), tone(0.5)]))
+    first = prepared(h)
+    assert len(first) == 1
+    h.append(silence(0.7))
+    second = prepared(h)[-1]
+    assert len(prepared(h)) == 2 and second.key[0] == first[0].key[0] and second.key[1] > first[0].key[1]
+    assert h.started().transcript_key == second.key
+    assert len(second.audio) > len(first[0].audio)
+
+
+def test_no_transcript_ahead_without_a_response_to_feed() -> None:
+    h = Harness()
+    h.update(audio={"input": {"turn_detection": {"type": "server_vad", "create_response": False}}})
+    h.append(np.concatenate([silence(0.3), tone(0.5), silence(0.7)]))
+    assert prepared(h) == []
+
+    h = Harness(pipeline_transcribes_input=False)  # an audio-native pipeline: never
+    h.append(np.concatenate([silence(0.3), tone(0.5), silence(0.7)]))
+    assert prepared(h) == []
+    assert h.started().transcript_key is None
+
+
+def test_no_key_when_the_prompt_holds_more_audio_than_was_transcribed() -> None:
+    h = Harness()
+    h.push_to_talk()
+    h.append(tone(0.3))
+    h.send({"type": "input_audio_buffer.commit"})  # an unanswered audio item
+    h.update(audio={"input": {"turn_detection": {"type": "server_vad"}}})
+    h.append(np.concatenate([silence(0.3), tone(0.5), silence(0.7)]))
+    assert len(prepared(h)) == 1
+    start = h.started()
+    assert start.transcript_key is None  # the response's audio is both items
+    assert len(start.params["audio"]) > len(prepared(h)[0].audio) + 0.25 * 16_000

@@ -1,0 +1,276 @@
+"""Real processes on loopback for the scale-out tests: replicas and gateways as subprocesses.
+
+Each process is ``python -m web.cli serve|gateway ...`` on a free port with its output in a log
+file under the test's tmp dir (printed when a start fails). Replicas run the paced null
+pipeline (``null-fast.yaml``) with a short registry lease so lapses take ~1.5 s, not 5 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from websockets.asyncio.client import ClientConnection, connect
+
+from tests.live_server import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+PIPELINE = str(Path(__file__).with_name("null-fast.yaml"))
+LEASE_S = 1.5
+REFRESH_S = 0.3
+ADMIN_KEY = "test-admin-key"
+
+
+@dataclass
+class Proc:
+    role: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill9(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def sigterm(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGINT)  # uvicorn: shut down now, no drain
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+
+def _spawn(role: str, args: Sequence[str], log_dir: Path, port: int) -> Proc:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{role}-{port}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("OMNIDUPLEX_API_KEYS", None)
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "web.cli", *args],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    return Proc(role, port, proc, log_path)
+
+
+def start_replica(redis_url: str, tmp: Path, *, lease_s: float = LEASE_S, extra: Sequence[str] = ()) -> Proc:
+    port = free_port()
+    args = [
+        "serve",
+        "--pipeline",
+        PIPELINE,
+        "--port",
+        str(port),
+        "--redis-url",
+        redis_url,
+        "--advertise-url",
+        f"http://127.0.0.1:{port}",
+        "--replica-lease-s",
+        str(lease_s),
+        "--replica-refresh-s",
+        str(REFRESH_S),
+        "--admin-key",
+        ADMIN_KEY,
+        "--data-dir",
+        str(tmp / f"data-{port}"),
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+    return _spawn("replica", args, tmp / "logs", port)
+
+
+def start_gateway(redis_url: str, tmp: Path, *, extra: Sequence[str] = ()) -> Proc:
+    port = free_port()
+    args = ["gateway", "--redis-url", redis_url, "--port", str(port), "--admin-key", ADMIN_KEY]
+    return _spawn("gateway", [*args, "--log-level", "warning", *extra], tmp / "logs", port)
+
+
+def wait_ready(procs: Sequence[Proc], *, path: str = "/healthz", timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(procs)
+    while pending:
+        p = pending[0]
+        if not p.alive():
+            raise RuntimeError(f"{p.role} on {p.port} exited ({p.proc.returncode}):\n{p.log()}")
+        try:
+            if httpx.get(p.url + path, timeout=1.0).status_code == 200:
+                pending.pop(0)
+                continue
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{p.role} on {p.port} not ready in {timeout_s} s:\n{p.log()}")
+        time.sleep(0.05)
+
+
+async def get(url: str, *, admin: bool = False, timeout_s: float = 10.0) -> httpx.Response:
+    headers = {"authorization": f"Bearer {ADMIN_KEY}"} if admin else None
+    async with httpx.AsyncClient(trust_env=False, timeout=timeout_s) as http:
+        return await http.get(url, headers=headers)
+
+
+async def replicas_view(proc: Proc) -> list[dict[str, Any]]:
+    """``GET /v1/replicas`` (admin) of a gateway or replica: the live registry."""
+    r = await get(proc.url + "/v1/replicas", admin=True)
+    r.raise_for_status()
+    data: list[dict[str, Any]] = r.json()["data"]
+    return data
+
+
+async def replica_id_of(replica: Proc) -> str:
+    r = await get(replica.url + "/v1/replicas", admin=True)
+    r.raise_for_status()
+    return str(r.json()["self"])
+
+
+async def live_sessions(replica: Proc) -> int:
+    return int((await get(replica.url + "/readyz")).json()["sessions"])
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool]], timeout_s: float, what: str, poll_s: float = 0.05
+) -> float:
+    """Poll ``await predicate()`` until true; returns the seconds it took."""
+    start = time.monotonic()
+    while not await predicate():
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"{what}: not within {timeout_s} s")
+        await asyncio.sleep(poll_s)
+    return time.monotonic() - start
+
+
+@dataclass
+class Cluster:
+    redis_url: str
+    tmp: Path
+    replicas: list[Proc] = field(default_factory=list)
+    gateways: list[Proc] = field(default_factory=list)
+
+    @property
+    def gateway(self) -> Proc:
+        return self.gateways[0]
+
+    def add_replicas(self, n: int, **kwargs: Any) -> list[Proc]:
+        new = [start_replica(self.redis_url, self.tmp, **kwargs) for _ in range(n)]
+        self.replicas += new
+        wait_ready(new, path="/readyz")
+        return new
+
+    def add_gateway(self, redis_url: str | None = None) -> Proc:
+        gw = start_gateway(redis_url or self.redis_url, self.tmp)
+        self.gateways.append(gw)
+        wait_ready([gw])
+        return gw
+
+    def wait_registered(self, n: int, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        url = self.gateway.url + "/v1/replicas"
+        headers = {"authorization": f"Bearer {ADMIN_KEY}"}
+        while len(httpx.get(url, headers=headers, timeout=5).json()["data"]) != n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{n} replicas not registered in {timeout_s} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for p in self.gateways + self.replicas:
+            p.stop()
+
+
+@contextmanager
+def cluster(redis_url: str, tmp: Path, *, replicas: int = 2) -> Iterator[Cluster]:
+    c = Cluster(redis_url, tmp)
+    try:
+        c.add_gateway()
+        c.add_replicas(replicas)
+        c.wait_registered(replicas)
+        yield c
+    finally:
+        c.stop()
+
+
+# --- a minimal realtime client ----------------------------------------------------------------
+
+
+class RealtimeClient:
+    """A raw WebSocket client that keeps every server event it receives."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.events: list[dict[str, Any]] = []
+
+    @classmethod
+    async def open(cls, url: str, **kwargs: Any) -> RealtimeClient:
+        ws = await connect(url, subprotocols=["realtime"], proxy=None, open_timeout=15, **kwargs)  # type: ignore[list-item]
+        return cls(ws)
+
+    async def next(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        event: dict[str, Any] = json.loads(await asyncio.wait_for(self.ws.recv(), timeout_s))
+        self.events.append(event)
+        return event
+
+    async def until(self, type_: str, timeout_s: float = 10.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            event = await self.next(max(0.01, deadline - time.monotonic()))
+            if event["type"] == type_:
+                return event
+
+    async def send(self, event: dict[str, Any]) -> None:
+        await self.ws.send(json.dumps(event))
+
+    async def turn(self, text: str, timeout_s: float = 10.0) -> dict[str, Any]:
+        """A user text item and a response to it; returns ``response.done``."""
+        await self.send(
+            {
+                "type": "conversation.item.create",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": text}],
+                },
+            }
+        )
+        await self.send({"type": "response.create"})
+        return await self.until("response.done", timeout_s)
+
+    async def close(self) -> None:
+        await self.ws.close()

@@ -1,0 +1,198 @@
+"""Gateway and registry with real processes: a redis-server, replicas and a gateway on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from tests.conftest_redis import RedisServerProcess
+from tests.live_server import free_port
+from tests.scaleout.cluster import (
+    LEASE_S,
+    Cluster,
+    Proc,
+    RealtimeClient,
+    cluster,
+    get,
+    live_sessions,
+    replica_id_of,
+    replicas_view,
+    wait_until,
+)
+
+
+@pytest.fixture
+def two_replicas(redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
+    with cluster(redis_url, tmp_path, replicas=2) as c:
+        yield c
+
+
+async def owner_of_only_session(c: Cluster) -> Proc:
+    """The replica serving the one open session (its load report takes ~0.1 s)."""
+    for _ in range(40):
+        for r in c.replicas:
+            if await live_sessions(r) == 1:
+                return r
+        await asyncio.sleep(0.05)
+    raise AssertionError("no replica holds the session")
+
+
+def exited(proc: Proc) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return not proc.alive()
+
+    return check
+
+
+async def test_sessions_spread_across_both_replicas(two_replicas: Cluster) -> None:
+    c = two_replicas
+    clients = []
+    try:
+        for _ in range(6):
+            client = await RealtimeClient.open(c.gateway.ws_url)
+            created = await client.next()
+            assert created["type"] == "session.created"
+            clients.append(client)
+            # Each replica pushes its load within ~0.1 s; two choices then pick the emptier one.
+            await asyncio.sleep(0.25)
+        assert sorted([await live_sessions(r) for r in c.replicas]) == [3, 3]
+        loads = sorted(r["load"] for r in await replicas_view(c.gateway))
+        assert loads == [3, 3]
+        # Frames relay both ways: a full turn through the gateway.
+        done = await clients[0].turn("hello")
+        assert done["response"]["status"] == "completed"
+    finally:
+        for client in clients:
+            await client.close()
+
+
+async def test_drain_admits_nothing_new_and_lets_active_sessions_finish(two_replicas: Cluster) -> None:
+    c = two_replicas
+    active = await RealtimeClient.open(c.gateway.ws_url)
+    await active.until("session.created")
+    await asyncio.sleep(0.25)
+    draining = await owner_of_only_session(c)
+    other = next(r for r in c.replicas if r is not draining)
+    draining_id = await replica_id_of(draining)
+    # A response in flight when SIGTERM arrives.
+    await active.send({"type": "response.create"})
+    await active.until("response.created")
+    draining.sigterm()
+
+    async def listed_draining() -> bool:
+        return any(
+            r["id"] == draining_id and r["state"] == "DRAINING" for r in await replicas_view(c.gateway)
+        )
+
+    await wait_until(listed_draining, 5, "DRAINING in the registry")
+    # Nothing new lands on it: not directly (503 replica_draining) ...
+    with pytest.raises(InvalidStatus) as refused:
+        await RealtimeClient.open(draining.ws_url)
+    assert refused.value.response.status_code == 503
+    assert b"replica_draining" in refused.value.response.body
+    # ... nor through the gateway.
+    newcomers = [await RealtimeClient.open(c.gateway.ws_url) for _ in range(4)]
+    for n in newcomers:
+        await n.until("session.created")
+    await asyncio.sleep(0.25)
+    assert await live_sessions(other) == 4 and await live_sessions(draining) == 1
+    # The active session finishes its response and can take another turn.
+    done = await active.until("response.done")
+    assert done["response"]["status"] == "completed"
+    assert (await active.turn("still there?"))["response"]["status"] == "completed"
+    assert draining.alive()
+    await active.close()
+    # Its last session gone, the replica deregisters and exits by itself.
+    await wait_until(exited(draining), 10, "the drained replica exits")
+    assert draining.proc.returncode == 0, draining.log()
+    assert [r["id"] for r in await replicas_view(c.gateway)] == [await replica_id_of(other)]
+    for n in newcomers:
+        await n.close()
+
+
+async def test_lease_lapses_and_dead_replica_leaves_the_registry(two_replicas: Cluster) -> None:
+    c = two_replicas
+    victim, survivor = c.replicas
+    victim_id = await replica_id_of(victim)
+    victim.kill9()
+
+    async def gone() -> bool:
+        return victim_id not in {r["id"] for r in await replicas_view(c.gateway)}
+
+    lapsed_after = await wait_until(gone, LEASE_S + 2, "lease lapse")
+    assert lapsed_after <= LEASE_S + 1.0
+    # New sessions now all go to the survivor.
+    clients = [await RealtimeClient.open(c.gateway.ws_url) for _ in range(3)]
+    for client in clients:
+        await client.until("session.created")
+    await asyncio.sleep(0.2)
+    assert await live_sessions(survivor) == 3
+    for client in clients:
+        await client.close()
+
+
+async def test_replica_lost_mid_session_closes_client_1012(two_replicas: Cluster) -> None:
+    c = two_replicas
+    client = await RealtimeClient.open(c.gateway.ws_url)
+    await client.until("session.created")
+    await asyncio.sleep(0.25)
+    owner = await owner_of_only_session(c)
+    owner.kill9()
+    with pytest.raises(ConnectionClosed):
+        await client.next(timeout_s=5)
+    assert client.ws.close_code == 1012 and client.ws.close_reason == "replica_lost"
+
+
+async def test_admin_key_guards_the_registry(two_replicas: Cluster) -> None:
+    c = two_replicas
+    url = c.gateway.url + "/v1/replicas"
+    async with httpx.AsyncClient(trust_env=False) as http:
+        assert (await http.get(url)).status_code == 401
+        assert (await http.get(url, headers={"authorization": "Bearer wrong"})).status_code == 401
+    body = (await get(url, admin=True)).json()
+    assert {r["url"] for r in body["data"]} == {r.url for r in c.replicas}
+    assert all(r["state"] == "SERVING" and r["capacity"] == 64 for r in body["data"])
+    # REST that any replica answers is forwarded.
+    models = (await get(c.gateway.url + "/v1/models")).json()
+    assert models["data"][0]["id"] == "null-fast"
+
+
+async def test_no_live_replica_is_503_and_websocket_1013(
+    redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    empty_db = redis_server.url.rsplit("/", 1)[0] + "/7"  # a registry nobody registered in
+    c = Cluster(empty_db, tmp_path)
+    try:
+        gw = c.add_gateway()
+        r = await get(gw.url + "/v1/models")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "no_replica_available"
+        assert (await get(gw.url + "/readyz")).status_code == 503
+        client = await RealtimeClient.open(gw.ws_url)
+        error = await client.next()
+        assert error["type"] == "error" and error["error"]["code"] == "no_replica_available"
+        with pytest.raises(ConnectionClosed):
+            await client.next()
+        assert client.ws.close_code == 1013
+    finally:
+        c.stop()
+
+
+async def test_redis_unreachable_from_gateway_is_503(tmp_path: Path) -> None:
+    c = Cluster(f"redis://127.0.0.1:{free_port()}/0", tmp_path)  # nothing listens there
+    try:
+        gw = c.add_gateway()
+        r = await get(gw.url + "/v1/models")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+        assert (await get(gw.url + "/v1/sessions/sess_abcdefgh12345678")).status_code == 503
+        with pytest.raises(InvalidStatus) as refused:
+            await RealtimeClient.open(gw.ws_url)
+        assert refused.value.response.status_code == 503
+        assert b"store_unavailable" in refused.value.response.body
+    finally:
+        c.stop()

@@ -1,0 +1,318 @@
+"""`omniduplex gateway`: a stateless router in front of the replicas (run as many as you like).
+
+Everything it knows comes from Redis on each request: the replica registry and each session's
+binding (``session.affinity``); nothing is kept between requests, so gateways need no
+coordination and any of them can die.
+
+* ``GET /v1/realtime`` (WebSocket): a new session goes to a replica picked by power of two
+  choices; ``?session_id=`` (a resume) goes to the session's owner, or after the owner's lease
+  lapsed to a live replica that takes the session over and rebuilds it from Redis. Frames are
+  then relayed both ways unchanged (:mod:`web.gateway_relay`). Subprotocols and auth headers
+  pass through; the replica authenticates, and its refusals (401, 403, 429, ...) reach the
+  client as they are.
+* ``POST /v1/realtime/calls``: the SDP offer goes to a picked replica; its answer carries the
+  replica's own ICE candidates, so media then flows between client and replica directly. The
+  call → replica pair is kept in Redis (with a TTL) so ``/hangup`` finds the replica.
+* REST: ``/v1/sessions/{id}`` (to the owner, else any live replica), ``/v1/models``,
+  ``/v1/realtime/client_secrets`` (any replica: keys live in the shared Redis),
+  ``/v1/replicas`` (admin key; answered from the registry), ``/healthz``, ``/readyz``.
+
+No live replica: 503 with ``Retry-After`` (WebSocket: ``error`` ``no_replica_available`` then
+close 1013). Redis unreachable: 503 ``store_unavailable``, never a guess from stale data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import uvicorn
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+
+from session.affinity import ReplicaInfo, ReplicaRegistry, SessionBinding
+from session.identity import ApiKeyMap, EphemeralKeys, api_key_from_request, authenticate
+from session.store.embedded import redis_connection
+from session.store.errors import StoreError
+from session.store.redis_store import redis_errors
+from web.auth import is_loopback_host
+from web.gateway_http import HttpForwarder, ReplicaHttpUnreachable, to_response
+from web.gateway_routing import NoReplicaAvailable, Router
+from web.gateway_ws import RealtimeRelayEndpoint
+from web.replica import admin_denial, registry_json
+
+log = logging.getLogger("omniduplex.gateway")
+
+CALL_TTL_S = 2 * 3600  # a call outlives no session (max lifetime 60 min by default)
+RETRIES = 3  # replicas tried per request before giving up
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    redis_url: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_keys: str = ""  # when set, the gateway also refuses unauthenticated requests itself
+    admin_key: str | None = None
+    insecure: bool = False
+    connect_timeout_s: float = 2.0  # replica WebSocket handshake / HTTP connect
+    lapse_wait_s: float = 6.0  # an unreachable owner: wait this long for its lease to lapse
+    max_message_bytes: int = 2 * 1024 * 1024
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> GatewaySettings:
+        return cls(
+            redis_url=args.redis_url,
+            host=args.host,
+            port=args.port,
+            api_keys=args.api_keys or os.environ.get("OMNIDUPLEX_API_KEYS", ""),
+            admin_key=getattr(args, "admin_key", None) or os.environ.get("OMNIDUPLEX_ADMIN_KEY"),
+            insecure=bool(args.insecure),
+        )
+
+
+class Gateway:
+    """The gateway's collaborators (all stateless apart from connection pools)."""
+
+    def __init__(self, settings: GatewaySettings, redis: Redis) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.registry = ReplicaRegistry(redis)
+        self.binding = SessionBinding(redis)
+        self.router = Router(self.registry, self.binding)
+        self.http = HttpForwarder(connect_timeout_s=settings.connect_timeout_s)
+        self.api_keys = ApiKeyMap.parse(settings.api_keys) if settings.api_keys else ApiKeyMap()
+        self.ephemeral = EphemeralKeys(redis)
+
+    async def close(self) -> None:
+        await self.http.close()
+
+    async def authorized(self, authorization: str | None, subprotocols: list[str]) -> bool:
+        """With API keys configured, the gateway refuses strangers before touching a replica."""
+        if len(self.api_keys) == 0:
+            return True
+        key = api_key_from_request(authorization, subprotocols)
+        return await authenticate(key, self.api_keys, self.ephemeral) is not None
+
+    @staticmethod
+    def call_key(call_id: str) -> str:
+        return f"omni:gw:call:{call_id}"
+
+
+def error_response(status: int, code: str, message: str, *, retry_after_s: float | None = None) -> Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s is not None else None
+    body = {"error": {"type": kind, "code": code, "message": message}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def gateway_of(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+def unavailable(exc: Exception) -> Response:
+    if isinstance(exc, NoReplicaAvailable):
+        return error_response(503, "no_replica_available", str(exc), retry_after_s=exc.retry_after_s)
+    message = f"The session store is unreachable: {exc}"
+    return error_response(503, "store_unavailable", message, retry_after_s=1)
+
+
+# --- REST --------------------------------------------------------------------------------------
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok", "role": "gateway"})
+
+
+async def readyz(request: Request) -> Response:
+    gw = gateway_of(request)
+    try:
+        live = await gw.registry.live_replicas()
+    except StoreError as exc:
+        return unavailable(exc)
+    serving = sum(1 for r in live if r.accepting)
+    status = 200 if serving else 503
+    body = {"status": "ready" if serving else "no_replica", "replicas": len(live)}
+    return JSONResponse(body, status_code=status)
+
+
+async def replicas(request: Request) -> Response:
+    gw = gateway_of(request)
+    denied = admin_denial(request.headers.get("authorization"), gw.settings.admin_key)
+    if denied is not None:
+        return error_response(*denied)
+    try:
+        return JSONResponse(await registry_json(gw.registry))
+    except StoreError as exc:
+        return unavailable(exc)
+
+
+async def _forward_to(gw: Gateway, request: Request, body: bytes, replica: ReplicaInfo) -> Response | None:
+    """The replica's answer, or None when it cannot be reached."""
+    host = request.client.host if request.client else None
+    try:
+        return to_response(await gw.http.forward(request, body, replica.url, client_host=host))
+    except ReplicaHttpUnreachable as exc:
+        log.warning("replica %s unreachable: %s", replica.replica_id, exc)
+        return None
+
+
+async def any_replica(request: Request) -> Response:
+    """Requests every replica answers alike (`/v1/models`, client secrets)."""
+    gw = gateway_of(request)
+    if not await gw.authorized(request.headers.get("authorization"), []):
+        return error_response(401, "invalid_api_key", "Missing or invalid API key.")
+    body = await request.body()
+    tried: set[str] = set()
+    try:
+        for _ in range(RETRIES):
+            replica = await gw.router.any_replica(exclude=tried)
+            answer = await _forward_to(gw, request, body, replica)
+            if answer is not None:
+                return answer
+            tried.add(replica.replica_id)
+        raise NoReplicaAvailable("no replica could be reached")
+    except (NoReplicaAvailable, StoreError) as exc:
+        return unavailable(exc)
+
+
+async def session_rest(request: Request) -> Response:
+    """`GET|DELETE /v1/sessions/{id}`: to the owner while it lives, else any live replica."""
+    gw = gateway_of(request)
+    if not await gw.authorized(request.headers.get("authorization"), []):
+        return error_response(401, "invalid_api_key", "Missing or invalid API key.")
+    session_id = request.path_params["session_id"]
+    body = await request.body()
+    tried: set[str] = set()
+    try:
+        for _ in range(RETRIES):
+            route = await gw.router.session(session_id, exclude=tried)
+            answer = await _forward_to(gw, request, body, route.replica)
+            if answer is not None:
+                return answer
+            tried.add(route.replica.replica_id)
+        raise NoReplicaAvailable("no replica could be reached")
+    except (NoReplicaAvailable, StoreError) as exc:
+        return unavailable(exc)
+
+
+async def create_call(request: Request) -> Response:
+    """`POST /v1/realtime/calls`: the offer to a picked replica; media then goes direct."""
+    gw = gateway_of(request)
+    if not await gw.authorized(request.headers.get("authorization"), []):
+        return error_response(401, "invalid_api_key", "Missing or invalid API key.")
+    body = await request.body()
+    tried: set[str] = set()
+    last: Response | None = None
+    try:
+        for _ in range(RETRIES):
+            replica = await gw.router.new_session(exclude=tried)
+            answer = await _forward_to(gw, request, body, replica)
+            tried.add(replica.replica_id)
+            if answer is None:
+                continue
+            if answer.status_code == 503:  # draining or full: another replica may take it
+                last = answer
+                continue
+            location = answer.headers.get("location", "")
+            call_id = location.rstrip("/").rsplit("/", 1)[-1] if answer.status_code == 201 else ""
+            if call_id:
+                async with redis_errors():
+                    await gw.redis.set(gw.call_key(call_id), replica.replica_id, ex=CALL_TTL_S)
+            return answer
+        if last is not None:
+            return last
+        raise NoReplicaAvailable("no replica could be reached")
+    except (NoReplicaAvailable, StoreError) as exc:
+        return unavailable(exc)
+
+
+async def call_action(request: Request) -> Response:
+    """`POST /v1/realtime/calls/{call_id}/hangup`: to the replica that answered the call."""
+    gw = gateway_of(request)
+    call_id = request.path_params["call_id"]
+    try:
+        async with redis_errors():
+            replica_id = await gw.redis.get(gw.call_key(call_id))
+        live = {r.replica_id: r for r in await gw.registry.live_replicas()}
+    except StoreError as exc:  # never guess which replica has the call
+        return unavailable(exc)
+    replica = live.get(str(replica_id)) if replica_id else None
+    if replica is None:
+        return error_response(404, "call_not_found", f"No live call {call_id}.")
+    answer = await _forward_to(gw, request, await request.body(), replica)
+    return answer if answer is not None else error_response(404, "call_not_found", f"No live call {call_id}.")
+
+
+def routes() -> list[BaseRoute]:
+    return [
+        Route("/healthz", healthz),
+        Route("/readyz", readyz),
+        Route("/v1/replicas", replicas),
+        Route("/v1/models", any_replica),
+        Route("/v1/realtime/client_secrets", any_replica, methods=["POST"]),
+        Route("/v1/sessions/{session_id}", session_rest, methods=["GET", "DELETE"]),
+        Route("/v1/realtime/calls", create_call, methods=["POST"]),
+        Route("/v1/realtime/calls/{call_id}/hangup", call_action, methods=["POST"]),
+        WebSocketRoute("/v1/realtime", RealtimeRelayEndpoint()),
+    ]
+
+
+def create_gateway_app(settings: GatewaySettings) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # Fail fast instead of retrying with backoff: the answer to a Redis outage is a 503 now.
+        async with redis_connection(
+            settings.redis_url, socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 1)
+        ) as redis:
+            gateway = Gateway(settings, redis)
+            app.state.gateway = gateway
+            try:
+                yield
+            finally:
+                await gateway.close()
+
+    return Starlette(routes=routes(), lifespan=lifespan)
+
+
+def uvicorn_config(settings: GatewaySettings, log_level: str = "info") -> uvicorn.Config:
+    return uvicorn.Config(
+        create_gateway_app(settings),
+        host=settings.host,
+        port=settings.port,
+        ws="websockets-sansio",
+        ws_max_size=settings.max_message_bytes,
+        ws_per_message_deflate=False,  # relayed frames as they are: no inflate/deflate per frame
+        ws_ping_interval=20.0,
+        ws_ping_timeout=20.0,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    settings = GatewaySettings.from_args(args)
+    log_level = str(getattr(args, "log_level", "info"))
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO))
+    if not settings.api_keys and not settings.insecure and not is_loopback_host(settings.host):
+        print(
+            f"omniduplex: refusing to run a gateway on {settings.host} without API keys: "
+            "set OMNIDUPLEX_API_KEYS (or --api-keys), or pass --insecure",
+            file=sys.stderr,
+        )
+        return 2
+    uvicorn.Server(uvicorn_config(settings, log_level=log_level)).run()
+    return 0

@@ -1,0 +1,222 @@
+"""The gateway's WebSocket relay: one raw ``websockets`` client connection to the replica per
+client connection, frames copied both ways unchanged.
+
+Minimal overhead by construction: no JSON parsing, no per-frame task, no compression on the
+replica link; each direction is one loop that awaits a frame and writes it on. Backpressure is
+end to end: the replica link reads at most ``max_queue`` frames ahead of a slow client, and a
+client frame is not read before the previous one was handed to the replica's socket.
+
+Closing: whichever side ends first, the other gets the same close code and reason. A replica
+that vanishes (kill -9, crash: no close frame) closes the client with 1012 ``replica_lost``;
+the client reconnects with ``?session_id=&last_event_id=`` and the gateway routes the resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.typing import Subprotocol
+
+Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+Send = Callable[[Mapping[str, Any]], Awaitable[None]]
+
+REPLICA_LOST_CODE = 1012  # "service restart": reconnect (and resume) through the gateway
+REPLICA_LOST_REASON = "replica_lost"
+
+# Request headers that describe this hop, not the request: never forwarded.
+HOP_HEADERS = frozenset(
+    {
+        "host",
+        "connection",
+        "upgrade",
+        "keep-alive",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "content-length",
+        "proxy-authorization",
+        "proxy-connection",
+        "sec-websocket-key",
+        "sec-websocket-version",
+        "sec-websocket-extensions",
+        "sec-websocket-protocol",
+        "sec-websocket-accept",
+    }
+)
+
+
+class ReplicaUnreachable(Exception):
+    """The replica did not complete the handshake (refused, timed out, died during it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaDenial:
+    """The replica answered the upgrade with an HTTP error: relayed to the client as is."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    @property
+    def code(self) -> str:
+        """The ``error.code`` of a JSON error body, or ``""``."""
+        try:
+            doc = json.loads(self.body or b"{}")
+        except ValueError:
+            return ""
+        err = doc.get("error") if isinstance(doc, dict) else None
+        return str(err.get("code", "")) if isinstance(err, dict) else ""
+
+
+class ReplicaRefused(Exception):
+    def __init__(self, denial: ReplicaDenial) -> None:
+        super().__init__(f"replica answered {denial.status} {denial.code}")
+        self.denial = denial
+
+
+def ws_url(base_url: str, path: str, query_string: str) -> str:
+    """``http(s)://host:port`` + path + query → the replica's ``ws(s)://`` URL."""
+    base = base_url.rstrip("/")
+    if base.startswith("https://"):
+        base = "wss://" + base[len("https://") :]
+    elif base.startswith("http://"):
+        base = "ws://" + base[len("http://") :]
+    return f"{base}{path}?{query_string}" if query_string else f"{base}{path}"
+
+
+def forwarded_headers(
+    raw_headers: Iterable[tuple[bytes, bytes]], client_host: str | None
+) -> list[tuple[str, str]]:
+    """The client's request headers minus hop headers, plus ``X-Forwarded-For``."""
+    out: list[tuple[str, str]] = []
+    prior_xff = ""
+    for raw_name, raw_value in raw_headers:
+        name = raw_name.decode("latin-1").lower()
+        value = raw_value.decode("latin-1")
+        if name in HOP_HEADERS:
+            continue
+        if name == "x-forwarded-for":
+            prior_xff = value
+            continue
+        out.append((name, value))
+    if client_host:
+        out.append(("x-forwarded-for", f"{prior_xff}, {client_host}" if prior_xff else client_host))
+    elif prior_xff:
+        out.append(("x-forwarded-for", prior_xff))
+    return out
+
+
+async def open_upstream(
+    url: str,
+    *,
+    headers: list[tuple[str, str]],
+    subprotocols: list[str],
+    open_timeout_s: float,
+    max_size: int | None,
+) -> ClientConnection:
+    """Connect to the replica; raises :class:`ReplicaUnreachable` or :class:`ReplicaRefused`."""
+    try:
+        return await connect(
+            url,
+            additional_headers=headers,
+            subprotocols=[Subprotocol(p) for p in subprotocols] or None,
+            compression=None,  # the replica link is local: deflate would cost CPU per frame
+            proxy=None,
+            user_agent_header=None,  # the client's own User-Agent is forwarded
+            open_timeout=open_timeout_s,
+            max_size=max_size,
+            max_queue=64,
+            ping_interval=20,
+            ping_timeout=20,
+            close_timeout=5,
+        )
+    except InvalidStatus as exc:
+        response = exc.response
+        denial = ReplicaDenial(
+            status=response.status_code,
+            headers=[(k, v) for k, v in response.headers.raw_items() if k.lower() not in HOP_HEADERS],
+            body=bytes(response.body or b""),
+        )
+        raise ReplicaRefused(denial) from exc
+    except (OSError, TimeoutError, EOFError, InvalidHandshake) as exc:
+        raise ReplicaUnreachable(f"{url}: {type(exc).__name__}: {exc}") from exc
+
+
+def _close_code(code: int | None) -> int:
+    """A code that may be sent in a close frame (1005/1006/1015 are only ever observed).
+
+    An abnormal end (1006) becomes 1001 "going away", so the far side still sees a drop, not a
+    deliberate close; no status (1005) becomes 1000.
+    """
+    if code in (1006, 1015):
+        return 1001
+    if code is None or not (1000 <= code <= 4999) or code == 1005:
+        return 1000
+    return code
+
+
+async def relay(receive: Receive, send: Send, upstream: ClientConnection) -> tuple[str, int, str]:
+    """Copy frames both ways until one side ends; close the other side to match.
+
+    Returns ``(who ended, code, reason)`` with who in ``client`` / ``replica`` / ``replica_lost``.
+    """
+    to_client = asyncio.create_task(_replica_to_client(upstream, send), name="gateway-relay-down")
+    to_replica = asyncio.create_task(_client_to_replica(receive, upstream), name="gateway-relay-up")
+    try:
+        done, _ = await asyncio.wait({to_client, to_replica}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (to_client, to_replica):
+            task.cancel()
+        await asyncio.gather(to_client, to_replica, return_exceptions=True)
+    if to_replica in done and not to_replica.cancelled() and to_replica.exception() is None:
+        code, reason = to_replica.result()
+        if code is not None:  # the client left: tell the replica (the session detaches there)
+            with contextlib.suppress(Exception):
+                await upstream.close(_close_code(code), reason)
+            return "client", code, reason
+    # The replica side ended (or the client side failed writing): close the client to match.
+    await _close_upstream_quietly(upstream)
+    received = upstream.protocol.close_rcvd
+    if received is None:
+        who, code, reason = "replica_lost", REPLICA_LOST_CODE, REPLICA_LOST_REASON
+    else:
+        who, code, reason = "replica", _close_code(received.code), received.reason
+    with contextlib.suppress(Exception):
+        await send({"type": "websocket.close", "code": code, "reason": reason})
+    return who, code, reason
+
+
+async def _close_upstream_quietly(upstream: ClientConnection) -> None:
+    with contextlib.suppress(Exception):
+        await upstream.close()
+
+
+async def _replica_to_client(upstream: ClientConnection, send: Send) -> None:
+    with contextlib.suppress(ConnectionClosed):
+        async for message in upstream:
+            if isinstance(message, str):
+                await send({"type": "websocket.send", "text": message})
+            else:
+                await send({"type": "websocket.send", "bytes": message})
+
+
+async def _client_to_replica(receive: Receive, upstream: ClientConnection) -> tuple[int | None, str]:
+    """Until the client disconnects: its close code and reason (None: the replica went first)."""
+    while True:
+        message = await receive()
+        kind = message["type"]
+        if kind == "websocket.receive":
+            text = message.get("text")
+            try:
+                await upstream.send(text if text is not None else (message.get("bytes") or b""))
+            except ConnectionClosed:
+                return None, ""
+        elif kind == "websocket.disconnect":
+            return int(message.get("code") or 1005), str(message.get("reason") or "")

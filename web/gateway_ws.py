@@ -1,0 +1,187 @@
+"""`GET /v1/realtime` on the gateway: route the upgrade to a replica, then relay.
+
+The replica's handshake comes first, the client's second: a replica's refusal (401, 403 for a
+bad resume token, 429, ...) is relayed to the client as the same HTTP answer before any
+upgrade, and the client is accepted with the subprotocol the replica chose.
+
+Routing retries: a new session tries up to three replicas (one that cannot be reached or
+answers 503, e.g. draining, is skipped). A resume goes to the owner; if the owner cannot be
+reached while its lease is still live (it was killed a moment ago), the gateway waits for the
+lease to lapse (at most ``lapse_wait_s``), then routes to a live replica that takes the
+session over. A 409 from a replica (another replica won the session meanwhile) re-reads the
+binding and goes to the winner.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import Response
+from starlette.websockets import WebSocket
+from websockets.asyncio.client import ClientConnection
+
+from session.store.errors import StoreError
+from web.gateway_relay import (
+    ReplicaRefused,
+    ReplicaUnreachable,
+    forwarded_headers,
+    open_upstream,
+    relay,
+    ws_url,
+)
+from web.gateway_routing import NoReplicaAvailable, Route
+
+if TYPE_CHECKING:
+    from web.gateway import Gateway
+
+log = logging.getLogger("omniduplex.gateway")
+
+Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+Send = Callable[[Mapping[str, Any]], Awaitable[None]]
+
+NO_REPLICA_CLOSE = 1013  # "try again later"
+REALTIME_SUBPROTOCOL = "realtime"
+ATTEMPTS = 3
+
+
+class _Handshake:
+    """What the replica's upgrade request carries (built once, reused across attempts)."""
+
+    def __init__(self, gateway: Gateway, scope: Mapping[str, Any], subprotocols: list[str]) -> None:
+        self.gateway = gateway
+        self.path = str(scope.get("path", "/v1/realtime"))
+        self.query = scope.get("query_string", b"").decode("latin-1")
+        client = scope.get("client")
+        self.headers = forwarded_headers(scope.get("headers", []), client[0] if client else None)
+        self.subprotocols = subprotocols
+
+    async def open(self, route_url: str) -> ClientConnection:
+        settings = self.gateway.settings
+        return await open_upstream(
+            ws_url(route_url, self.path, self.query),
+            headers=self.headers,
+            subprotocols=self.subprotocols,
+            open_timeout_s=settings.connect_timeout_s,
+            max_size=settings.max_message_bytes,
+        )
+
+
+async def connect_new(hs: _Handshake) -> ClientConnection:
+    """A new session: power-of-two choices, skipping replicas that fail or drain."""
+    tried: set[str] = set()
+    refused: ReplicaRefused | None = None
+    for _ in range(ATTEMPTS):
+        try:
+            replica = await hs.gateway.router.new_session(exclude=tried)
+        except NoReplicaAvailable:
+            if refused is not None:
+                raise refused from None
+            raise
+        tried.add(replica.replica_id)
+        try:
+            return await hs.open(replica.url)
+        except ReplicaUnreachable as exc:
+            log.warning("new session: replica %s unreachable: %s", replica.replica_id, exc)
+        except ReplicaRefused as exc:
+            if exc.denial.status != 503:
+                raise
+            refused = exc  # draining or full: another replica may take it
+    if refused is not None:
+        raise refused
+    raise NoReplicaAvailable("no replica could be reached")
+
+
+async def connect_resume(hs: _Handshake, session_id: str) -> tuple[ClientConnection, Route]:
+    """A resume: the owner, or once its lease lapsed, a replica that takes the session over."""
+    router = hs.gateway.router
+    tried: set[str] = set()
+    for _ in range(ATTEMPTS + 1):
+        route = await router.session(session_id, exclude=tried)
+        try:
+            return await hs.open(route.replica.url), route
+        except ReplicaUnreachable as exc:
+            if route.kind != "owner":
+                tried.add(route.replica.replica_id)
+                continue
+            log.info("resume %s: owner %s unreachable (%s); awaiting its lease", session_id, route.owner, exc)
+            if not await router.wait_lapse(route.replica.replica_id, hs.gateway.settings.lapse_wait_s):
+                why = f"the owner of {session_id} is unreachable but holds its lease"
+                raise NoReplicaAvailable(why) from exc
+        except ReplicaRefused as exc:
+            if exc.denial.status == 409:  # another replica took the session meanwhile: re-read
+                continue
+            if exc.denial.status == 503 and route.kind != "owner":
+                tried.add(route.replica.replica_id)
+                continue
+            raise
+    raise NoReplicaAvailable(f"no replica could take session {session_id}")
+
+
+def _denial(status: int, code: str, message: str, retry_after: str | None = None) -> Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = json.dumps({"error": {"type": kind, "code": code, "message": message}}).encode()
+    headers = {"Retry-After": retry_after} if retry_after else None
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+class RealtimeRelayEndpoint:
+    """The ASGI endpoint (raw, so the relay loops call uvicorn's receive/send directly)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        gateway: Gateway = scope["app"].state.gateway
+        websocket = WebSocket(scope, receive, send)
+        raw = websocket.headers.get("sec-websocket-protocol", "")
+        subprotocols = [p.strip() for p in raw.split(",") if p.strip()]
+        if not await gateway.authorized(websocket.headers.get("authorization"), subprotocols):
+            await websocket.send_denial_response(
+                _denial(401, "invalid_api_key", "Missing or invalid API key (Authorization: Bearer <key>).")
+            )
+            return
+        hs = _Handshake(gateway, scope, subprotocols)
+        session_id = websocket.query_params.get("session_id")
+        try:
+            if session_id:
+                upstream, _ = await connect_resume(hs, session_id)
+            else:
+                upstream = await connect_new(hs)
+        except NoReplicaAvailable as exc:
+            await self._no_replica(websocket, subprotocols, str(exc))
+            return
+        except StoreError as exc:
+            await websocket.send_denial_response(
+                _denial(503, "store_unavailable", f"The session store is unreachable: {exc}", "1")
+            )
+            return
+        except ReplicaRefused as exc:
+            d = exc.denial
+            answer = Response(d.body, status_code=d.status, headers=dict(d.headers))
+            await websocket.send_denial_response(answer)
+            return
+        try:
+            await websocket.accept(subprotocol=upstream.subprotocol)
+            await relay(receive, send, upstream)
+        finally:
+            await upstream.close()
+
+    @staticmethod
+    async def _no_replica(websocket: WebSocket, subprotocols: list[str], why: str) -> None:
+        """WebSocket form of a 503: accept, say ``no_replica_available``, close 1013."""
+        subprotocol = REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in subprotocols else None
+        await websocket.accept(subprotocol=subprotocol)
+        event = {
+            "type": "error",
+            "event_id": "event_gw_" + secrets.token_hex(8),
+            "error": {
+                "type": "server_error",
+                "code": "no_replica_available",
+                "message": f"No replica can take this session now ({why}); retry in a second.",
+                "param": None,
+                "event_id": None,
+            },
+        }
+        await websocket.send_text(json.dumps(event, separators=(",", ":")))
+        await websocket.close(code=NO_REPLICA_CLOSE, reason="no_replica_available")

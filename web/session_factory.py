@@ -1,0 +1,94 @@
+"""How this server builds realtime session cores and drivers (WebSocket and WebRTC alike).
+
+Also builds the process's :class:`~session.hosting.SessionHost` (store, admission, retention)
+from the settings; `web.context` calls :func:`build_host` once in the lifespan.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from session.driver import DriverOptions, RealtimeDriver, SessionLog
+from session.identity import new_session_id
+from session.realtime.config import SessionConfig
+from session.realtime.core import CoreOptions, RealtimeSessionCore
+
+if TYPE_CHECKING:
+    from session.hosting import SessionHost
+    from web.context import ServerContext
+
+
+def core_options(
+    ctx: ServerContext, config: SessionConfig, session_id: str, *, audio_out_via_track: bool = False
+) -> CoreOptions:
+    return CoreOptions(
+        config=config,
+        max_duration_s=ctx.settings.max_lifetime,
+        audio_out_via_track=audio_out_via_track,
+        pipeline_transcribes_input=ctx.pipeline_transcribes_input,
+        session_id=session_id,
+    )
+
+
+def build_driver(
+    ctx: ServerContext,
+    config: SessionConfig,
+    *,
+    send: Any = None,
+    close: Any = None,
+    session_id: str | None = None,
+    audio_out_via_track: bool = False,
+    audio_sink: Any = None,
+    core: RealtimeSessionCore | None = None,
+    log: SessionLog | None = None,
+) -> RealtimeDriver:
+    """A driver on a new core for `config`, or on `core` (hosted sessions pass their own
+    core and event log; WebRTC calls pass send/close and serve with `run()`)."""
+    if core is None:
+        session_id = session_id or new_session_id()
+        core = RealtimeSessionCore(
+            core_options(ctx, config, session_id, audio_out_via_track=audio_out_via_track)
+        )
+    return RealtimeDriver(
+        core,
+        ctx.orchestrator,
+        send=send,
+        close=close,
+        vad=ctx.speech.new_vad_stream(),
+        transcriber=ctx.speech.asr,
+        audio_sink=audio_sink,
+        log=log,
+        options=DriverOptions(session_key=core.session_id, observer=ctx.metrics),
+    )
+
+
+def build_host(ctx: ServerContext, replica_id: str) -> SessionHost:
+    """The session host of this process (not started)."""
+    from session.admission import AdmissionController
+    from session.affinity import SessionBinding
+    from session.hosting import HostSettings, SessionHost
+    from session.retention import RetentionPolicy
+    from session.store import SessionStore
+
+    s = ctx.settings
+    policy = RetentionPolicy(
+        idle_ttl_s=s.idle_ttl_s, max_lifetime_s=s.max_lifetime, disconnect_grace_s=s.disconnect_grace_s
+    )
+    store = SessionStore(ctx.redis, policy=policy, stream_maxlen=s.event_log_maxlen)
+    tenant_limit = s.tenant_max_sessions if s.tenant_max_sessions is not None else s.max_sessions
+    admission = AdmissionController(
+        ctx.redis,
+        replica_id=replica_id,
+        replica_limit=s.max_sessions,
+        tenant_limit=tenant_limit,
+        max_queue=s.admission_queue_max,
+    )
+    return SessionHost(
+        store,
+        admission,
+        binding=SessionBinding(ctx.redis, default_ttl_s=s.idle_ttl_s),
+        core_options=lambda config, sid: core_options(ctx, config, sid),
+        new_driver=lambda core, log: build_driver(ctx, core.config, core=core, log=log),
+        settings=HostSettings(policy=policy, queue_deadline_s=s.admission_queue_s),
+        registry=ctx.sessions,
+    )
