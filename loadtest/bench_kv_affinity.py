@@ -96,8 +96,14 @@ async def trial(url: str, pairs: int, reply_tokens: int) -> float:
         await _item(ws, "user", "Thanks for asking, that is a great question.")
         t0 = time.perf_counter()
         await ws.send(create)
-        await _until(ws, "response.output_audio.delta")
-        ttfa = (time.perf_counter() - t0) * 1000.0
+        async with asyncio.timeout(120):
+            while True:
+                event = json.loads(await ws.recv())
+                if event["type"] == "response.output_audio.delta":
+                    ttfa = (time.perf_counter() - t0) * 1000.0
+                    break
+                if event["type"] in ("response.done", "error"):
+                    raise RuntimeError(f"turn N+1 ended without audio: {json.dumps(event)[:400]}")
         await _until(ws, "response.done")
         return ttfa
 

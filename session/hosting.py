@@ -112,6 +112,7 @@ class HostedSession:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ending: bool = False
     parked_for: str | None = None
+    migrated_from: str | None = None  # scale-out failover: the lost owner, told at the next resume
 
     @property
     def connected(self) -> bool:
@@ -215,7 +216,13 @@ class SessionHost:
             config, session_id=session_id, expires_at=0, conversation_id=core.conversation_id
         )
         record, token = await self.store.create_session(tenant, stored, session_id=session_id)
-        hs = await self._host(record, core, epoch=0)
+        epoch = 0
+        if self.claim is not None:  # scale-out: bind it here (epoch 1), so a takeover fences us
+            bound = await self.claim(session_id)
+            if bound.replica_id != self.replica_id:
+                raise SessionElsewhere(bound)
+            epoch = bound.epoch
+        hs = await self._host(record, core, epoch=epoch)
         self.counts["opened"] += 1
         return hs, token
 
@@ -291,7 +298,7 @@ class SessionHost:
 
     async def _rebuild(self, tenant: str, session_id: str) -> HostedSession:
         snapshot = await self.store.load_snapshot(tenant, session_id)
-        epoch = await self._take_binding(session_id)
+        bound = await self._take_binding(session_id)
         record = snapshot.record
         config = config_from_record(record.config, default_model=self._default_model(session_id))
         now = self._clock()
@@ -303,26 +310,28 @@ class SessionHost:
             epoch=self._wall(),
             expires_at=record.expires_at,
         )
-        hs = await self._host(record, core, epoch=epoch)
+        hs = await self._host(record, core, epoch=bound.epoch)
+        hs.migrated_from = bound.previous_replica  # set when it moved here from a lost replica
         hs.driver.start()
-        hs.driver.apply(core.close_orphaned_responses(now))
+        hs.driver.apply(core.close_orphaned_responses(now, lost_replica=bound.previous_replica))
         hs.timer.on_disconnect(self._wall())  # detached until a connection attaches
         hs.writer.set_state("detached")
         self.counts["restored"] += 1
         return hs
 
-    async def _take_binding(self, session_id: str) -> int:
-        """The epoch this process writes the session with from now on (always a new one)."""
+    async def _take_binding(self, session_id: str) -> Binding:
+        """The binding (epoch) this process writes the session with from now on (always a new
+        one, except a session parked by this very replica); `previous_replica` when it moved."""
         if self.claim is not None:
             bound = await self.claim(session_id)
             if bound.replica_id != self.replica_id:
                 raise SessionElsewhere(bound)
-            return bound.epoch
+            return bound
         current = await self.binding.get(session_id)
         moved = await self.binding.takeover(session_id, self.replica_id, current.epoch if current else 0)
         if not moved.won:
             raise SessionElsewhere(moved)
-        return moved.epoch
+        return replace(moved, previous_replica=None)
 
     async def serve_resume(
         self, hs: HostedSession, transport: Transport, last_event_id: str | None
@@ -364,14 +373,30 @@ class SessionHost:
                 session=core.session_object(),
                 items=[item.to_wire() for item in core.conversation.items],
             )
-            link.release([resumed, snapshot], drop_queued=True)  # the snapshot supersedes them
+            notice = self._migration_notice(hs, hs.driver.last_event_id)
+            link.release([resumed, snapshot, *notice], drop_queued=True)  # the snapshot supersedes them
             self.counts["resynced"] += 1
             return
         through = event_seq(events[-1]["event_id"]) if events else event_seq(after)
         resumed = connection_event(
             "omni.session.resumed", last_event_id, session_id=hs.session_id, replay_count=len(events)
         )
-        link.release([resumed, *events], skip=replayed_through(through))
+        last = events[-1]["event_id"] if events else last_event_id
+        link.release([resumed, *events, *self._migration_notice(hs, last)], skip=replayed_through(through))
+
+    def _migration_notice(self, hs: HostedSession, after: str | None) -> list[dict[str, Any]]:
+        """Scale-out failover: `omni.session.migrated` once, after the first resume's replay."""
+        lost, hs.migrated_from = hs.migrated_from, None
+        if lost is None:
+            return []
+        event = connection_event(
+            "omni.session.migrated",
+            after,
+            session_id=hs.session_id,
+            from_replica=lost,
+            to_replica=self.replica_id,
+        )
+        return [event]
 
     # --- connections end ---------------------------------------------------------------------
 

@@ -80,8 +80,17 @@ async def _run(args: argparse.Namespace) -> int:
             f"RTF {total / dur if dur else float('nan'):.3f}"
         )
     print("timeline (ms since admission):")
-    for stage, timing in (getattr(status, "timings", None) or {}).items():
-        print(f"  {stage:<12} {timing}")
+    head = ("stage", "replica", "started", "first out", "done", "steps", "busy")
+    print("  {:<10} {:>7} {:>9} {:>9} {:>9} {:>6} {:>9}".format(*head))
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    for stage, t in (getattr(status, "timings", None) or {}).items():
+        print(
+            f"  {stage:<10} {t.replica:>7} {ms(t.started_ms):>9} {ms(t.first_output_ms):>9} "
+            f"{ms(t.done_ms):>9} {t.steps:>6} {ms(t.busy_ms):>9}"
+        )
     return 0 if getattr(status, "status", None) == "completed" and dur > 0 else 1
 
 

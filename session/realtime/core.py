@@ -365,9 +365,17 @@ class RealtimeSessionCore:
             self._cancel_active("client_cancelled", now)
         return self._out.drain()
 
-    def close_orphaned_responses(self, now: float) -> CoreOutput:
+    def close_orphaned_responses(self, now: float, *, lost_replica: str | None = None) -> CoreOutput:
         """After `restore`: end responses a dead process left in progress (their output item
-        was stored in progress) with `response.done` failed, so the client sees them end."""
+        was stored in progress) with `response.done` failed, so the client sees them end.
+        `lost_replica` (scale-out failover): the replica that died; the error code is then
+        `replica_lost`."""
+        failure: dict[str, str] = {}
+        if lost_replica is not None:
+            failure = {
+                "error_code": "replica_lost",
+                "message": f"The replica serving this response ({lost_replica}) was lost; ask again.",
+            }
         end_orphaned_responses(
             self.conversation,
             lambda audio: ResponseSettings(
@@ -381,6 +389,7 @@ class RealtimeSessionCore:
             outbox=self._out,
             conversation_id=self.conversation_id,
             now=now,
+            **failure,
         )
         return self._out.drain()
 

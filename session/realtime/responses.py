@@ -157,6 +157,7 @@ class ResponseRun:
         now: float,
         reason: CancelReason | None = None,
         error: str | None = None,
+        error_code: str = "pipeline_failed",
         reported_usage: dict[str, Any] | None = None,
     ) -> None:
         """Close open parts and emit `response.done`. Cancelled/failed output is dropped
@@ -177,7 +178,8 @@ class ResponseRun:
         self._out.event(
             "response.done",
             response=self._response_object(
-                status_details=self._status_details(status, reason, error), reported_usage=reported_usage
+                status_details=self._status_details(status, reason, error, error_code),
+                reported_usage=reported_usage,
             ),
         )
 
@@ -281,7 +283,7 @@ class ResponseRun:
 
     @staticmethod
     def _status_details(
-        status: ResponseStatus, reason: CancelReason | None, error: str | None
+        status: ResponseStatus, reason: CancelReason | None, error: str | None, error_code: str
     ) -> dict[str, Any] | None:
         if status == "cancelled":
             return {"type": "cancelled", "reason": reason or "client_cancelled"}
@@ -290,7 +292,7 @@ class ResponseRun:
                 "type": "failed",
                 "error": {
                     "type": "server_error",
-                    "code": "pipeline_failed",
+                    "code": error_code,
                     "message": error or "The response failed.",
                 },
             }
@@ -333,9 +335,12 @@ def end_orphaned_responses(
     outbox: Outbox,
     conversation_id: str,
     now: float,
+    error_code: str = "pipeline_failed",
+    message: str = "The server restarted during this response.",
 ) -> None:
     """End, with `response.done` failed, every response whose output item a dead process left
-    in progress (`settings_for(audio)` gives the settings to close it with)."""
+    in progress (`settings_for(audio)` gives the settings to close it with). Scale-out
+    failover passes `error_code="replica_lost"`."""
     for item in conversation.items:
         if item.status != "in_progress" or item.role != "assistant" or item.response_id is None:
             continue
@@ -347,7 +352,7 @@ def end_orphaned_responses(
             conversation=conversation,
             conversation_id=conversation_id,
         )
-        run.finish("failed", now=now, error="The server restarted during this response.")
+        run.finish("failed", now=now, error=message, error_code=error_code)
 
 
 def _format_wire(fmt: WireFormat) -> dict[str, Any]:

@@ -33,6 +33,7 @@ def pipeline_file(folder: Path, **options: Any) -> Path:
     """A copy of the test pipeline with engine options overridden (e.g. a longer audio_ms)."""
     spec = yaml.safe_load(PIPELINE.read_text())
     spec["stages"][0]["options"].update(options)
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / "history_echo.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
