@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import sys
 from collections.abc import Coroutine, Sequence
@@ -34,6 +35,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plots", type=Path, default=None, help="PNG directory (default: --out)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--piper-cache", type=Path, default=Path(".omniduplex/loadtest-cache"))
+    g.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="run the load generator and started servers at this niceness (negative needs root): "
+        "on a shared host, keeps unrelated jobs from distorting the measurement",
+    )
     g.add_argument(
         "--server-logs", type=Path, default=Path(".omniduplex/loadtest-logs"), help="logs of started servers"
     )
@@ -95,7 +103,7 @@ async def _cmd_run(args: argparse.Namespace, results: dict[str, Any]) -> int:
     objectives = parse_slo(args.slo)
     bank = speech_bank(workload, args.piper_cache)
     config = ConfigSpec(args.label or "server", shlex.split(args.server_args)) if args.server_args else None
-    async with server_target(args.url, config, args.server_logs) as target:
+    async with server_target(args.url, config, args.server_logs, nice=args.nice) as target:
         if args.label:
             target.label = args.label
         results["levels"] = await run_levels(
@@ -118,7 +126,7 @@ async def _cmd_compare(args: argparse.Namespace, results: dict[str, Any]) -> int
     objectives = parse_slo(args.slo)
     bank = speech_bank(workload, args.piper_cache)
     for config in configs:
-        async with server_target(None, config, args.server_logs) as target:
+        async with server_target(None, config, args.server_logs, nice=args.nice) as target:
             results["levels"] += await run_levels(
                 target,
                 workload,
@@ -139,7 +147,7 @@ async def _cmd_capacity(args: argparse.Namespace, results: dict[str, Any]) -> in
     workload = workload_from_args(args, sessions=args.start)
     bank = speech_bank(workload, args.piper_cache)
     config = ConfigSpec(args.label or "server", shlex.split(args.server_args)) if args.server_args else None
-    async with server_target(args.url, config, args.server_logs) as target:
+    async with server_target(args.url, config, args.server_logs, nice=args.nice) as target:
         if args.label:
             target.label = args.label
         results["levels"], results["capacity"] = await find_capacity(
@@ -172,6 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     name = args.name or f"{args.command}-{stamp}"
     results = new_results(args.command, name, "python -m loadtest " + shlex.join(argv))
+    if args.nice:
+        os.nice(args.nice)  # before any thread starts: Linux niceness is per thread, inherited
+        results["nice"] = args.nice
     runner = {"run": _cmd_run, "compare": _cmd_compare, "capacity": _cmd_capacity}[args.command]
     try:
         code = _run_async(runner(args, results))

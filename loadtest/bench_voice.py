@@ -325,7 +325,9 @@ async def barge_in(url: str, trials: int, silence_ms: int, frames: list[str]) ->
     return out
 
 
-async def cpu_load(url: str, pid: int, sessions: int, seconds: float, frames: list[str]) -> dict[str, float]:
+async def cpu_load(url: str, pid: int, sessions: int, seconds: float, frames: list[str]) -> dict[str, Any]:
+    """Server CPU (% of one core, the process and its threads) in 5 s windows while
+    `sessions` clients stream speech with pauses in real time, no responses."""
     import psutil
 
     server = psutil.Process(pid)
@@ -336,6 +338,11 @@ async def cpu_load(url: str, pid: int, sessions: int, seconds: float, frames: li
         while not stop.is_set():
             await client.speak(frames + pause)
 
+    def busy(p: Any) -> float:
+        t = p.cpu_times()
+        return float(t.user + t.system)
+
+    windows: list[float] = []
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(session(url)) for _ in range(sessions)]
         for client in clients:
@@ -345,17 +352,22 @@ async def cpu_load(url: str, pid: int, sessions: int, seconds: float, frames: li
             for k, client in enumerate(clients):
                 tg.create_task(_delayed(stream(client, stop), k * 0.05))
             await asyncio.sleep(3.0)  # warm-up: every session streaming
-            s0, c0, t0 = server.cpu_times(), me.cpu_times(), time.monotonic()
-            await asyncio.sleep(seconds)
-            s1, c1, t1 = server.cpu_times(), me.cpu_times(), time.monotonic()
+            sent0, c0, t0 = sum(c.samples_sent for c in clients), busy(me), time.monotonic()
+            for _ in range(max(1, round(seconds / 5))):
+                w0, s0 = time.monotonic(), busy(server)
+                await asyncio.sleep(5.0)
+                windows.append(100 * (busy(server) - s0) / (time.monotonic() - w0))
+            sent1, c1, t1 = sum(c.samples_sent for c in clients), busy(me), time.monotonic()
             stop.set()
         responses = sum(1 for c in clients for a in c.events if a.event["type"] == "response.created")
         turns = sum(1 for c in clients for a in c.events if a.event["type"] == "input_audio_buffer.committed")
     wall = t1 - t0
     return {
-        "server_cpu_pct": 100 * ((s1.user - s0.user) + (s1.system - s0.system)) / wall,
-        "client_cpu_pct": 100 * ((c1.user - c0.user) + (c1.system - c0.system)) / wall,
-        "window_s": wall,
+        "windows_pct": [round(w, 1) for w in windows],
+        "server_cpu_pct": statistics.median(windows),
+        "client_cpu_pct": 100 * (c1 - c0) / wall,
+        # Audio the clients sent per second of wall time, over what real time would be.
+        "realtime_ratio": (sent1 - sent0) / RATE / wall / sessions,
         "turns_committed": turns,
         "responses": responses,
     }
@@ -364,6 +376,13 @@ async def cpu_load(url: str, pid: int, sessions: int, seconds: float, frames: li
 async def _delayed(coro: Any, delay: float) -> None:
     await asyncio.sleep(delay)
     await coro
+
+
+def server_cpu_s(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
 
 
 def log(message: str) -> None:
@@ -387,6 +406,11 @@ class Report:
     silence_ms: int
     rows: list[dict[str, Any]] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict)
+    load: dict[str, float] = field(default_factory=dict)  # 1-min load average as each run began
+
+    def note_load(self, scenario: str) -> None:
+        """Other work on the machine skews every figure here: keep the load next to them."""
+        self.load[scenario] = round(os.getloadavg()[0], 2)
 
     def add(
         self, metric: str, sessions: int, values: list[float], target: float | None, unit: str = "ms"
@@ -406,10 +430,17 @@ class Report:
             target = "" if r["target"] is None else f"≤ {r['target']:.0f} {r['unit']}"
             verdict = "" if r["meets"] is None else ("meets" if r["meets"] else "**MISSES**")
             lines.append(
-                f"| {r['metric']} | {r['sessions']} | {r['p50']:.0f} | {r['p90']:.0f} | {r['max']:.0f} | "
+                f"| {r['metric']} | {r['sessions']} | {num(r['p50'])} | {num(r['p90'])} | {num(r['max'])} | "
                 f"{r['n']} | {target} | {verdict} |"
             )
         return "\n".join(lines)
+
+
+def num(value: float) -> str:
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+SCENARIOS = ("turns", "barge", "cpu")
 
 
 async def main_async(args: argparse.Namespace) -> Report:
@@ -420,37 +451,47 @@ async def main_async(args: argparse.Namespace) -> Report:
     async with server_process(args.server_arg) as (url, pid):
         log(f"server ready (pid {pid}); warm-up turn")
         await turn_latency(url, 1, 1, s, speech)  # warm-up: first-call costs of every model
-        for sessions, slack in ((1, 400), (args.sessions, 800)):
-            log(f"turn latency: {sessions} session(s) x {args.turns} turns")
-            timings = await turn_latency(url, sessions, args.turns, s, speech)
-            report.raw[f"turns_{sessions}"] = [vars_of(t) for t in timings]
+        if "turns" in args.scenarios:
+            for sessions, slack in ((1, 400), (args.sessions, 800)):
+                log(f"turn latency: {sessions} session(s) x {args.turns} turns")
+                report.note_load(f"turns_{sessions}")
+                cpu0 = server_cpu_s(pid)
+                timings = await turn_latency(url, sessions, args.turns, s, speech)
+                report.add(
+                    "server CPU per turn (all of it)",
+                    sessions,
+                    [(server_cpu_s(pid) - cpu0) / len(timings)],
+                    None,
+                    "s",
+                )
+                report.raw[f"turns_{sessions}"] = [vars_of(t) for t in timings]
+                stopped = [t.last_speech_to_stopped_ms for t in timings]
+                report.add("last speech → speech_stopped", sessions, stopped, None)
+                text = [t.last_speech_to_text_ms for t in timings]
+                report.add("last speech → first transcript delta", sessions, text, None)
+                audio = [t.last_speech_to_audio_ms for t in timings]
+                report.add("last speech → first audio delta", sessions, audio, s + slack)
+        if "barge" in args.scenarios:
+            log(f"barge-in: {args.barge_trials} trials")
+            report.note_load("barge_in")
+            trials = await barge_in(url, args.barge_trials, s, interruption)
+            report.raw["barge_in"] = [vars_of(t) for t in trials]
+            report.add("barge-in: first frame → VAD onset (audio)", 1, [t.onset_ms for t in trials], None)
+            report.add("barge-in: first frame → speech_started", 1, [t.started_ms for t in trials], None)
+            onset_p50 = statistics.median(t.onset_ms for t in trials)
             report.add(
-                "last speech → speech_stopped", sessions, [t.last_speech_to_stopped_ms for t in timings], None
+                "barge-in: first frame → response.done", 1, [t.done_ms for t in trials], onset_p50 + 150
             )
             report.add(
-                "last speech → first transcript delta",
-                sessions,
-                [t.last_speech_to_text_ms for t in timings],
-                None,
+                "barge-in: response.done − VAD onset", 1, [t.done_ms - t.onset_ms for t in trials], 150
             )
-            report.add(
-                "last speech → first audio delta",
-                sessions,
-                [t.last_speech_to_audio_ms for t in timings],
-                s + slack,
-            )
-        log(f"barge-in: {args.barge_trials} trials")
-        trials = await barge_in(url, args.barge_trials, s, interruption)
-        report.raw["barge_in"] = [vars_of(t) for t in trials]
-        report.add("barge-in: first frame → VAD onset (audio)", 1, [t.onset_ms for t in trials], None)
-        report.add("barge-in: first frame → speech_started", 1, [t.started_ms for t in trials], None)
-        onset_p50 = statistics.median(t.onset_ms for t in trials)
-        report.add("barge-in: first frame → response.done", 1, [t.done_ms for t in trials], onset_p50 + 150)
-        report.add("barge-in: response.done − VAD onset", 1, [t.done_ms - t.onset_ms for t in trials], 150)
-        log(f"CPU: {args.cpu_sessions} sessions streaming for {args.cpu_seconds:g} s")
-        cpu = await cpu_load(url, pid, args.cpu_sessions, args.cpu_seconds, speech)
-        report.raw["cpu"] = cpu
-        report.add("server CPU, streaming, no responses", args.cpu_sessions, [cpu["server_cpu_pct"]], 50, "%")
+        if "cpu" in args.scenarios:
+            log(f"CPU: {args.cpu_sessions} sessions streaming for {args.cpu_seconds:g} s")
+            report.note_load("cpu")
+            cpu = await cpu_load(url, pid, args.cpu_sessions, args.cpu_seconds, speech)
+            assert cpu["responses"] == 0, "the CPU run must not create responses"
+            report.raw["cpu"] = cpu
+            report.add("server CPU, streaming, no responses", args.cpu_sessions, cpu["windows_pct"], 50, "%")
     return report
 
 
@@ -470,16 +511,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-seconds", type=float, default=20.0)
     parser.add_argument("--server-arg", action="append", default=[], help="extra `omniduplex serve` argument")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    parser.add_argument(
+        "--scenarios",
+        nargs="+",
+        choices=SCENARIOS,
+        default=list(SCENARIOS),
+        help="what to run (default: all)",
+    )
     args = parser.parse_args(argv)
     report = asyncio.run(main_async(args))
     print(f"voice-cascade, silence_duration_ms={args.silence_ms}, {os.cpu_count()} CPUs\n")
     print(report.markdown())
+    print("\n1-min load average as each run began: " + ", ".join(f"{k} {v}" for k, v in report.load.items()))
     if args.out is not None:
         doc = {
             "silence_ms": report.silence_ms,
             "cpus": os.cpu_count(),
             "rows": report.rows,
             "raw": report.raw,
+            "load_average": report.load,
         }
         args.out.write_text(json.dumps(doc, indent=2))
     return 0

@@ -21,11 +21,13 @@ def speech_bank(w: Workload, cache_dir: Path) -> SpeechBank:
 
 
 @contextlib.asynccontextmanager
-async def server_target(url: str | None, config: ConfigSpec | None, log_dir: Path) -> AsyncIterator[Target]:
+async def server_target(
+    url: str | None, config: ConfigSpec | None, log_dir: Path, *, nice: int = 0
+) -> AsyncIterator[Target]:
     """An external server (``url``), or one started from ``config`` for the block."""
     if config is not None:
         print(f"starting server [{config.label}]: {' '.join(config.args)}", file=sys.stderr)
-        async with ServerProcess(config, log_dir=log_dir) as target:
+        async with ServerProcess(config, log_dir=log_dir, nice=nice) as target:
             yield target
         return
     base = (url or "http://127.0.0.1:8000").rstrip("/")

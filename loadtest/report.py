@@ -87,6 +87,11 @@ def render(results: dict[str, Any], plot_links: list[str]) -> str:
         f"({host.get('cpu_model', '')}), {host.get('memory_gb', '?')} GB;"
         " client and server share the host.\n\n"
     )
+    if results.get("nice"):
+        out.append(
+            f"The load generator and the server ran at niceness {results['nice']} (the host is shared"
+            " with other work; see the host CPU column).\n\n"
+        )
     levels = results["levels"]
     if levels:
         w = levels[0]["workload"]

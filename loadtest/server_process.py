@@ -74,8 +74,11 @@ async def wait_ready(base_url: str, timeout_s: float, proc: subprocess.Popen[byt
 class ServerProcess:
     """``python -m web.cli serve`` on a free loopback port with a throwaway data dir."""
 
-    def __init__(self, config: ConfigSpec, *, log_dir: Path, ready_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, config: ConfigSpec, *, log_dir: Path, ready_timeout_s: float = 600.0, nice: int = 0
+    ) -> None:
         self.config = config
+        self.nice = nice
         self.port = free_port()
         self.log_path = log_dir / f"server-{safe_name(config.label)}.log"
         self.ready_timeout_s = ready_timeout_s
@@ -90,7 +93,10 @@ class ServerProcess:
     @property
     def command(self) -> list[str]:
         assert self._data_dir is not None
+        # `nice` before exec, so every thread of the server inherits the priority.
+        prefix = ["nice", "-n", str(self.nice)] if self.nice else []
         return [
+            *prefix,
             sys.executable,
             "-m",
             "web.cli",

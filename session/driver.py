@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -132,6 +133,20 @@ class DriverOptions:
     observer: DriverObserver | None = None  # metrics hooks
 
 
+_TRANSCRIPTION_THREADS = 2
+_transcription_pool: ThreadPoolExecutor | None = None
+
+
+def _transcribe_off_loop(transcriber: Transcriber, audio16k: np.ndarray) -> Awaitable[str]:
+    """Transcriptions take hundreds of ms of CPU each: they get their own few threads. On the
+    loop's default executor they would occupy every thread under load and hold up all
+    sessions' VAD scoring (tens of µs per call) behind them. Process-wide, like the models."""
+    global _transcription_pool
+    if _transcription_pool is None:
+        _transcription_pool = ThreadPoolExecutor(_TRANSCRIPTION_THREADS, thread_name_prefix="transcribe")
+    return asyncio.get_running_loop().run_in_executor(_transcription_pool, transcriber.transcribe, audio16k)
+
+
 @dataclass(slots=True)
 class _Response:
     response_id: str
@@ -176,6 +191,7 @@ class RealtimeDriver:
         self._responses: dict[str, _Response] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timer_wake = asyncio.Event()
+        self._timer_deadline: float | None = None  # what the timer task is waiting for
         self._closing: tuple[int, str] | None = None
         self.closed = asyncio.Event()  # set once the session asked to close (`request_close`)
         self.on_close: Callable[[], None] | None = None  # the host's hook for `closed`
@@ -324,7 +340,10 @@ class RealtimeDriver:
                     link = None  # closing (or just overflowed: 1008); the log keeps the rest
             self.last_event_id = sent["event_id"]
             self.last_activity = self.now()
-            self._timer_wake.set()
+            if self.core.next_deadline() != self._timer_deadline:
+                # Only when the deadline moved: waking the timer on every event (each audio
+                # delta) cost a timeout context and two task switches per delta per session.
+                self._timer_wake.set()
         if log is not None:
             changes = self.core.take_state_changes()
             if changes is not None:
@@ -390,7 +409,7 @@ class RealtimeDriver:
 
     async def _timer(self) -> None:
         while True:
-            deadline = self.core.next_deadline()
+            deadline = self._timer_deadline = self.core.next_deadline()
             self._timer_wake.clear()
             timeout = None if deadline is None else max(0.0, deadline - self.now())
             # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands as
@@ -407,7 +426,7 @@ class RealtimeDriver:
             return
         transcriber = self._transcriber
         try:
-            text = await asyncio.to_thread(transcriber.transcribe, effect.audio)
+            text = await _transcribe_off_loop(transcriber, effect.audio)
         except Exception as exc:  # a model failure fails this transcription only
             log.exception("transcription failed")
             self.apply(self.core.on_input_transcript_failed(effect.item_id, str(exc)))
@@ -421,7 +440,7 @@ class RealtimeDriver:
 
         async def transcribe() -> str | None:
             try:
-                return await asyncio.to_thread(transcriber.transcribe, effect.audio)
+                return await _transcribe_off_loop(transcriber, effect.audio)
             except Exception:  # the response then transcribes in the pipeline as usual
                 log.exception("transcription ahead of the turn's end failed")
                 return None

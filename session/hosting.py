@@ -58,6 +58,7 @@ from session.store.errors import (
     StoreError,
     StoreUnavailable,
 )
+from session.store.event_ids import parse_event_id
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,9 @@ class HostedSession:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ending: bool = False
     parked_for: str | None = None
+    orphans: tuple[bool, str | None] = (False, None)  # restored: (end them?, lost replica)
     migrated_from: str | None = None  # scale-out failover: the lost owner, told at the next resume
+    fork_seq: int | None = None  # failover: the durable event seq the new owner continued from
 
     @property
     def connected(self) -> bool:
@@ -312,8 +315,11 @@ class SessionHost:
         )
         hs = await self._host(record, core, epoch=bound.epoch)
         hs.migrated_from = bound.previous_replica  # set when it moved here from a lost replica
+        hs.fork_seq = record.event_seq if bound.previous_replica is not None else None
         hs.driver.start()
-        hs.driver.apply(core.close_orphaned_responses(now, lost_replica=bound.previous_replica))
+        # The dead process's in-flight response is ended once a connection is attached, after
+        # its replay or snapshot, so the client sees it end live (see serve_resume).
+        hs.orphans = (True, bound.previous_replica)
         hs.timer.on_disconnect(self._wall())  # detached until a connection attaches
         hs.writer.set_state("detached")
         self.counts["restored"] += 1
@@ -344,9 +350,14 @@ class SessionHost:
                 return LinkEnd.CLOSED
             link = hs.driver.attach(transport, held=True)
             hs.timer.on_reconnect(self._wall())
-            hs.writer.set_state("active")
             try:
                 await self._replay(hs, link, last_event_id)
+                hs.writer.set_state("active")  # after the replay: not a round trip on its path
+                pending, lost = hs.orphans
+                if pending:
+                    hs.orphans = (False, None)
+                    core = hs.driver.core
+                    hs.driver.apply(core.close_orphaned_responses(self._clock(), lost_replica=lost))
             except StoreError as exc:
                 log.warning("session %s: resume failed: %s", hs.session_id, exc)
                 link.finish(LinkEnd.CLOSED, 1013, "session store unavailable; resume again")
@@ -357,7 +368,13 @@ class SessionHost:
         after = logged_event_id(last_event_id)
         await hs.writer.flush()  # what this process holds unflushed becomes replayable
         try:
-            events = await self.store.events_after(hs.session_id, after)
+            try:
+                events = await self.store.events_after(hs.session_id, after)
+            except ReplayUnavailable as exc:
+                fork = await self._fork_point(hs, after, exc)
+                if fork is None:
+                    raise
+                after, events = fork, await self.store.events_after(hs.session_id, fork or None)
         except ReplayUnavailable as exc:
             core = hs.driver.core
             resumed = connection_event(
@@ -383,6 +400,21 @@ class SessionHost:
         )
         last = events[-1]["event_id"] if events else last_event_id
         link.release([resumed, *events, *self._migration_notice(hs, last)], skip=replayed_through(through))
+
+    async def _fork_point(self, hs: HostedSession, after: str | None, exc: ReplayUnavailable) -> str | None:
+        """Failover: the client saw events of the lost owner that never became durable (its
+        `last_event_id` is past the log). Replay from the last durable event instead (`""`:
+        from the start), so it gets what the new owner logged since (the in-flight response
+        ending `failed` `replica_lost`); None when this is not that case (resync instead)."""
+        ref = parse_event_id(after or "")
+        fork = hs.fork_seq
+        if exc.reason != "unknown_event_id" or ref is None or fork is None:
+            return None
+        if ref.epoch >= hs.writer.epoch or ref.seq <= fork:
+            return None
+        if fork == 0:
+            return ""
+        return await self.store.event_id_at(hs.session_id, fork)
 
     def _migration_notice(self, hs: HostedSession, after: str | None) -> list[dict[str, Any]]:
         """Scale-out failover: `omni.session.migrated` once, after the first resume's replay."""
@@ -507,6 +539,14 @@ class SessionHost:
             "connected": hs is not None and hs.connected,
             "active_response_id": hs.driver.core.active_response_id if hs is not None else None,
         }
+        if hs is not None:  # this process's event log writer (Redis round trips, buffering)
+            w = hs.writer
+            body["log"] = {
+                "round_trips": w.round_trips,
+                "flushes": w.flushes,
+                "pending": w.pending,
+                "dropped_events": w.dropped_events,
+            }
         return body
 
     async def _end(

@@ -112,7 +112,11 @@ async def connect_resume(hs: _Handshake, session_id: str) -> tuple[ClientConnect
                 why = f"the owner of {session_id} is unreachable but holds its lease"
                 raise NoReplicaAvailable(why) from exc
         except ReplicaRefused as exc:
-            if exc.denial.status == 409:  # another replica took the session meanwhile: re-read
+            if exc.denial.status == 409:  # the binding names another replica: re-read it
+                if route.kind == "owner":
+                    # The process at the owner's address is not the owner (it restarted there
+                    # under a new id): the old owner's lease has to lapse before a takeover.
+                    await router.wait_lapse(route.replica.replica_id, hs.gateway.settings.lapse_wait_s)
                 continue
             if exc.denial.status == 503 and route.kind != "owner":
                 tried.add(route.replica.replica_id)

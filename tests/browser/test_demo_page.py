@@ -32,7 +32,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         yield live
 
 
-LONG_SENTENCE = "The quick brown fox jumps over the lazy dog, and then the five boxing wizards jump quickly."
+LONG_SENTENCE = (
+    "The quick brown fox jumps over the lazy dog, then the five boxing wizards jump quickly, "
+    "and a lazy cat sleeps all afternoon."
+)
 INTERRUPTION = "Wait, stop please."
 ARGS = [
     "--headless",
@@ -71,13 +74,13 @@ def speech_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def barge_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A long sentence (its echoed answer lasts ~7 s), then an interruption 5 s after it ends:
-    while the answer plays for any turn latency up to ~5 s."""
+    """A long sentence (7.5 s; its echoed answer lasts 8.3 s), then an interruption 7 s after it
+    ends: it lands while the answer plays for any turn latency up to ~7 s (a loaded CI box)."""
     path = Path(tmp_path_factory.mktemp("wav")) / "barge.wav"
     parts = [
         silence(1.5),
         speak(LONG_SENTENCE, WAV_RATE),
-        silence(5.0),
+        silence(7.0),
         speak(INTERRUPTION, WAV_RATE),
         silence(40),
     ]

@@ -1,8 +1,11 @@
 """Real processes on loopback for the scale-out tests: replicas and gateways as subprocesses.
 
-Each process is ``python -m web.cli serve|gateway ...`` on a free port with its output in a log
-file under the test's tmp dir (printed when a start fails). Replicas run the paced null
-pipeline (``null-fast.yaml``) with a short registry lease so lapses take ~1.5 s, not 5 s.
+Each process runs on a free port with its output in a log file under the test's tmp dir
+(printed when a start fails). Replicas are ``omniduplex serve`` with the session tests'
+history-echo engine (``tests.sessions.serve_with_test_engines``): a reply says what history it
+was given, so a migrated session visibly kept its conversation; it starts 30 ms after
+admission and streams 600 ms of audio in real time, so a test can act mid-response. Leases
+are short (1.5 s, beats every 0.3 s) so a lapse takes ~1.5 s, not 5 s.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ import httpx
 from websockets.asyncio.client import ClientConnection, connect
 
 from tests.live_server import free_port
+from tests.sessions.history_engine import pipeline_file
 
 ROOT = Path(__file__).resolve().parents[2]
-PIPELINE = str(Path(__file__).with_name("null-fast.yaml"))
 LEASE_S = 1.5
 REFRESH_S = 0.3
 ADMIN_KEY = "test-admin-key"
@@ -74,14 +77,14 @@ class Proc:
             return ""
 
 
-def _spawn(role: str, args: Sequence[str], log_dir: Path, port: int) -> Proc:
+def _spawn(role: str, args: Sequence[str], log_dir: Path, port: int, *, module: str = "web.cli") -> Proc:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{role}-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("OMNIDUPLEX_API_KEYS", None)
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "web.cli", *args],
+            [sys.executable, "-m", module, *args],
             cwd=ROOT,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -93,10 +96,11 @@ def _spawn(role: str, args: Sequence[str], log_dir: Path, port: int) -> Proc:
 
 def start_replica(redis_url: str, tmp: Path, *, lease_s: float = LEASE_S, extra: Sequence[str] = ()) -> Proc:
     port = free_port()
+    pipeline = pipeline_file(tmp / "pipeline", delay_ms=30, audio_ms=600)
     args = [
         "serve",
         "--pipeline",
-        PIPELINE,
+        str(pipeline),
         "--port",
         str(port),
         "--redis-url",
@@ -115,7 +119,7 @@ def start_replica(redis_url: str, tmp: Path, *, lease_s: float = LEASE_S, extra:
         "warning",
         *extra,
     ]
-    return _spawn("replica", args, tmp / "logs", port)
+    return _spawn("replica", args, tmp / "logs", port, module="tests.sessions.serve_with_test_engines")
 
 
 def start_gateway(redis_url: str, tmp: Path, *, extra: Sequence[str] = ()) -> Proc:
@@ -272,5 +276,33 @@ class RealtimeClient:
         await self.send({"type": "response.create"})
         return await self.until("response.done", timeout_s)
 
-    async def close(self) -> None:
-        await self.ws.close()
+    @property
+    def last_event_id(self) -> str:
+        return str(self.events[-1]["event_id"])
+
+    async def close(self, code: int = 1000) -> None:
+        await self.ws.close(code)
+
+
+@dataclass
+class Session:
+    """A session opened through a gateway: its id, resume token and current connection."""
+
+    session_id: str
+    token: str
+    client: RealtimeClient
+
+    @classmethod
+    async def open(cls, gateway: Proc) -> Session:
+        client = await RealtimeClient.open(gateway.ws_url)
+        created = await client.until("session.created")
+        resumable = await client.until("omni.session.resumable")
+        assert resumable["session_id"] == created["session"]["id"]
+        return cls(created["session"]["id"], resumable["resume_token"], client)
+
+    async def resume(self, gateway: Proc, last_event_id: str | None = None) -> RealtimeClient:
+        """Reconnect through ``gateway`` from ``last_event_id`` (default: the last one seen)."""
+        last = last_event_id or self.client.last_event_id
+        url = f"{gateway.ws_url}?session_id={self.session_id}&last_event_id={last}"
+        self.client = await RealtimeClient.open(url, additional_headers={"X-Omni-Resume-Token": self.token})
+        return self.client

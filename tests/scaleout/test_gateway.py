@@ -159,7 +159,7 @@ async def test_admin_key_guards_the_registry(two_replicas: Cluster) -> None:
     assert all(r["state"] == "SERVING" and r["capacity"] == 64 for r in body["data"])
     # REST that any replica answers is forwarded.
     models = (await get(c.gateway.url + "/v1/models")).json()
-    assert models["data"][0]["id"] == "null-fast"
+    assert models["data"][0]["id"] == "history-echo"
 
 
 async def test_no_live_replica_is_503_and_websocket_1013(

@@ -128,7 +128,9 @@ async def turn(conn: Conn, text: str, *, wait: bool = True, audio: bool = True) 
 
 def logged(received: Iterable[Received]) -> list[dict[str, Any]]:
     """The session's logged events among those received (connection events left out)."""
-    return [r.raw for r in received if OMNI_MARK not in str(r.raw["event_id"]) and not r.type.startswith("omni.")]
+    return [
+        r.raw for r in received if OMNI_MARK not in str(r.raw["event_id"]) and not r.type.startswith("omni.")
+    ]
 
 
 def seq(event: dict[str, Any]) -> int:

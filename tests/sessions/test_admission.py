@@ -22,7 +22,9 @@ SLOTS = 2
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServerProcess) -> Iterator[LiveServer]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServerProcess
+) -> Iterator[LiveServer]:
     with session_server(
         tmp_path_factory.mktemp("srv"),
         module_redis.url,
@@ -52,42 +54,54 @@ async def all_zero(server: LiveServer) -> bool:
 
 
 async def test_queued_then_admitted_when_a_slot_frees(server: LiveServer) -> None:
-    async with opened(server) as a, opened(server):
-        async with websockets.connect(realtime_url(server), open_timeout=10) as ws, ServerEvents(ws.recv) as events:
-            queued = (await events.next(10)).raw
-            assert queued["type"] == "omni.admission.queued"
-            assert queued["position"] == 1 and queued["estimated_wait_ms"] >= 0
-            t0 = time.monotonic()
-            await a.ws.close()  # a clean close parks `a` and frees its slot
-            created = await events.wait_for("session.created", within_s=5)
-            assert time.monotonic() - t0 < 1.5
-            assert (await events.next(5)).type == "omni.session.resumable"
-            assert created.raw["session"]["id"].startswith("sess_")
+    async with (
+        opened(server) as a,
+        opened(server),
+        websockets.connect(realtime_url(server), open_timeout=10) as ws,
+        ServerEvents(ws.recv) as events,
+    ):
+        queued = (await events.next(10)).raw
+        assert queued["type"] == "omni.admission.queued"
+        assert queued["position"] == 1 and queued["estimated_wait_ms"] >= 0
+        t0 = time.monotonic()
+        await a.ws.close()  # a clean close parks `a` and frees its slot
+        created = await events.wait_for("session.created", within_s=5)
+        assert time.monotonic() - t0 < 1.5
+        assert (await events.next(5)).type == "omni.session.resumable"
+        assert created.raw["session"]["id"].startswith("sess_")
     await until(lambda: all_zero(server), within_s=10)
 
 
 async def test_queue_deadline_refuses_with_error_and_1013(server: LiveServer) -> None:
-    async with opened(server), opened(server):
-        async with websockets.connect(realtime_url(server), open_timeout=10) as ws, ServerEvents(ws.recv) as events:
-            assert (await events.next(10)).type == "omni.admission.queued"
-            error = (await events.wait_for("error", within_s=5)).raw["error"]
-            assert error["code"] == "server_at_capacity"
-            assert await events.close_code(within_s=5) == 1013
-            assert "session.created" not in events.types()
+    async with (
+        opened(server),
+        opened(server),
+        websockets.connect(realtime_url(server), open_timeout=10) as ws,
+        ServerEvents(ws.recv) as events,
+    ):
+        assert (await events.next(10)).type == "omni.admission.queued"
+        error = (await events.wait_for("error", within_s=5)).raw["error"]
+        assert error["code"] == "server_at_capacity"
+        assert await events.close_code(within_s=5) == 1013
+        assert "session.created" not in events.types()
     await until(lambda: all_zero(server), within_s=10)
 
 
 async def test_full_queue_is_429_with_retry_after_before_upgrade(server: LiveServer) -> None:
-    async with opened(server), opened(server):
-        async with websockets.connect(realtime_url(server), open_timeout=10) as waiting, ServerEvents(waiting.recv) as ev:
-            assert (await ev.next(10)).type == "omni.admission.queued"
-            with pytest.raises(InvalidStatus) as caught:
-                async with websockets.connect(realtime_url(server), open_timeout=10):
-                    pass
-            response = caught.value.response
-            assert response.status_code == 429
-            assert int(response.headers["Retry-After"]) >= 1
-            assert json.loads(response.body)["error"]["code"] == "server_at_capacity"
+    async with (
+        opened(server),
+        opened(server),
+        websockets.connect(realtime_url(server), open_timeout=10) as waiting,
+        ServerEvents(waiting.recv) as ev,
+    ):
+        assert (await ev.next(10)).type == "omni.admission.queued"
+        with pytest.raises(InvalidStatus) as caught:
+            async with websockets.connect(realtime_url(server), open_timeout=10):
+                pass
+        response = caught.value.response
+        assert response.status_code == 429
+        assert int(response.headers["Retry-After"]) >= 1
+        assert json.loads(response.body)["error"]["code"] == "server_at_capacity"
     await until(lambda: all_zero(server), within_s=10)
 
 
@@ -106,7 +120,9 @@ async def test_resume_that_needs_a_slot_is_429_when_full(server: LiveServer) -> 
 
 
 @pytest.fixture(scope="module")
-def big_server(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServerProcess) -> Iterator[LiveServer]:
+def big_server(
+    tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServerProcess
+) -> Iterator[LiveServer]:
     with session_server(
         tmp_path_factory.mktemp("big"), module_redis.url, max_sessions=256, disconnect_grace_s=0.5
     ) as live:

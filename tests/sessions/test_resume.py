@@ -21,7 +21,9 @@ RESPONSE_MS = 2000  # long enough to drop in the middle and still have a live ta
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServerProcess) -> Iterator[LiveServer]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServerProcess
+) -> Iterator[LiveServer]:
     with session_server(tmp_path_factory.mktemp("srv"), module_redis.url, audio_ms=RESPONSE_MS) as live:
         yield live
 
@@ -106,7 +108,9 @@ async def test_unreplayable_id_gets_a_snapshot(server: LiveServer) -> None:
     bogus = "event_nothere_0_999999"
     async with resumed(server, first.session_id, first.resume_token, bogus) as second:
         resumed_event = second.events.log[0].raw
-        assert resumed_event["replay_count"] == 0 and resumed_event["replay_unavailable"] == "unknown_event_id"
+        assert (
+            resumed_event["replay_count"] == 0 and resumed_event["replay_unavailable"] == "unknown_event_id"
+        )
         snapshot = (await second.events.next()).raw
         assert snapshot["type"] == "omni.session.snapshot"
         assert snapshot["session"]["id"] == first.session_id
@@ -145,7 +149,9 @@ async def test_bad_resume_token_is_403_before_upgrade(server: LiveServer, token:
 async def test_unknown_session_is_404(server: LiveServer) -> None:
     url = realtime_url(server, session_id="sess_doesnotexist0000000000", last_event_id="event_x_0_1")
     with pytest.raises(InvalidStatus) as caught:
-        async with websockets.connect(url, additional_headers={"X-Omni-Resume-Token": "rt_x"}, open_timeout=10):
+        async with websockets.connect(
+            url, additional_headers={"X-Omni-Resume-Token": "rt_x"}, open_timeout=10
+        ):
             pass
     assert caught.value.response.status_code == 404
     assert b'"session_not_found"' in caught.value.response.body

@@ -25,7 +25,9 @@ LIFETIME_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServerProcess) -> Iterator[LiveServer]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServerProcess
+) -> Iterator[LiveServer]:
     with session_server(
         tmp_path_factory.mktemp("srv"),
         module_redis.url,
@@ -54,7 +56,9 @@ async def gone(server: LiveServer, session_id: str) -> bool:
     return await status(server, session_id) == 404
 
 
-async def test_connected_but_idle_session_expires(server: LiveServer, module_redis: RedisServerProcess) -> None:
+async def test_connected_but_idle_session_expires(
+    server: LiveServer, module_redis: RedisServerProcess
+) -> None:
     t0 = time.monotonic()
     async with opened(server) as conn:
         error = (await conn.events.wait_for("error", within_s=IDLE_S + 3)).raw["error"]
@@ -65,7 +69,9 @@ async def test_connected_but_idle_session_expires(server: LiveServer, module_red
     assert await keys_left(module_redis.url, conn.session_id) == 0
 
 
-async def test_parked_session_is_gone_after_the_idle_ttl(server: LiveServer, module_redis: RedisServerProcess) -> None:
+async def test_parked_session_is_gone_after_the_idle_ttl(
+    server: LiveServer, module_redis: RedisServerProcess
+) -> None:
     async with opened(server) as conn:
         pass  # clean close: parked, resumable until the idle TTL
     assert await status(server, conn.session_id) == 200

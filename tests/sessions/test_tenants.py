@@ -19,7 +19,9 @@ KEY_A, KEY_B = "key-a", "key-b"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServerProcess) -> Iterator[LiveServer]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServerProcess
+) -> Iterator[LiveServer]:
     with session_server(
         tmp_path_factory.mktemp("srv"), module_redis.url, api_keys=f"{KEY_A}:tenantA,{KEY_B}:tenantB"
     ) as live:
@@ -37,7 +39,9 @@ async def test_other_tenant_sees_session_not_found_everywhere(server: LiveServer
         async with httpx.AsyncClient(base_url=server.http_url) as http:
             for method in ("GET", "DELETE"):
                 other = await http.request(method, f"/v1/sessions/{sid}", headers=bearer(KEY_B))
-                unknown = await http.request(method, "/v1/sessions/sess_unknown0000000000000000", headers=bearer(KEY_B))
+                unknown = await http.request(
+                    method, "/v1/sessions/sess_unknown0000000000000000", headers=bearer(KEY_B)
+                )
                 assert other.status_code == unknown.status_code == 404
                 assert other.json() == unknown.json()  # indistinguishable from an unknown id
                 assert other.json()["error"]["code"] == "session_not_found"
@@ -62,8 +66,12 @@ async def test_tenant_deletes_its_own_session(server: LiveServer) -> None:
     async with opened(server, api_key=KEY_B) as conn:
         pass  # parked
     async with httpx.AsyncClient(base_url=server.http_url) as http:
-        assert (await http.delete(f"/v1/sessions/{conn.session_id}", headers=bearer(KEY_A))).status_code == 404
-        assert (await http.delete(f"/v1/sessions/{conn.session_id}", headers=bearer(KEY_B))).status_code == 200
+        assert (
+            await http.delete(f"/v1/sessions/{conn.session_id}", headers=bearer(KEY_A))
+        ).status_code == 404
+        assert (
+            await http.delete(f"/v1/sessions/{conn.session_id}", headers=bearer(KEY_B))
+        ).status_code == 200
         assert (await http.get(f"/v1/sessions/{conn.session_id}", headers=bearer(KEY_B))).status_code == 404
     with pytest.raises(InvalidStatus) as caught:
         async with resumed(server, conn.session_id, conn.resume_token, conn.last_event_id, api_key=KEY_B):

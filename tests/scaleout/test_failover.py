@@ -1,0 +1,216 @@
+"""Resume routing, failover and fencing with real processes: redis-server, two replicas, a gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio
+from websockets.exceptions import ConnectionClosed
+
+from session.affinity import SessionBinding
+from session.store import SessionStore
+from tests.scaleout.cluster import (
+    LEASE_S,
+    Cluster,
+    Proc,
+    RealtimeClient,
+    Session,
+    cluster,
+    get,
+    live_sessions,
+    replica_id_of,
+    replicas_view,
+    wait_until,
+)
+
+
+@pytest.fixture
+def two_replicas(redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
+    with cluster(redis_url, tmp_path, replicas=2) as c:
+        yield c
+
+
+def reply_text(done: dict[str, Any]) -> str:
+    parts = done["response"]["output"][0]["content"]
+    return " ".join(str(p.get("transcript") or p.get("text") or "") for p in parts)
+
+
+async def owner_of(c: Cluster, session_id: str) -> Proc:
+    view = (await get(f"{c.gateway.url}/v1/sessions/{session_id}")).json()
+    owner_id = view["replica"]["id"]
+    for r in c.replicas:
+        if r.alive() and await replica_id_of(r) == owner_id:
+            return r
+    raise AssertionError(f"no live replica is {owner_id}")
+
+
+async def until_closed(client: RealtimeClient, timeout_s: float = 10.0) -> int | None:
+    with pytest.raises(ConnectionClosed):
+        async with asyncio.timeout(timeout_s):
+            while True:
+                await client.next(timeout_s)
+    return client.ws.close_code
+
+
+async def test_resume_through_the_gateway_lands_on_the_owner(two_replicas: Cluster) -> None:
+    c = two_replicas
+    s = await Session.open(c.gateway)
+    first = await s.client.turn("remember the blue door")
+    assert first["response"]["status"] == "completed"
+    owner = await owner_of(c, s.session_id)
+    other = next(r for r in c.replicas if r is not owner)
+    view = (await get(f"{c.gateway.url}/v1/sessions/{s.session_id}")).json()
+    assert view["replica"] == {"id": await replica_id_of(owner), "url": owner.url, "epoch": 1, "alive": True}
+    last = s.client.last_event_id
+    await s.client.close(4000)  # a dropped connection: the session stays live on its owner
+    await asyncio.sleep(0.2)
+    client = await s.resume(c.gateway, last)
+    resumed = await client.until("omni.session.resumed")
+    assert resumed["replay_count"] == 0
+    assert await live_sessions(owner) == 1 and await live_sessions(other) == 0
+    second = await client.turn("what did I say?")
+    assert "user:remember the blue door" in reply_text(second)
+    assert (await get(f"{c.gateway.url}/v1/sessions/{s.session_id}")).json()["replica"]["epoch"] == 1
+    await client.close()
+
+
+async def test_kill9_owner_session_migrates_with_its_history(two_replicas: Cluster) -> None:
+    c = two_replicas
+    s = await Session.open(c.gateway)
+    assert (await s.client.turn("remember the blue door"))["response"]["status"] == "completed"
+    owner = await owner_of(c, s.session_id)
+    survivor = next(r for r in c.replicas if r is not owner)
+    owner_id, survivor_id = await replica_id_of(owner), await replica_id_of(survivor)
+    # A second turn, killed mid-response (its audio is streaming).
+    await s.client.send(
+        {
+            "type": "conversation.item.create",
+            "item": {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "and a key"}],
+            },
+        }
+    )
+    await s.client.send({"type": "response.create"})
+    created = await s.client.until("response.created")
+    in_flight = created["response"]["id"]
+    await s.client.until("response.output_audio.delta")
+    owner.kill9()
+    killed_at = time.monotonic()
+    assert await until_closed(s.client) == 1012  # the gateway: replica_lost, resume
+    last = s.client.last_event_id
+    client = await s.resume(c.gateway, last)  # the gateway waits out the owner's lease
+    resumed = await client.until("omni.session.resumed")
+    migrated = await client.until("omni.session.migrated")
+    assert migrated["session_id"] == s.session_id
+    assert migrated["from_replica"] == owner_id and migrated["to_replica"] == survivor_id
+    # The response that was in flight on the dead replica ends: failed, replica_lost (in the
+    # replay, or live right after it).
+    after_resume = client.events[client.events.index(resumed) + 1 :]
+    done = next((e for e in after_resume if e["type"] == "response.done"), None)
+    if done is None:
+        done = await client.until("response.done")
+    assert done["response"]["id"] == in_flight and done["response"]["status"] == "failed"
+    assert done["response"]["status_details"]["error"]["code"] == "replica_lost"
+    # The next turn runs on the survivor with the whole history.
+    third = await client.turn("what did I say?")
+    elapsed = time.monotonic() - killed_at
+    assert third["response"]["status"] == "completed"
+    history = reply_text(third)
+    assert "user:remember the blue door" in history and "user:and a key" in history
+    assert elapsed <= LEASE_S + 2.0, f"failover + next turn took {elapsed:.2f} s"
+    view = (await get(f"{c.gateway.url}/v1/sessions/{s.session_id}")).json()
+    assert view["replica"]["id"] == survivor_id and view["replica"]["epoch"] == 2
+    await client.close()
+
+
+async def test_returning_replica_is_fenced_and_reregisters(two_replicas: Cluster, redis_url: str) -> None:
+    """SIGSTOP the owner past its lease: the session moves; after SIGCONT the old owner's
+    writes carry a stale epoch, are rejected, and it ends its copy; it registers again."""
+    c = two_replicas
+    s = await Session.open(c.gateway)
+    assert (await s.client.turn("remember the blue door"))["response"]["status"] == "completed"
+    owner = await owner_of(c, s.session_id)
+    owner_id = await replica_id_of(owner)
+    last = s.client.last_event_id
+    os.kill(owner.proc.pid, signal.SIGSTOP)
+    try:
+
+        async def lapsed() -> bool:
+            return owner_id not in {r["id"] for r in await replicas_view(c.gateway)}
+
+        await wait_until(lapsed, LEASE_S + 3, "the frozen owner's lease lapses")
+        client = await s.resume(c.gateway, last)
+        migrated = await client.until("omni.session.migrated")
+        assert migrated["from_replica"] == owner_id
+        new_owner = migrated["to_replica"]
+    finally:
+        os.kill(owner.proc.pid, signal.SIGCONT)
+    await s.client.ws.close()  # the old connection (to the frozen owner) goes too
+    r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        binding = SessionBinding(r)
+        items_before = await SessionStore(r).list_items(s.session_id)
+
+        async def back() -> bool:
+            return owner_id in {x["id"] for x in await replicas_view(c.gateway)}
+
+        await wait_until(back, 5, "the old owner registers again")
+
+        async def let_go() -> bool:
+            return await live_sessions(owner) == 0
+
+        # Its first flush (the detach) is fenced: StaleEpoch, the local copy ends.
+        await wait_until(let_go, 5, "the old owner drops the session")
+        assert await binding.get(s.session_id) == type(await binding.get(s.session_id))(
+            new_owner, 2, won=False
+        )
+        assert await SessionStore(r).list_items(s.session_id) == items_before
+    finally:
+        await r.aclose()
+    client = await s.resume(c.gateway)
+    third = await client.turn("what did I say?")
+    assert "user:remember the blue door" in reply_text(third)
+    await client.close()
+
+
+async def test_stale_epoch_write_is_rejected_and_ends_the_local_session(
+    two_replicas: Cluster, redis_url: str
+) -> None:
+    c = two_replicas
+    s = await Session.open(c.gateway)
+    await s.client.turn("one")
+    owner = await owner_of(c, s.session_id)
+    r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        moved = await SessionBinding(r).takeover(s.session_id, "rep_elsewhere", 1)  # as a failover would
+        assert moved.won and moved.epoch == 2
+        items = await SessionStore(r).list_items(s.session_id)
+        await s.client.send(
+            {
+                "type": "conversation.item.create",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "two"}],
+                },
+            }
+        )
+        code = await until_closed(s.client)
+        assert code == 1012 and s.client.ws.close_reason == "session moved to another replica"
+        assert await SessionStore(r).list_items(s.session_id) == items  # the write was refused
+    finally:
+        await r.aclose()
+
+    async def gone() -> bool:
+        return await live_sessions(owner) == 0
+
+    await wait_until(gone, 5, "the fenced replica drops its copy")

@@ -1,0 +1,171 @@
+"""No-network units: stored records round-trip, a core restored from them, the transport link
+(held release with skip, slow client closed with 1008), resume ids."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from session.link import LinkEnd, TransportLink
+from session.realtime import CoreOptions, RealtimeSessionCore, StartResponse
+from session.realtime.config import SessionConfig, SessionIn
+from session.realtime.ids import SequentialIds
+from session.realtime.records import config_from_record, item_from_record, item_to_record
+from session.resume import connection_event, event_seq, logged_event_id, replayed_through
+
+
+def text_item(text: str) -> dict[str, Any]:
+    return {
+        "type": "conversation.item.create",
+        "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]},
+    }
+
+
+def started_core() -> RealtimeSessionCore:
+    core = RealtimeSessionCore(CoreOptions(session_id="sess_unit", new_id=SequentialIds()))
+    core.start(0.0, 1_800_000_000.0)
+    return core
+
+
+def test_config_round_trips_through_its_record() -> None:
+    config = SessionConfig(model="m").apply_update(
+        SessionIn.model_validate(
+            {
+                "type": "realtime",
+                "instructions": "be brief",
+                "output_modalities": ["text"],
+                "audio": {
+                    "input": {
+                        "transcription": {"model": "whisper-1"},
+                        "turn_detection": {"type": "server_vad", "silence_duration_ms": 700},
+                    },
+                    "output": {"voice": "verse", "format": {"type": "audio/pcmu"}},
+                },
+            }
+        )
+    )
+    core = RealtimeSessionCore(CoreOptions(config=config, session_id="sess_unit", new_id=SequentialIds()))
+    core.start(0.0, 1_800_000_000.0)
+    changes = core.take_state_changes()
+    assert changes is not None and changes.config is not None
+    assert config_from_record(changes.config, default_model="other") == config
+    assert core.take_state_changes() is None  # nothing new
+
+
+def test_state_changes_follow_item_boundaries_not_deltas() -> None:
+    core = started_core()
+    core.take_state_changes()
+    core.handle_client_event(text_item("hi"), 1.0)
+    changes = core.take_state_changes()
+    assert changes is not None and [r["content"][0]["text"] for r, _ in changes.upserts] == ["hi"]
+    assert changes.upserts[0][1] == "root"
+    out = core.handle_client_event({"type": "response.create"}, 1.1)
+    start = next(e for e in out.effects if isinstance(e, StartResponse))
+    core.on_response_text(start.response_id, "hello", 1.2)
+    opened = core.take_state_changes()  # the assistant item, opened in progress
+    assert opened is not None and opened.upserts[0][0]["status"] == "in_progress"
+    core.on_response_text(start.response_id, " there", 1.3)
+    assert core.take_state_changes() is None  # a delta persists nothing
+    core.on_response_done(start.response_id, "completed", now=1.4)
+    done = core.take_state_changes()
+    assert done is not None
+    record, previous = done.upserts[0]
+    assert record["status"] == "completed" and record["content"][0]["transcript"] == "hello there"
+    assert previous == changes.upserts[0][0]["id"]
+
+
+def test_restored_core_has_the_history_and_ends_orphans() -> None:
+    core = started_core()
+    core.handle_client_event(text_item("first"), 1.0)
+    out = core.handle_client_event({"type": "response.create"}, 1.1)
+    start = next(e for e in out.effects if isinstance(e, StartResponse))
+    core.on_response_text(start.response_id, "reply", 1.2)  # cut here: the item stays in progress
+    records = [item_to_record(item) for item in core.conversation.items]
+    assert item_from_record(records[0]).text_for_history() == "first"
+
+    restored = RealtimeSessionCore.restore(
+        CoreOptions(session_id="sess_unit", new_id=SequentialIds(), max_duration_s=60),
+        records,
+        conversation_id=core.conversation_id,
+        now=100.0,
+        epoch=1_800_000_010.0,
+        expires_at=1_800_000_040.0,
+    )
+    assert restored.started and restored.next_deadline() == 130.0
+    ended = restored.close_orphaned_responses(100.0)
+    done = ended.events[-1]
+    assert done["type"] == "response.done" and done["response"]["id"] == start.response_id
+    assert done["response"]["status"] == "failed"
+    assert restored.conversation.items[-1].status == "incomplete"
+    restored.handle_client_event(text_item("second"), 101.0)
+    out = restored.handle_client_event({"type": "response.create"}, 101.1)
+    params = next(e for e in out.effects if isinstance(e, StartResponse)).params
+    assert params["text"] == "second"
+    assert params["history"] == [{"role": "user", "text": "first"}, {"role": "assistant", "text": "reply"}]
+
+
+class FakeTransport:
+    def __init__(self, *, stuck: bool = False) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.closed: tuple[int, str] | None = None
+        self.stuck = stuck
+        self.frames: asyncio.Queue[str | None] = asyncio.Queue()
+
+    async def send(self, event: dict[str, Any]) -> None:
+        if self.stuck:
+            await asyncio.Event().wait()
+        self.sent.append(event)
+
+    async def close(self, code: int, reason: str) -> None:
+        self.closed = (code, reason)
+
+    async def receive(self) -> str | None:
+        return await self.frames.get()
+
+
+def ev(seq: int) -> dict[str, Any]:
+    return {"type": "x", "event_id": f"event_abcdefgh_0_{seq}"}
+
+
+async def test_held_link_sends_preamble_then_skips_what_the_replay_had() -> None:
+    transport = FakeTransport()
+    link = TransportLink(transport, lambda _: None, limit=16, held=True)
+    for s in (3, 4, 5):
+        link.push(ev(s))
+    await asyncio.sleep(0.01)
+    assert transport.sent == []  # held
+    link.release(
+        [{"type": "omni.session.resumed", "event_id": "r"}, ev(2), ev(3), ev(4)], skip=replayed_through(4)
+    )
+    link.push(ev(6))
+    await asyncio.sleep(0.01)
+    assert [e["event_id"] for e in transport.sent] == ["r"] + [ev(s)["event_id"] for s in (2, 3, 4, 5, 6)]
+    await link.aclose()
+
+
+async def test_slow_client_link_closes_1008_and_drops_its_outbox() -> None:
+    transport = FakeTransport(stuck=True)
+    link = TransportLink(transport, lambda _: None, limit=8, name="slow")
+    pushed = [link.push(ev(s)) for s in range(1, 20)]
+    assert pushed.count(True) == 8 and not link.open
+    assert await asyncio.wait_for(link.wait(), 2) is LinkEnd.SLOW_CLIENT
+    assert transport.closed is not None and transport.closed[0] == 1008
+    assert link.queued == 0
+
+
+async def test_client_frames_reach_the_driver_and_end_on_none() -> None:
+    transport = FakeTransport()
+    got: list[str] = []
+    link = TransportLink(transport, got.append, limit=8)
+    transport.frames.put_nowait("a")
+    transport.frames.put_nowait(None)
+    assert await asyncio.wait_for(link.wait(), 2) is LinkEnd.CLIENT_GONE
+    assert got == ["a"] and transport.closed is None
+
+
+def test_connection_event_ids_map_to_the_logged_event_before_them() -> None:
+    event = connection_event("omni.session.resumable", "event_abcdefgh_0_7", session_id="s")
+    assert event["event_id"].startswith("event_abcdefgh_0_7:omni:")
+    assert logged_event_id(event["event_id"]) == "event_abcdefgh_0_7"
+    assert event_seq(logged_event_id(event["event_id"])) == 7
+    assert logged_event_id(None) is None and event_seq("nope") == 0
