@@ -48,6 +48,7 @@ import numpy as np
 import psutil
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
+from websockets.typing import Subprotocol
 
 from loadtest.server_process import free_port
 from loadtest.stats import summarize
@@ -208,7 +209,9 @@ CONTROL = json.dumps({"type": "input_audio_buffer.clear", "event_id": "evt_bench
 
 
 async def open_ws(url: str) -> ClientConnection:
-    return await connect(url, subprotocols=["realtime"], compression=None, proxy=None, max_size=None)  # type: ignore[list-item]
+    return await connect(
+        url, subprotocols=[Subprotocol("realtime")], compression=None, proxy=None, max_size=None
+    )
 
 
 async def rtt(ws: ClientConnection, message: str, expect: str | None) -> float:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import yaml
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.typing import Subprotocol
 
 from loadtest.bench_gateway import Child, spawn, wait_http
 from loadtest.server_process import free_port
@@ -84,7 +85,7 @@ async def _item(ws: ClientConnection, role: str, text: str) -> None:
 
 async def trial(url: str, pairs: int, reply_tokens: int) -> float:
     """One session: history, turn N, then turn N+1's time to first audio (ms)."""
-    async with connect(url, subprotocols=["realtime"], proxy=None, max_size=None) as ws:  # type: ignore[list-item]
+    async with connect(url, subprotocols=[Subprotocol("realtime")], proxy=None, max_size=None) as ws:
         await _until(ws, "session.created")
         for i in range(pairs):
             await _item(ws, "user", SENTENCES[(2 * i) % len(SENTENCES)])

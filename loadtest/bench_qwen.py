@@ -11,6 +11,10 @@ talker prefill and the 4 talker steps of the first chunk (with the thinker steps
 interleaved), and code2wav of that chunk.
 
     .venv/bin/python -m loadtest.bench_qwen --out bench_qwen.json
+
+``--max-ahead N`` (``0``: no credit limit) overrides the thinker→talker edge's ``max_ahead``,
+``--inbox-limit`` the orchestrator's inbox limit and ``--num-threads`` torch's intra-op threads,
+to compare flow-control settings on the same machine.
 """
 
 from __future__ import annotations
@@ -24,16 +28,16 @@ import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from engines.qwen3_omni.stages import Code2WavEngine, TalkerEngine, ThinkerEngine
 from runtime.engine import EdgeChunk, EngineRequest, StepInput
-from runtime.orchestrator import Orchestrator
+from runtime.orchestrator import DEFAULT_INBOX_LIMIT, Orchestrator
 from runtime.payloads import AudioChunk, Payload
 from runtime.progress import RequestStatus
-from runtime.spec import load_pipeline
+from runtime.spec import PipelineSpec, load_pipeline
 
 PIPELINE = "qwen3-omni-tiny"
 FULL_EDGES = {"thinker->talker": "full", "talker->code2wav": "full"}
@@ -95,9 +99,13 @@ async def wave(
     )
 
 
-def measure_floor(tokens: int, frames: int, reps: int) -> dict[str, float]:
+def measure_floor(
+    tokens: int, frames: int, reps: int, stage_options: Mapping[str, Any] | None = None
+) -> dict[str, float]:
     """Engine time to the first audio chunk, engines driven directly on this thread."""
-    options = {"model": "tiny", "seed": 0}
+    options: dict[str, Any] = {"model": "tiny", "seed": 0}
+    if stage_options and "num_threads" in stage_options:
+        options["num_threads"] = stage_options["num_threads"]
     thinker, talker, code2wav = ThinkerEngine(options), TalkerEngine(options), Code2WavEngine(options)
     for engine in (thinker, talker, code2wav):
         engine.load()
@@ -155,10 +163,37 @@ def summarize(timings: Sequence[RequestTiming]) -> dict[str, Any]:
     }
 
 
+def pipeline_spec(args: argparse.Namespace) -> PipelineSpec:
+    """The pipeline with the command line's flow-control and thread overrides applied."""
+    spec = load_pipeline(PIPELINE)
+    if args.max_ahead is not None:
+        edges = tuple(
+            replace(e, max_ahead=args.max_ahead or None) if e.key == "thinker->talker" else e
+            for e in spec.edges
+        )
+        spec = replace(spec, edges=edges)
+    if args.num_threads is not None:
+        threads = {"num_threads": args.num_threads}
+        stages = tuple(replace(s, options={**s.options, **threads}) for s in spec.stages)
+        spec = replace(spec, stages=stages)
+    return spec
+
+
+def flow_settings(spec: PipelineSpec, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    return {
+        "max_ahead": {e.key: e.max_ahead for e in spec.edges},
+        "inbox_limit": args.inbox_limit,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = list(os.getloadavg())
-    floor = measure_floor(args.tokens, args.frames, args.floor_reps)
-    orch = Orchestrator.from_pipeline(PIPELINE)
+    spec = pipeline_spec(args)
+    floor = measure_floor(args.tokens, args.frames, args.floor_reps, spec.stages[0].options)
+    orch = Orchestrator.from_spec(spec, inbox_limit=args.inbox_limit)
     await orch.start()
     results: dict[str, Any] = {}
     try:
@@ -183,6 +218,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "floor": floor,
         "results": results,
         "peak_rss_mb": peak_rss_mb,
+        "flow": flow_settings(spec, args),
         # Other work on the machine skews every figure: recorded so a reader can judge a run.
         "load_avg_at_start": load_before,
         "load_avg_at_end": list(os.getloadavg()),
@@ -235,6 +271,13 @@ def markdown(report: Mapping[str, Any]) -> str:
         rtfs = ", ".join(f"{r:.3f}" for r in report["results"]["c4"]["async"]["rtf"])
         lines.append(f"RTF per request at c4 (async): {rtfs}.")
     lines.append(f"Peak RSS: {report['peak_rss_mb']:.0f} MB.")
+    flow = report.get("flow")
+    if flow:
+        ahead = ", ".join(f"{k} {v if v is not None else '-'}" for k, v in flow["max_ahead"].items())
+        lines.append(
+            f"Flow control: max_ahead {ahead}; inbox_limit {flow['inbox_limit']}; "
+            f"torch threads {flow['torch_threads']}."
+        )
     load = report["load_avg_at_start"]
     lines.append(
         f"{report['cpus']} CPUs; 1-minute load average {load[0]:.1f} at start, "
@@ -257,6 +300,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--frames", type=int, default=200)
     parser.add_argument("--c1-reps", type=int, default=3, help="waves at concurrency 1 (median over them)")
     parser.add_argument("--floor-reps", type=int, default=5)
+    parser.add_argument(
+        "--max-ahead", type=int, help="override thinker->talker max_ahead (0: no credit limit)"
+    )
+    parser.add_argument("--inbox-limit", type=int, default=DEFAULT_INBOX_LIMIT)
+    parser.add_argument("--num-threads", type=int, help="torch intra-op threads (engine option)")
     return parser.parse_args(argv)
 
 

@@ -468,7 +468,7 @@ async def main_async(args: argparse.Namespace) -> Report:
                 stopped = [t.last_speech_to_stopped_ms for t in timings]
                 report.add("last speech → speech_stopped", sessions, stopped, None)
                 text = [t.last_speech_to_text_ms for t in timings]
-                report.add("last speech → first transcript delta", sessions, text, None)
+                report.add("last speech → first reply text (transcript delta)", sessions, text, None)
                 audio = [t.last_speech_to_audio_ms for t in timings]
                 report.add("last speech → first audio delta", sessions, audio, s + slack)
         if "barge" in args.scenarios:

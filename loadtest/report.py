@@ -25,7 +25,8 @@ LEVEL_HEADER = (
 SERVER_HEADER = (
     "| config | N | server CPU mean / max | CPU ms per session-s "
     "| RSS idle → peak (growth; conversation audio) | loop lag p99 "
-    "| server TTFA p50 / p95 | client CPU | late client sends | host CPU (all processes) / load avg |\n"
+    "| server TTFA p50 / p95 | client CPU / loop lag p99 | late client sends "
+    "| host CPU (all processes) / load avg |\n"
     "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
 )
 
@@ -60,14 +61,17 @@ def server_row(lv: dict[str, Any]) -> str:
             f"| {_host(lv)} |\n"
         )
     lag, st = sv["loop_lag_ms"], sv["server_ttfa_ms"]
+    tree = sv.get("process_tree") or {}
+    with_redis = f" ({_f(tree.get('cpu_mean_percent'), 0, '%')} with redis)" if tree else ""
     return (
-        f"| {lv['label']} | {lv['sessions']} | {_f(sv['cpu_mean_percent'], 0, '%')} / "
+        f"| {lv['label']} | {lv['sessions']} | {_f(sv['cpu_mean_percent'], 0, '%')}{with_redis} / "
         f"{_f(sv['cpu_max_percent'], 0, '%')} | {_f(sv.get('cpu_ms_per_session_s'), 2)} "
         f"| {_f(sv['idle_rss_mb'])} → {_f(sv['peak_rss_mb'])} MB "
         f"({_f(sv['rss_growth_mb'], 0, ' MB')}; {_f(sv.get('peak_conversation_audio_mb'), 0, ' MB')} audio) "
         f"| {_f(lag['p99'], 1, ' ms')} "
         f"| {_f(st['p50'])} / {_f(st['p95'])} "
-        f"| {_f(c.get('cpu_percent'), 0, '%')} | {c.get('late_sends', 0)} | {_host(lv)} |\n"
+        f"| {_f(c.get('cpu_percent'), 0, '%')} / {_f((c.get('loop_lag_ms') or {}).get('p99'), 0, ' ms')} "
+        f"| {c.get('late_sends', 0)} | {_host(lv)} |\n"
     )
 
 
@@ -161,6 +165,8 @@ GLOSSARY = """## What the columns mean
 - **host CPU**: every process on the host, in % of one core (the host has `cpus` × 100 %),
   and the 1-minute load average at the start and end of the level; when it is well above
   server + client, other work competed for the CPUs and latencies include that.
+- **client loop lag**: the same timer on the load generator's loop; when it is high, client
+  timestamps (and so the latencies above) include the client's own delay.
 - **late client sends**: appends the load generator sent > 20 ms behind schedule (if many, the
   client, not the server, is the bottleneck).
 """

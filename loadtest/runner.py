@@ -7,6 +7,7 @@ read only that, so a saved results file can be re-rendered without re-running th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -71,6 +72,14 @@ async def wait_idle(sampler: MetricsSampler, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.5)
 
 
+async def watch_lag(lags: list[float], interval_s: float = 0.1) -> None:
+    """Until cancelled: how late a periodic timer fires on this (the client's) event loop."""
+    while True:
+        before = time.monotonic()
+        await asyncio.sleep(interval_s)
+        lags.append(max(0.0, time.monotonic() - before - interval_s))
+
+
 async def _guarded(index: int, run: Awaitable[SessionResult]) -> SessionResult:
     try:
         return await run
@@ -86,7 +95,7 @@ async def run_level(
 ) -> dict[str, Any]:
     factory = SCENARIOS[workload.scenario]
     counters = LiveCounters()
-    sampler = MetricsSampler(target.base_url)
+    sampler = MetricsSampler(target.base_url, pid=target.pid)
     await wait_idle(sampler)
     sampler.scrapes.clear()
     await asyncio.sleep(settle_s)
@@ -108,13 +117,17 @@ async def run_level(
         session = factory(i, target, workload, bank, counters)
         return await _guarded(i, session.run(end_at))
 
+    lags: list[float] = []
+    watcher = asyncio.create_task(watch_lag(lags), name="loadtest:lag")
     async with bar.running():
         tasks = [asyncio.create_task(start_session(i), name=f"session:{i}") for i in range(workload.sessions)]
         try:
             results = await asyncio.gather(*tasks)
         finally:
-            for task in tasks:
+            for task in (*tasks, watcher):
                 task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
     wall = time.monotonic() - t0
     await asyncio.sleep(settle_s)  # let the server notice the closes before the last scrape
     await sampler.stop()
@@ -125,6 +138,8 @@ async def run_level(
         "cpu_percent": round(client_cpu, 1),
         "late_sends": sum(r.late_sends for r in results),
         "max_send_lag_ms": round(max((r.max_send_lag_ms for r in results), default=0.0), 1),
+        # The load generator's own event loop: when it lags, its timestamps lag too.
+        "loop_lag_ms": summarize(lag * 1000 for lag in lags),
     }
     summary["host"] = host_load(host_before, psutil.cpu_times(), load_before)
     return {

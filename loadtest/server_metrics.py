@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 Labels = tuple[tuple[str, str], ...]
@@ -26,6 +27,7 @@ Labels = tuple[tuple[str, str], ...]
 class Scrape:
     at: float  # client monotonic seconds
     samples: dict[tuple[str, Labels], float]
+    tree: tuple[float, float] | None = None  # (CPU s, RSS bytes) of the server and its children
 
     @classmethod
     def parse(cls, text: str, at: float) -> Scrape:
@@ -90,6 +92,7 @@ class MetricsSampler:
     """Scrape ``{base_url}/metrics`` every ``interval_s`` until stopped. Owns its task."""
 
     base_url: str
+    pid: int | None = None  # also sample this process tree (server + embedded redis-server)
     interval_s: float = 1.0
     clock: Callable[[], float] = time.monotonic
     scrapes: list[Scrape] = field(default_factory=list)
@@ -107,6 +110,8 @@ class MetricsSampler:
             self.failures += 1
             return None
         scrape = Scrape.parse(reply.text, self.clock())
+        if self.pid is not None:
+            scrape.tree = process_tree_usage(self.pid)
         self.scrapes.append(scrape)
         return scrape
 
@@ -129,6 +134,37 @@ class MetricsSampler:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+
+def process_tree_usage(pid: int) -> tuple[float, float] | None:
+    """CPU seconds and RSS bytes of a process and its live descendants."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    cpu = rss = 0.0
+    for proc in procs:
+        try:
+            times, mem = proc.cpu_times(), proc.memory_info()
+        except psutil.Error:
+            continue
+        cpu += times.user + times.system
+        rss += mem.rss
+    return cpu, rss
+
+
+def _tree_summary(scrapes: list[Scrape]) -> dict[str, Any] | None:
+    trees = [(s.at, s.tree) for s in scrapes if s.tree is not None]
+    if len(trees) < 2:
+        return None
+    (t0, (cpu0, rss0)), (t1, (cpu1, _)) = trees[0], trees[-1]
+    peak = max(tree[1] for _, tree in trees)
+    return {
+        "cpu_mean_percent": round((cpu1 - cpu0) / (t1 - t0) * 100, 1) if t1 > t0 else None,
+        "start_rss_mb": round(rss0 / 2**20, 1),
+        "peak_rss_mb": round(peak / 2**20, 1),
+    }
 
 
 def _ms(value: float | None) -> float | None:
@@ -208,5 +244,6 @@ def server_summary(
         "responses": round(
             last.value("omniduplex_responses_total") - first.value("omniduplex_responses_total")
         ),
+        "process_tree": _tree_summary(scrapes),  # server + its redis-server, when we started it
         "timeline": timeline,
     }

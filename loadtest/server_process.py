@@ -34,6 +34,7 @@ class Target:
     label: str = "server"
     server_args: list[str] = field(default_factory=list)  # when we started it ourselves
     idle_rss_mb: float | None = None  # before the first level: the baseline for RSS growth
+    pid: int | None = None  # a server we started: its process tree (with redis) is sampled too
 
     @property
     def ws_url(self) -> str:
@@ -88,7 +89,8 @@ class ServerProcess:
 
     @property
     def target(self) -> Target:
-        return Target(f"http://127.0.0.1:{self.port}", self.config.label, list(self.config.args))
+        pid = self._proc.pid if self._proc is not None else None
+        return Target(f"http://127.0.0.1:{self.port}", self.config.label, list(self.config.args), pid=pid)
 
     @property
     def command(self) -> list[str]:

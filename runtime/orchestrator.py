@@ -38,6 +38,13 @@ class _EdgeRun:
     spec: EdgeSpec
     collector: AsyncChunker[Handle] | FullCollector[Handle]
     target: Replica
+    produced: int = 0  # items the upstream put on this edge
+    taken: int = 0  # items the downstream has taken into a step
+
+    @property
+    def out_of_credit(self) -> bool:
+        limit = self.spec.max_ahead if self.spec.mode == "async_chunk" else None
+        return limit is not None and self.produced - self.taken >= limit
 
 
 @dataclass(eq=False, slots=True)
@@ -49,6 +56,7 @@ class _Run:
     admitted_at: float
     timings: dict[str, StageTiming] = field(default_factory=dict)
     edges_out: dict[str, list[_EdgeRun]] = field(default_factory=dict)
+    edges_by_key: dict[tuple[str, str], _EdgeRun] = field(default_factory=dict)  # (source, target)
     pending: set[str] = field(default_factory=set)  # stages not done yet
     first_client_at: float | None = None
 
@@ -116,7 +124,6 @@ class Orchestrator:
                 sink=self,
                 metrics=self.metrics,
                 clock=self._clock,
-                inbox_limit=self._inbox_limit,
             )
         results = await asyncio.gather(*(s.start() for s in self.stages.values()), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -173,7 +180,9 @@ class Orchestrator:
         run = _Run(request_id, handle, spec, replicas, now, pending=set(replicas))
         for edge in spec.edges:
             collector: AsyncChunker[Handle] | FullCollector[Handle] = make_collector(edge.mode, edge.chunk)
-            run.edges_out.setdefault(edge.source, []).append(_EdgeRun(edge, collector, replicas[edge.target]))
+            edge_run = _EdgeRun(edge, collector, replicas[edge.target])
+            run.edges_out.setdefault(edge.source, []).append(edge_run)
+            run.edges_by_key[(edge.source, edge.target)] = edge_run
         self._runs[request_id] = run
         request = EngineRequest(request_id, dict(params), session_key)
         for stage in spec.stages:
@@ -237,11 +246,18 @@ class Orchestrator:
     # -- StageSink (called by replicas on the loop) ------------------------------------------
 
     def can_step(self, stage: str, request_id: str) -> bool:
+        """False while the client buffer is full, or a downstream stage still working on the
+        request holds ``inbox_limit`` chunks or has taken in too few items (``max_ahead``)."""
         run = self._runs.get(request_id)
         if run is None or run.handle.full:
             return False
         limit = self._inbox_limit
-        return all(e.target.inbox_size(request_id) < limit for e in run.edges_out.get(stage, ()))
+        for edge in run.edges_out.get(stage, ()):
+            if edge.spec.target not in run.pending:
+                continue  # that stage is done with the request: it holds nothing back
+            if edge.out_of_credit or edge.target.inbox_size(request_id) >= limit:
+                return False
+        return True
 
     def on_result(self, stage: str, request_id: str, result: ItemResult) -> None:
         run = self._runs.get(request_id)
@@ -258,6 +274,7 @@ class Orchestrator:
         if result.downstream:
             for edge in edges:
                 handles = result.downstream.get(edge.spec.connector, [])
+                edge.produced += len(handles)
                 for chunk in edge.collector.extend(handles):
                     self._deliver(run, edge, chunk)
         if result.done:
@@ -266,17 +283,32 @@ class Orchestrator:
             run.pending.discard(stage)
             if not run.pending:
                 self._finalize(run, "completed", None)
+            else:
+                self._release_upstream(run, stage)
 
     def on_failed(self, stage: str, request_id: str, error: str) -> None:
         run = self._runs.get(request_id)
         if run is not None:
             self._finalize(run, "failed", error)
 
-    def on_inbox_drained(self, stage: str, request_id: str) -> None:
+    def on_taken(self, stage: str, request_id: str, chunks: list[ChunkRef]) -> None:
+        """``stage`` took ``chunks`` (its whole inbox) into a step: wake the upstream stages that
+        this frees (inbox back under ``inbox_limit``, ``max_ahead`` credits returned)."""
         run = self._runs.get(request_id)
-        if run is not None:
-            for edge in run.spec.incoming(stage):
-                run.replicas[edge.source].wake()
+        if run is None or not chunks:
+            return
+        inbox_was_full = len(chunks) >= self._inbox_limit
+        counts = Counter[str]()
+        for chunk in chunks:
+            counts[chunk.source] += len(chunk.items)
+        for source, count in counts.items():
+            edge = run.edges_by_key.get((source, stage))
+            if edge is None:
+                continue
+            blocked = inbox_was_full or edge.out_of_credit
+            edge.taken += count
+            if blocked and source in run.pending:
+                run.replicas[source].wake()
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -284,7 +316,23 @@ class Orchestrator:
         ref = ChunkRef(
             chunk.items, chunk.context, chunk.finished, chunk.index, edge.spec.source, chunk.release
         )
-        edge.target.deliver(run.request_id, ref)
+        if not edge.target.deliver(run.request_id, ref):
+            # The downstream stage is done with this request: nobody will consume the chunk.
+            self._release(ref.release)
+
+    def _release(self, handles: list[Handle]) -> None:
+        for handle in handles:
+            connector = self.connectors.get(handle.kind)
+            if connector is not None:
+                connector.release(handle)
+
+    def _release_upstream(self, run: _Run, stage: str) -> None:
+        """``stage`` finished the request before its upstream stages: they may be paused on its
+        inbox (``can_step``) or its flow credits, which nothing else would ever free. Wake them;
+        from now on what they hand to ``stage`` is released on delivery."""
+        for edge in run.spec.incoming(stage):
+            if edge.source in run.pending:
+                run.replicas[edge.source].wake()
 
     def _wake(self, request_id: str) -> None:
         run = self._runs.get(request_id)

@@ -68,6 +68,10 @@ class EdgeSpec:
     mode: EdgeMode = "async_chunk"
     connector: str = "inproc"
     chunk: ChunkPolicy = field(default_factory=ChunkPolicy)
+    # Flow credits (async_chunk only): the upstream stage is stepped for a request only while
+    # fewer than ``max_ahead`` of the items it put on this edge have not yet been taken in by a
+    # downstream step. None: no credit limit (only the orchestrator's inbox_limit applies).
+    max_ahead: int | None = None
 
     @property
     def key(self) -> str:
@@ -101,7 +105,8 @@ class PipelineSpec:
         return min(s.budget.max_concurrency * s.replicas for s in self.stages)
 
     def with_edge_modes(self, edge_modes: Mapping[str, str] | None) -> PipelineSpec:
-        """This pipeline with some edges' modes overridden (``{"talker->code2wav": "full"}``)."""
+        """This pipeline with some edges' modes overridden (``{"talker->code2wav": "full"}``);
+        an edge switched to ``full`` drops its ``max_ahead`` (nothing is handed over early)."""
         if not edge_modes:
             return self
         keys = {e.key for e in self.edges}
@@ -114,7 +119,13 @@ class PipelineSpec:
             if mode not in EDGE_MODES:
                 raise ValueError(f"edge_modes[{key!r}]: mode must be one of {', '.join(EDGE_MODES)}")
         edges = tuple(
-            replace(e, mode=edge_modes[e.key]) if e.key in edge_modes else e  # type: ignore[arg-type]
+            replace(
+                e,
+                mode=edge_modes[e.key],  # type: ignore[arg-type]
+                max_ahead=e.max_ahead if edge_modes[e.key] == "async_chunk" else None,
+            )
+            if e.key in edge_modes
+            else e
             for e in self.edges
         )
         return replace(self, edges=edges)
@@ -266,7 +277,7 @@ class _Validator:
         )
 
     def edge(self, data: Any, path: str, stages: Mapping[str, StageSpec]) -> EdgeSpec:
-        data = self.mapping(data, path, ("from", "to", "mode", "connector", "chunk"))
+        data = self.mapping(data, path, ("from", "to", "mode", "connector", "chunk", "max_ahead"))
         ends = []
         for key in ("from", "to"):
             value = self.string(self.required(data, key, path), _join(path, key))
@@ -285,7 +296,23 @@ class _Validator:
                     f"stage {end!r} runs in a worker process, so its edges need connector: shm",
                 )
         chunk = self.chunk(data.get("chunk") or {}, _join(path, "chunk"))
-        return EdgeSpec(source, target, mode, connector, chunk)  # type: ignore[arg-type]
+        max_ahead = self.max_ahead(data.get("max_ahead"), _join(path, "max_ahead"), mode, chunk)
+        return EdgeSpec(source, target, mode, connector, chunk, max_ahead)  # type: ignore[arg-type]
+
+    def max_ahead(self, value: Any, path: str, mode: str, chunk: ChunkPolicy) -> int | None:
+        if value is None:
+            return None
+        limit = self.integer(value, path, 1)
+        if mode != "async_chunk":
+            raise self.fail(path, "only for mode async_chunk (a full edge hands over nothing before the end)")
+        needed = max(chunk.first, chunk.steady)
+        if limit < needed:
+            raise self.fail(
+                path,
+                f"must be >= the chunk sizes (first {chunk.first}, steady {chunk.steady}), got {limit}: "
+                "the upstream stage could never complete a chunk",
+            )
+        return limit
 
     def chunk(self, data: Any, path: str) -> ChunkPolicy:
         data = self.mapping(data, path, ("first", "steady", "left_context"))

@@ -38,7 +38,7 @@ class StageSink(Protocol):
 
     def on_failed(self, stage: str, request_id: str, error: str) -> None: ...
 
-    def on_inbox_drained(self, stage: str, request_id: str) -> None: ...
+    def on_taken(self, stage: str, request_id: str, chunks: list[ChunkRef]) -> None: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -80,7 +80,6 @@ class Replica:
         metrics: RuntimeMetrics,
         connectors: Mapping[str, Connector],
         clock: Callable[[], float],
-        inbox_limit: int,
     ) -> None:
         self.spec = spec
         self.name = spec.name
@@ -90,7 +89,6 @@ class Replica:
         self._metrics = metrics
         self._connectors = connectors
         self._clock = clock
-        self._inbox_limit = inbox_limit
         self._slots: OrderedDict[str, Slot] = OrderedDict()
         self._finishes: dict[str, bool] = {}
         self._inflight: set[asyncio.Task[None]] = set()
@@ -242,7 +240,6 @@ class Replica:
         return call, slots
 
     def _take_item(self, slot: Slot) -> WorkItem:
-        drained = len(slot.chunks) >= self._inbox_limit
         item = WorkItem(
             slot.request_id,
             slot.chunks,
@@ -252,8 +249,8 @@ class Replica:
         )
         slot.chunks, slot.inputs, slot.updates = [], [], []
         slot.input_room.set()
-        if drained:
-            self._sink.on_inbox_drained(self.name, slot.request_id)
+        if item.chunks:
+            self._sink.on_taken(self.name, slot.request_id, item.chunks)
         return item
 
     async def _execute(self, call: WorkCall, slots: list[Slot]) -> None:
@@ -315,6 +312,13 @@ class Replica:
     def _close_slot(self, slot: Slot, outcome: str, *, finish: bool) -> None:
         slot.closed = True
         slot.input_room.set()
+        # Chunks never consumed (the engine finished before its upstream): free their data now.
+        for chunk in slot.chunks:
+            for handle in chunk.release:
+                connector = self._connectors.get(handle.kind)
+                if connector is not None:
+                    connector.release(handle)
+        slot.chunks = []
         now = self._clock()
         slot.timing.done_ms = (now - slot.admitted_at) * 1e3
         self._metrics.request(self.name, now - slot.admitted_at, outcome)
@@ -378,7 +382,6 @@ class Stage:
         sink: StageSink,
         metrics: RuntimeMetrics,
         clock: Callable[[], float],
-        inbox_limit: int,
     ) -> Stage:
         metrics.add_stage(spec.name, spec.replicas)
         replicas = []
@@ -420,7 +423,6 @@ class Stage:
                     metrics=metrics,
                     connectors=connectors,
                     clock=clock,
-                    inbox_limit=inbox_limit,
                 )
             )
         return cls(spec, replicas)

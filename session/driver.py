@@ -46,6 +46,8 @@ from session.realtime.effects import (
     TranscribeInput,
 )
 from session.store.aio import cancel_and_wait
+from session.turn_gate import TurnGate, TurnRejected
+from session.vad_batcher import VadBatcher
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +133,7 @@ class DriverOptions:
     clock: Callable[[], float] = time.monotonic
     epoch: Callable[[], float] = time.time
     observer: DriverObserver | None = None  # metrics hooks
+    turn_gate: TurnGate | None = None  # per-replica bound on generating responses (shared)
 
 
 _TRANSCRIPTION_THREADS = 2
@@ -153,6 +156,7 @@ class _Response:
     task: asyncio.Task[None] | None = None
     request_id: str | None = None
     cancelled: bool = False
+    slot: TurnGate | None = None  # the turn gate it holds a slot of
 
 
 @dataclass(slots=True)
@@ -397,14 +401,8 @@ class RealtimeDriver:
         if vad is None:
             return
         samples = np.concatenate([e.samples for e in batch]) if len(batch) > 1 else batch[0].samples
-        reset = batch[0].reset
-
-        def work() -> list[float]:
-            if reset:
-                vad.reset()
-            return vad.speech_probs(samples)
-
-        probs = await asyncio.to_thread(work)
+        # With every other session's frames in one thread hop (see session/vad_batcher.py).
+        probs = await VadBatcher.for_running_loop().score(vad, samples, reset=batch[0].reset)
         self.apply(self.core.feed_vad(probs, self.now(), start_sample=batch[0].start_sample))
 
     async def _timer(self) -> None:
@@ -489,6 +487,8 @@ class RealtimeDriver:
                 return
             if transcript_key is not None:
                 params = await self._prepared_params(rid, transcript_key, params)
+            if not await self._take_turn_slot(resp):
+                return
             try:
                 handle = await self._orch.submit(params, session_key=self.options.session_key)
             except AdmissionError as exc:
@@ -518,6 +518,22 @@ class RealtimeDriver:
             self.apply(self.core.on_response_done(rid, "failed", str(exc), now=self.now()))
         finally:
             self._responses.pop(rid, None)
+            if resp.slot is not None:
+                resp.slot.release()
+                resp.slot = None
+
+    async def _take_turn_slot(self, resp: _Response) -> bool:
+        """Wait for a generation slot (if the replica bounds them); False: the turn failed."""
+        gate = self.options.turn_gate
+        if gate is None:
+            return True
+        try:
+            await gate.acquire()
+        except TurnRejected as exc:
+            self.apply(self.core.on_response_done(resp.response_id, "failed", str(exc), now=self.now()))
+            return False
+        resp.slot = gate
+        return True
 
     async def _cancel_request(self, resp: _Response) -> None:
         resp.cancelled = True

@@ -42,6 +42,7 @@ from typing import Any
 from session.admission import AdmissionController, Rejected
 from session.affinity import Binding, SessionBinding
 from session.driver import RealtimeDriver, SessionLog
+from session.identity import resume_token_matches, secret_digest
 from session.link import LinkEnd, Transport, TransportLink
 from session.realtime.config import SessionConfig
 from session.realtime.core import CoreOptions, RealtimeSessionCore
@@ -52,6 +53,7 @@ from session.store import SessionRecord, SessionStore, SessionWriter
 from session.store.aio import cancel_and_wait, wait_event
 from session.store.errors import (
     ReplayUnavailable,
+    ResumeTokenInvalid,
     SessionGone,
     SessionNotFound,
     StaleEpoch,
@@ -113,6 +115,7 @@ class HostedSession:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ending: bool = False
     parked_for: str | None = None
+    token_digest: str | None = None  # of the resume token, once known here (create, authorize)
     orphans: tuple[bool, str | None] = (False, None)  # restored: (end them?, lost replica)
     migrated_from: str | None = None  # scale-out failover: the lost owner, told at the next resume
     fork_seq: int | None = None  # failover: the durable event seq the new owner continued from
@@ -226,6 +229,7 @@ class SessionHost:
                 raise SessionElsewhere(bound)
             epoch = bound.epoch
         hs = await self._host(record, core, epoch=epoch)
+        hs.token_digest = secret_digest(token)
         self.counts["opened"] += 1
         return hs, token
 
@@ -251,16 +255,24 @@ class SessionHost:
 
     # --- resume ------------------------------------------------------------------------------
 
-    async def authorize(self, tenant: str, session_id: str, token: str | None) -> SessionRecord:
+    async def authorize(self, tenant: str, session_id: str, token: str | None) -> None:
         """Before the upgrade: `SessionNotFound` (unknown, expired, another tenant's) or
-        `ResumeTokenInvalid`; nothing else is revealed."""
-        return await self.store.authorize_resume(tenant, session_id, token)
+        `ResumeTokenInvalid`; nothing else is revealed. A session held here checks the token
+        against the digest it keeps (constant time, no round trip)."""
+        hs = self.live(tenant, session_id)
+        if hs is not None and hs.token_digest is not None:
+            if not resume_token_matches(token, hs.token_digest):
+                raise ResumeTokenInvalid(session_id)
+            return
+        await self.store.authorize_resume(tenant, session_id, token)
+        if hs is not None and token:
+            hs.token_digest = secret_digest(token)
 
     def live(self, tenant: str, session_id: str) -> HostedSession | None:
         hs = self.sessions.get(session_id)
         return hs if hs is not None and hs.tenant == tenant and not hs.ending else None
 
-    async def restore(self, tenant: str, session_id: str) -> HostedSession:
+    async def restore(self, tenant: str, session_id: str, token: str | None = None) -> HostedSession:
         """The live session, or one rebuilt from Redis (taking an admission slot: raises
         `AdmissionRefused`; `SessionNotFound`, `SessionElsewhere`, `StoreUnavailable`).
         Concurrent restores of one session share one rebuild, which completes even if the
@@ -276,6 +288,8 @@ class SessionHost:
         hs = await asyncio.shield(flight)
         if hs.tenant != tenant:  # authorize() checked the tenant; this is belt and braces
             raise SessionNotFound(session_id)
+        if token and hs.token_digest is None:  # `token` was authorized: later resumes check here
+            hs.token_digest = secret_digest(token)
         return hs
 
     def _restore_done(self, session_id: str, task: asyncio.Task[HostedSession]) -> None:
@@ -591,6 +605,25 @@ class SessionHost:
         else:
             close = (1011, "session store error")
         self._spawn(self._end(hs, "fenced", delete=False, close=close), f"fenced:{session_id}")
+
+    async def recheck_bindings(self) -> int:
+        """Scale-out: this replica's lease lapsed (it was stopped or cut off from Redis) and
+        came back. Sessions may have moved meanwhile; flush every live one now, so a moved one
+        hits its stale epoch at once instead of at its next write, and ends here (1012).
+        Returns how many ended."""
+        fenced = 0
+        for hs in list(self.sessions.values()):
+            if hs.ending:
+                continue
+            hs.writer.mark_activity()  # a flush even with nothing queued (a fenced TTL refresh)
+            try:
+                await hs.writer.flush()
+            except (StaleEpoch, SessionGone) as exc:
+                self._on_writer_fatal(hs.session_id, exc)
+                fenced += 1
+            except StoreError:
+                pass  # Redis still unreachable: the writer's own retries get there
+        return fenced
 
     async def _release(self, session_id: str) -> None:
         try:

@@ -149,6 +149,7 @@ def create_app(settings: ServerSettings) -> Starlette:
                     app.state.replica = replica
                     if replica is not None:  # admit and bind under the deployment's replica id
                         ctx.host.join_replica(replica.replica_id, replica.claim)
+                        replica.on_lease_regained(ctx.host.recheck_bindings)  # fence moved sessions
                     yield
             finally:
                 await webrtc.close()

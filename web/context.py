@@ -92,6 +92,7 @@ class ServerContext:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     ready: bool = False
     host: Any = None  # session.hosting.SessionHost: the realtime WebSocket sessions (resume, retention)
+    turn_gate: Any = None  # session.turn_gate.TurnGate: generating responses per replica, all transports
 
     @property
     def open_mode(self) -> bool:
@@ -126,8 +127,14 @@ async def server_context(settings: ServerSettings) -> Any:
         )
         ctx.metrics.bind_runtime(orchestrator.metrics)
         ctx.metrics.bind_sessions(lambda: ctx.sessions.values())
+        from session.turn_gate import TurnGate
         from web.session_factory import build_host
 
+        ctx.turn_gate = TurnGate(
+            settings.max_generating or orchestrator.capacity,
+            queue_limit=settings.turn_queue_max,
+            wait_s=settings.turn_queue_s,
+        )
         ctx.host = build_host(ctx, settings.replica_id or f"standalone-{uuid.uuid4().hex[:12]}")
         await ctx.host.start()
         # Everything loaded so far (modules, torch, models) lives as long as the process. Out

@@ -92,7 +92,9 @@ class WebSocketTransport:
 
     async def send(self, event: dict[str, Any]) -> None:
         if self.connected:
-            await self.websocket.send_text(json.dumps(event, separators=(",", ":")))
+            # A logged event carries the JSON text the log stored: no second serialization.
+            text = getattr(event, "wire", None) or json.dumps(event, separators=(",", ":"))
+            await self.websocket.send_text(text)
 
     async def close(self, code: int, reason: str) -> None:
         if self.connected:
@@ -270,7 +272,7 @@ async def resume_session(
         if not is_session_id(session_id):
             raise SessionNotFound(session_id)
         await host.authorize(principal.tenant, session_id, token)
-        hs = await host.restore(principal.tenant, session_id)
+        hs = await host.restore(principal.tenant, session_id, token)
     except SessionNotFound:
         ctx.metrics.resume("session_not_found")
         await websocket.send_denial_response(

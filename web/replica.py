@@ -142,16 +142,22 @@ class ReplicaMembership:
         self.draining = False
         self.drained = asyncio.Event()
         self._idle = asyncio.Event()  # no live session (kept by the load reporter)
+        self._regained_hooks: list[Callable[[], Awaitable[object]]] = []
+        self._deadline_ms: int | None = None  # of the last lease Redis granted (Redis clock)
 
     @property
     def info(self) -> ReplicaInfo:
         return self.lease.info
 
     async def start(self) -> None:
-        """Register (fails fast when Redis is down) and start heartbeats and load reports."""
+        """Register (fails fast when Redis is down) and start heartbeats and load reports.
+
+        The heartbeats are this object's own loop (not ``ReplicaLease.start``), so it sees
+        each lease deadline Redis hands out and can tell when one lapsed.
+        """
         self.lease.set_load(self._load())
-        await self.lease.start()
-        self._reporter = asyncio.create_task(self._report_load(), name=f"replica-load:{self.replica_id}")
+        await self._beat()
+        self._reporter = asyncio.create_task(self._heartbeats(), name=f"replica-lease:{self.replica_id}")
         info = self.info
         log.info("replica %s registered at %s (capacity %d)", info.replica_id, info.url, info.capacity)
 
@@ -183,7 +189,27 @@ class ReplicaMembership:
 
     # --- load and drain ------------------------------------------------------------------------
 
-    async def _report_load(self) -> None:
+    def on_lease_regained(self, hook: Callable[[], Awaitable[object]]) -> None:
+        """Call ``hook`` whenever the lease had (probably) lapsed and is held again: sessions
+        may have moved meanwhile (e.g. ``SessionHost.recheck_bindings`` fences them now)."""
+        self._regained_hooks.append(hook)
+
+    async def _beat(self) -> None:
+        """One heartbeat; notices (by Redis's clock) when the previous lease had lapsed."""
+        deadline = await self.registry.heartbeat(self.lease.info)
+        previous, self._deadline_ms = self._deadline_ms, deadline
+        redis_now_ms = deadline - int(self.config.lease_s * 1000)
+        if previous is not None and redis_now_ms >= previous:
+            # Stopped (SIGSTOP, a stalled VM) or cut off from Redis for longer than the lease:
+            # readers dropped this replica meanwhile, and its sessions may have moved.
+            log.warning("replica %s: its lease had lapsed; registered again", self.replica_id)
+            await self._run_regained_hooks()
+
+    async def _heartbeats(self) -> None:
+        """Every ``load_poll_s`` look at the load; beat every ``refresh_s``, or at once when the
+        load changed (pickers see a new session within ~``load_poll_s``, not a whole beat)."""
+        loop = asyncio.get_running_loop()
+        next_beat = loop.time() + self.config.refresh_s
         while True:
             await asyncio.sleep(self.config.load_poll_s)
             load = self._load()
@@ -191,12 +217,24 @@ class ReplicaMembership:
                 self._idle.set()
             else:
                 self._idle.clear()
-            if load == self.info.load:
+            if load == self.info.load and loop.time() < next_beat:
                 continue
             self.lease.set_load(load)
-            # Pushed now, not at the next beat: pickers see a new session within ~load_poll_s.
-            with contextlib.suppress(StoreError):
-                await self.registry.heartbeat(self.lease.info)
+            next_beat = loop.time() + self.config.refresh_s
+            try:
+                await self._beat()
+                self.lease.failures = 0
+            except StoreError:  # a blip: the lease covers ~2 missed beats
+                self.lease.failures += 1
+
+    async def _run_regained_hooks(self) -> None:
+        for hook in self._regained_hooks:
+            try:
+                await hook()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("replica %s: lease-regained hook failed", self.replica_id)
 
     def begin_drain(self, on_drained: Callable[[], None]) -> bool:
         """Start draining (from a signal handler on the loop's thread); False if already begun."""

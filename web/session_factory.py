@@ -58,7 +58,7 @@ def build_driver(
         transcriber=ctx.speech.asr,
         audio_sink=audio_sink,
         log=log,
-        options=DriverOptions(session_key=core.session_id, observer=ctx.metrics),
+        options=DriverOptions(session_key=core.session_id, observer=ctx.metrics, turn_gate=ctx.turn_gate),
     )
 
 

@@ -35,6 +35,10 @@ class ServerSettings:
     admission_queue_s: float = 10.0  # how long an open may wait in the queue for a slot
     admission_queue_max: int = 64  # waiters per replica; beyond it, 429 at once
     event_log_maxlen: int = 4096  # events kept per session for replay (XADD MAXLEN ~)
+    # turns (session/turn_gate.py): responses generating at once, and a short queue beyond
+    max_generating: int | None = None  # None: the pipeline's capacity
+    turn_queue_s: float = 2.0  # a turn waits this long for a slot, then fails
+    turn_queue_max: int = 64  # turns waiting at once; beyond it a turn fails at once
     ephemeral_ttl_s: float = 600.0
     vad: bool = True  # load Silero for server_vad (tests of pure protocol paths may turn it off)
     stun: list[str] = field(default_factory=list)
@@ -73,6 +77,9 @@ class ServerSettings:
             disconnect_grace_s=float(get("disconnect_grace_s", 30.0)),
             tenant_max_sessions=get("tenant_max_sessions"),
             admission_queue_s=float(get("admission_queue_s", 10.0) or 10.0),
+            event_log_maxlen=int(get("event_log_maxlen", 4096) or 4096),
+            max_generating=get("max_generating"),
+            turn_queue_s=float(get("turn_queue_s", 2.0)),
             stun=list(get("stun", []) or []),
             turn=list(get("turn", []) or []),
             edge_modes=parse_edge_modes(get("edge_mode", []) or []),

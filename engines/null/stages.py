@@ -59,6 +59,12 @@ class NullAudioEngine(Engine):
     Only when no request of the batch is due does the step nap, for at most ``idle_sleep_ms``
     (2) or until the earliest due time, so a lone waiting request does not spin a core.
     Option ``clock`` (a callable, for tests) replaces ``time.monotonic``.
+
+    ``tick_ms`` (0: off) spaces step starts at least that far apart. Every step visits every
+    live request, so with hundreds of paced requests, of which only a few are due at any
+    moment, unspaced steps spent most of the server's time polling; a 10 ms tick delays a
+    release by at most 10 ms. With ``realtime``, a step releases every chunk already due (a
+    late step catches up) instead of one.
     """
 
     batchable = True
@@ -71,6 +77,8 @@ class NullAudioEngine(Engine):
         self.sample_rate = int(self.options.get("sample_rate", 24000))
         self.realtime = bool(self.options.get("realtime", False))
         self.idle_sleep_s = float(self.options.get("idle_sleep_ms", 2)) / 1000
+        self.tick_s = float(self.options.get("tick_ms", 0)) / 1000
+        self._next_tick = 0.0
         self.transcript = str(self.options.get("transcript", NULL_TRANSCRIPT))
         self.reply = str(self.options.get("reply", NULL_REPLY))
         clock = self.options.get("clock")
@@ -94,6 +102,11 @@ class NullAudioEngine(Engine):
         return due
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
+        if self.tick_s > 0:
+            wait = self._next_tick - self._clock()
+            if wait > 0:
+                self._sleep(wait)
+            self._next_tick = self._clock() + self.tick_s
         now = self._clock()
         outputs = [self._step_one(item.state, now) for item in batch]
         if batch and all(not (o.client or o.done) for o in outputs):
@@ -110,11 +123,13 @@ class NullAudioEngine(Engine):
             state.replied = True
             out.client += [Transcript(self.transcript), TextDelta(self.reply)]
         total = len(self._chunks) if state.audio_out else 0
-        if state.next_chunk < total and now >= self._due_at(state):
+        while state.next_chunk < total and now >= self._due_at(state):
             out.client.append(
                 AudioChunk(samples=self._chunks[state.next_chunk], sample_rate=self.sample_rate)
             )
             state.next_chunk += 1
+            if not self.realtime:
+                break  # one chunk per step
         out.done = state.next_chunk >= total
         return out
 

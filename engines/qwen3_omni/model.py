@@ -26,6 +26,7 @@ from transformers import (
 from transformers.cache_utils import DynamicCache
 
 from engines.qwen3_omni.config import tiny_config
+from engines.qwen3_omni.seeded import build_tiny_model
 from engines.qwen3_omni.tokenizer import build_tiny_tokenizer
 
 TINY = "tiny"
@@ -139,12 +140,8 @@ def _build(name: str, seed: int, options: Mapping[str, Any]) -> LoadedModel:
     torch.set_num_threads(_num_threads(options, tiny))
     tokenizer: PreTrainedTokenizerBase
     if tiny:
-        config = tiny_config()
-        # Weight init draws from the global RNG: fork it so the build is reproducible across
-        # processes without disturbing anyone else's random state.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = Qwen3OmniMoeForConditionalGeneration(config)
+        # A pure function of the seed: private generator, no allocator garbage, no global dtype.
+        model = build_tiny_model(tiny_config(), seed)
         tokenizer = build_tiny_tokenizer()
         extractor = default_feature_extractor()
     else:

@@ -75,7 +75,7 @@ class CoreOptions:
     # With such a pipeline and server VAD, once a pause in speech has lasted this long
     # (capped at the silence duration) the turn so far is transcribed ahead of the turn's
     # end (`PrepareTranscript`), hiding ASR time inside the silence. 0: never.
-    prepare_transcript_after_ms: int = 160
+    prepare_transcript_after_ms: int = 64
     session_id: str | None = None
     new_id: IdFactory = random_id
 

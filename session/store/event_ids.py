@@ -12,9 +12,42 @@ dead replica) and the following seqs must be contiguous (no gap).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 EVENT_PREFIX = "event_"
+
+
+class StampedEvent(dict[str, Any]):
+    """A logged server event and its compact JSON text (``wire``), the one the log stored, so
+    a transport sends it without serializing the event a second time (``None``: not known)."""
+
+    __slots__ = ("wire",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.wire: str | None = None
+
+
+def split_events(array_text: str) -> list[StampedEvent]:
+    """Parse a JSON array of event objects, keeping each element's own text as its ``wire``."""
+    decoder = json.JSONDecoder()
+    out: list[StampedEvent] = []
+    i, end = array_text.index("[") + 1, len(array_text)
+    while i < end:
+        c = array_text[i]
+        if c in ", \n\t\r":
+            i += 1
+            continue
+        if c == "]":
+            break
+        obj, j = decoder.raw_decode(array_text, i)
+        event = StampedEvent(obj)
+        event.wire = array_text[i:j]
+        out.append(event)
+        i = j
+    return out
 
 
 def session_tag(session_id: str) -> str:

@@ -36,7 +36,7 @@ from typing import Any
 
 from session.store.aio import cancel_and_wait, wait_event
 from session.store.errors import SessionGone, StaleEpoch, StoreError, StoreUnavailable
-from session.store.event_ids import format_event_id, session_tag
+from session.store.event_ids import StampedEvent, format_event_id, session_tag
 from session.store.redis_store import MAX_OPS_PER_CALL, BatchOp, SessionRecord, SessionStore
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,11 @@ class SessionWriter:
         """Stamp ``event_id``, queue the event, return the stamped copy to send to the client."""
         seq = self._next_seq
         self._next_seq += 1
-        stamped = dict(event)
+        stamped = StampedEvent(event)
         stamped["event_id"] = format_event_id(self._tag, self.epoch, seq)
         if self.fatal is None:
-            self._queue(("e", str(seq), stamped["event_id"], json.dumps(stamped, separators=(",", ":"))))
+            stamped.wire = json.dumps(stamped, separators=(",", ":"))  # logged, and sent as is
+            self._queue(("e", str(seq), stamped["event_id"], stamped.wire))
             self._pending_events += 1
             if self._pending_events >= self._max_batch:
                 self._urgent.set()

@@ -47,7 +47,7 @@ from session.store.errors import (
     StaleEpoch,
     StoreUnavailable,
 )
-from session.store.event_ids import parse_event_id, session_tag
+from session.store.event_ids import parse_event_id, session_tag, split_events
 from session.store.keys import DEFAULT_PREFIX, SessionKeys, session_keys
 
 # (op, a, b, c): ("e", seq, event_id, event_json) | ("i", item_id, item_json, after) |
@@ -319,7 +319,8 @@ class SessionStore:
             return meta, ReplayUnavailable(session_id, last_event_id, "unknown_event_id")
         if status != "ok":
             return meta, ReplayUnavailable(session_id, last_event_id, str(status))
-        events: list[dict[str, Any]] = json.loads(payload)
+        # Parsed element by element, each keeping its stored text to be sent as is.
+        events: list[dict[str, Any]] = list(split_events(payload))
         return meta, events
 
     async def events_after(

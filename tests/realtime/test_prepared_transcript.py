@@ -24,7 +24,7 @@ def test_pause_is_transcribed_ahead_and_the_response_says_so() -> None:
     h = Harness()
     h.append(np.concatenate([silence(0.3), tone(1.0)]))
     assert prepared(h) == []
-    h.append(silence(0.25))  # past 160 ms of pause, before the 500 ms that end the turn
+    h.append(silence(0.25))  # past 64 ms of pause, before the 500 ms that end the turn
     [ahead] = prepared(h)
     item_id = speech_item_id(h)
     assert ahead.key[0] == item_id

@@ -2,7 +2,8 @@
 
 Values flow as ``CodecCodes([[v]])`` items. ``Gen`` (entry) emits ``offset + i`` for i < n, or,
 in stream mode, one item per ``Action("emit", k)`` input until ``Action("end")``. ``Relay``
-passes items on. ``Sink`` turns each chunk into an ``AudioChunk`` whose sample j is
+passes items on. ``params["take"][tag] = k`` makes a ``Relay`` or ``Sink`` finish after
+``k`` items, before its upstream is done. ``Sink`` turns each chunk into an ``AudioChunk`` whose sample j is
 ``v_j + 0.5 * v_{j-1}`` where the previous value comes from the chunk itself or its left
 context, so outputs only match the full-payload decode when context is delivered right.
 Thread-worker engines record what happened in :data:`EVENTS`.
@@ -49,6 +50,16 @@ class _Fake(Engine):
     @property
     def tag(self) -> str:
         return str(self.options.get("tag", type(self).__name__))
+
+    def _take(self, request: EngineRequest) -> int | None:
+        """Items after which this stage is done, upstream finished or not (None: no limit)."""
+        take = (request.params.get("take") or {}).get(self.tag)
+        return None if take is None else int(take)
+
+    def _done(self, inp: StepInput, count: int) -> bool:
+        s = inp.state
+        s["seen"] += count
+        return inp.upstream_finished or (s["take"] is not None and s["seen"] >= s["take"])
 
     def _pause(self) -> None:
         delay = float(self.options.get("step_s", 0.0))
@@ -116,7 +127,7 @@ class Gen(_Fake):
 
 class Relay(_Fake):
     def start(self, request: EngineRequest) -> Any:
-        return self._state(request, pid=os.getpid())
+        return self._state(request, pid=os.getpid(), take=self._take(request), seen=0)
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
         outputs = []
@@ -127,7 +138,7 @@ class Relay(_Fake):
             self._updates(inp, out)
             for chunk in inp.chunks:
                 out.downstream.extend(item(value_of(p)) for p in chunk.items)
-            out.done = inp.upstream_finished
+            out.done = self._done(inp, sum(len(c.items) for c in inp.chunks))
             out.wait_for_input = not out.done
             outputs.append(out)
         return outputs
@@ -137,7 +148,9 @@ class Sink(_Fake):
     batchable = True
 
     def start(self, request: EngineRequest) -> Any:
-        return self._state(request, fail_value=request.params.get("sink_fail_value"))
+        return self._state(
+            request, fail_value=request.params.get("sink_fail_value"), take=self._take(request), seen=0
+        )
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
         record("batch", self.tag, len(batch))
@@ -161,7 +174,7 @@ class Sink(_Fake):
                 ]
                 if values:
                     out.client.append(AudioChunk(np.asarray(samples, dtype=np.float32), sample_rate=16000))
-            out.done = inp.upstream_finished
+            out.done = self._done(inp, sum(len(c.items) for c in inp.chunks))
             out.wait_for_input = not out.done
             outputs.append(out)
         return outputs

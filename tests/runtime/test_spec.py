@@ -116,6 +116,26 @@ def test_bad_budget_mode_and_connector(tmp_path: Path) -> None:
                  "need connector: shm")
 
 
+def test_max_ahead_parses_and_is_validated(tmp_path: Path) -> None:
+    first_edge = "chunk: {first: 1, steady: 1, left_context: 0}}"
+    spec = parse_pipeline(GOOD.replace(first_edge, first_edge[:-1] + ", max_ahead: 2}"))
+    assert spec.outgoing("a")[0].max_ahead == 2 and spec.outgoing("b")[0].max_ahead is None
+    assert spec.with_edge_modes({"a->b": "full"}).outgoing("a")[0].max_ahead is None  # no early hand-over
+    assert spec.with_edge_modes({"a->b": "async_chunk"}).outgoing("a")[0].max_ahead == 2
+    second_edge = "chunk: {first: 4, steady: 25, left_context: 25}}"
+    bad = (("0", "must be >= 1"), ("1.5", "expected an integer"), ("true", "expected an integer"))
+    for value, reason in bad:
+        text = GOOD.replace(first_edge, first_edge[:-1] + f", max_ahead: {value}}}")
+        expect_error(tmp_path, text, "edges[0].max_ahead", reason)
+    text = GOOD.replace(second_edge, second_edge[:-1] + ", max_ahead: 24}")
+    expect_error(tmp_path, text, "edges[1].max_ahead", "must be >= the chunk sizes (first 4, steady 25)")
+    text = GOOD.replace(
+        "mode: async_chunk, connector: inproc, chunk: {first: 1",
+        "mode: full, connector: inproc, max_ahead: 4, chunk: {first: 1",
+    )
+    expect_error(tmp_path, text, "edges[0].max_ahead", "only for mode async_chunk")
+
+
 def test_invalid_yaml_names_line(tmp_path: Path) -> None:
     err = expect_error(tmp_path, "name: x\nstages: [a, b\n", "line 3", "invalid YAML")
     assert err.field.startswith("line ")

@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+from websockets.typing import Subprotocol
 
 from tests.live_server import free_port
 from tests.sessions.history_engine import pipeline_file
@@ -116,7 +118,7 @@ def start_replica(redis_url: str, tmp: Path, *, lease_s: float = LEASE_S, extra:
         "--data-dir",
         str(tmp / f"data-{port}"),
         "--log-level",
-        "warning",
+        os.environ.get("SCALEOUT_LOG_LEVEL", "warning"),
         *extra,
     ]
     return _spawn("replica", args, tmp / "logs", port, module="tests.sessions.serve_with_test_engines")
@@ -243,7 +245,7 @@ class RealtimeClient:
 
     @classmethod
     async def open(cls, url: str, **kwargs: Any) -> RealtimeClient:
-        ws = await connect(url, subprotocols=["realtime"], proxy=None, open_timeout=15, **kwargs)  # type: ignore[list-item]
+        ws = await connect(url, subprotocols=[Subprotocol("realtime")], proxy=None, open_timeout=15, **kwargs)
         return cls(ws)
 
     async def next(self, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -275,6 +277,15 @@ class RealtimeClient:
         )
         await self.send({"type": "response.create"})
         return await self.until("response.done", timeout_s)
+
+    async def until_closed(self, timeout_s: float = 10.0) -> int | None:
+        """Read (and keep) events until the server closes; its close code."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    await self.next(timeout_s)
+        except ConnectionClosed:
+            return self.ws.close_code
 
     @property
     def last_event_id(self) -> str:

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import redis.asyncio
-from websockets.exceptions import ConnectionClosed
 
 from session.affinity import SessionBinding
 from session.store import SessionStore
@@ -20,7 +19,6 @@ from tests.scaleout.cluster import (
     LEASE_S,
     Cluster,
     Proc,
-    RealtimeClient,
     Session,
     cluster,
     get,
@@ -49,14 +47,6 @@ async def owner_of(c: Cluster, session_id: str) -> Proc:
         if r.alive() and await replica_id_of(r) == owner_id:
             return r
     raise AssertionError(f"no live replica is {owner_id}")
-
-
-async def until_closed(client: RealtimeClient, timeout_s: float = 10.0) -> int | None:
-    with pytest.raises(ConnectionClosed):
-        async with asyncio.timeout(timeout_s):
-            while True:
-                await client.next(timeout_s)
-    return client.ws.close_code
 
 
 async def test_resume_through_the_gateway_lands_on_the_owner(two_replicas: Cluster) -> None:
@@ -105,7 +95,7 @@ async def test_kill9_owner_session_migrates_with_its_history(two_replicas: Clust
     await s.client.until("response.output_audio.delta")
     owner.kill9()
     killed_at = time.monotonic()
-    assert await until_closed(s.client) == 1012  # the gateway: replica_lost, resume
+    assert await s.client.until_closed() == 1012  # the gateway: replica_lost, resume
     last = s.client.last_event_id
     client = await s.resume(c.gateway, last)  # the gateway waits out the owner's lease
     resumed = await client.until("omni.session.resumed")
@@ -133,14 +123,15 @@ async def test_kill9_owner_session_migrates_with_its_history(two_replicas: Clust
 
 
 async def test_returning_replica_is_fenced_and_reregisters(two_replicas: Cluster, redis_url: str) -> None:
-    """SIGSTOP the owner past its lease: the session moves; after SIGCONT the old owner's
-    writes carry a stale epoch, are rejected, and it ends its copy; it registers again."""
+    """SIGSTOP the owner past its lease: the session moves. After SIGCONT the old owner
+    registers again, notices its lease had lapsed, and its write for the moved session is
+    rejected (stale epoch): it ends its copy, closing the connection it still had (1012)."""
     c = two_replicas
     s = await Session.open(c.gateway)
     assert (await s.client.turn("remember the blue door"))["response"]["status"] == "completed"
+    zombie = s.client  # stays connected (through the gateway) to the frozen owner
     owner = await owner_of(c, s.session_id)
     owner_id = await replica_id_of(owner)
-    last = s.client.last_event_id
     os.kill(owner.proc.pid, signal.SIGSTOP)
     try:
 
@@ -148,35 +139,32 @@ async def test_returning_replica_is_fenced_and_reregisters(two_replicas: Cluster
             return owner_id not in {r["id"] for r in await replicas_view(c.gateway)}
 
         await wait_until(lapsed, LEASE_S + 3, "the frozen owner's lease lapses")
-        client = await s.resume(c.gateway, last)
+        client = await s.resume(c.gateway, zombie.last_event_id)
         migrated = await client.until("omni.session.migrated")
         assert migrated["from_replica"] == owner_id
         new_owner = migrated["to_replica"]
     finally:
         os.kill(owner.proc.pid, signal.SIGCONT)
-    await s.client.ws.close()  # the old connection (to the frozen owner) goes too
     r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
     try:
-        binding = SessionBinding(r)
         items_before = await SessionStore(r).list_items(s.session_id)
 
         async def back() -> bool:
             return owner_id in {x["id"] for x in await replicas_view(c.gateway)}
 
         await wait_until(back, 5, "the old owner registers again")
+        assert await zombie.until_closed() == 1012
+        assert zombie.ws.close_reason == "session moved to another replica"
 
         async def let_go() -> bool:
             return await live_sessions(owner) == 0
 
-        # Its first flush (the detach) is fenced: StaleEpoch, the local copy ends.
         await wait_until(let_go, 5, "the old owner drops the session")
-        assert await binding.get(s.session_id) == type(await binding.get(s.session_id))(
-            new_owner, 2, won=False
-        )
+        bound = await SessionBinding(r).get(s.session_id)
+        assert bound is not None and (bound.replica_id, bound.epoch) == (new_owner, 2)
         assert await SessionStore(r).list_items(s.session_id) == items_before
     finally:
         await r.aclose()
-    client = await s.resume(c.gateway)
     third = await client.turn("what did I say?")
     assert "user:remember the blue door" in reply_text(third)
     await client.close()
@@ -204,7 +192,7 @@ async def test_stale_epoch_write_is_rejected_and_ends_the_local_session(
                 },
             }
         )
-        code = await until_closed(s.client)
+        code = await s.client.until_closed()
         assert code == 1012 and s.client.ws.close_reason == "session moved to another replica"
         assert await SessionStore(r).list_items(s.session_id) == items  # the write was refused
     finally:

@@ -15,7 +15,7 @@ from websockets.exceptions import InvalidStatus
 from tests.conftest_redis import RedisServerProcess
 from tests.live_server import LiveServer
 from tests.realtime.wire import ServerEvents
-from tests.sessions.client import opened, realtime_url, resumed, until
+from tests.sessions.client import opened, realtime_url, resumed, turn, until
 from tests.sessions.conftest import on_server_async, session_server
 
 SLOTS = 2
@@ -153,3 +153,31 @@ async def test_open_close_and_kill_200_sessions_leaves_every_counter_at_zero(big
     assert "omniduplex_active_sessions 0.0" in metrics
     assert server.ctx.host.counts["client_closed"] >= n // 2
     assert server.ctx.host.counts["grace_expired"] >= n // 2
+
+
+@pytest.fixture(scope="module")
+def one_turn_server(
+    tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServerProcess
+) -> Iterator[LiveServer]:
+    with session_server(
+        tmp_path_factory.mktemp("turns"), module_redis.url, audio_ms=1500, max_generating=1, turn_queue_s=0.4
+    ) as live:
+        yield live
+
+
+async def test_turn_that_cannot_start_in_time_fails_with_a_reason(one_turn_server: LiveServer) -> None:
+    server = one_turn_server
+    async with opened(server) as a, opened(server) as b:
+        await turn(a, "long", wait=False)
+        await a.events.wait_for("response.output_audio_transcript.delta", within_s=10)
+        t0 = time.monotonic()
+        refused = (await turn(b, "me too"))[-1].raw["response"]
+        assert 0.3 < time.monotonic() - t0 < 2.0
+        assert refused["status"] == "failed"
+        assert "no generation slot" in refused["status_details"]["error"]["message"]
+        assert (await a.events.wait_for("response.done", within_s=10)).raw["response"][
+            "status"
+        ] == "completed"
+        # A slot is free again: the next turn runs.
+        assert (await turn(b, "now"))[-1].raw["response"]["status"] == "completed"
+    assert server.ctx.turn_gate.generating == 0 and server.ctx.turn_gate.waiting == 0

@@ -6,12 +6,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from session.link import LinkEnd, TransportLink
 from session.realtime import CoreOptions, RealtimeSessionCore, StartResponse
 from session.realtime.config import SessionConfig, SessionIn
 from session.realtime.ids import SequentialIds
 from session.realtime.records import config_from_record, item_from_record, item_to_record
 from session.resume import connection_event, event_seq, logged_event_id, replayed_through
+from session.store.event_ids import split_events
+from session.turn_gate import TurnGate, TurnRejected
 
 
 def text_item(text: str) -> dict[str, Any]:
@@ -169,3 +173,28 @@ def test_connection_event_ids_map_to_the_logged_event_before_them() -> None:
     assert logged_event_id(event["event_id"]) == "event_abcdefgh_0_7"
     assert event_seq(logged_event_id(event["event_id"])) == 7
     assert logged_event_id(None) is None and event_seq("nope") == 0
+
+
+async def test_turn_gate_queues_briefly_then_refuses() -> None:
+    gate = TurnGate(1, queue_limit=1, wait_s=0.05)
+    await gate.acquire()
+    waiter = asyncio.create_task(gate.acquire())
+    await asyncio.sleep(0)
+    with pytest.raises(TurnRejected, match="waiting"):  # the queue (1) is full
+        await gate.acquire()
+    gate.release()
+    await waiter  # the queued turn got the freed slot
+    with pytest.raises(TurnRejected, match="within"):
+        await gate.acquire()
+    gate.release()
+    assert (gate.generating, gate.waiting, gate.rejected) == (0, 0, 2)
+
+
+def test_split_events_keeps_each_stored_text() -> None:
+    texts = [
+        '{"type":"a","event_id":"e1","delta":"[x], {y}"}',
+        '{"type":"b","event_id":"e2","n":[1,{"k":"]"}]}',
+    ]
+    events = split_events("[" + ",".join(texts) + "]")
+    assert [e.wire for e in events] == texts
+    assert events[1]["n"] == [1, {"k": "]"}] and split_events("[]") == []
