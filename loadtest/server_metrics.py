@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,9 +19,10 @@ from typing import Any
 
 import httpx
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
 
 Labels = tuple[tuple[str, str], ...]
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(slots=True)
@@ -31,10 +33,23 @@ class Scrape:
 
     @classmethod
     def parse(cls, text: str, at: float) -> Scrape:
+        """Samples of Prometheus text exposition (``*_created`` series skipped).
+
+        A line-level parser, ~20x faster than prometheus-client's: it runs on the load
+        generator's event loop once a second, where 20 ms would delay every session's
+        timestamps (comments, escapes in label values and exemplars are not needed here)."""
         samples: dict[tuple[str, Labels], float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                samples[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+        for line in text.splitlines():
+            if not line or line[0] == "#":
+                continue
+            m = _SAMPLE.match(line)
+            if m is None or m.group(1).endswith("_created"):
+                continue
+            labels = tuple(sorted(_LABEL.findall(m.group(2)))) if m.group(2) else ()
+            try:
+                samples[(m.group(1), labels)] = float(m.group(3))
+            except ValueError:
+                continue
         return cls(at, samples)
 
     def value(self, name: str, default: float = 0.0, **labels: str) -> float:

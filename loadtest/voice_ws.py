@@ -125,6 +125,7 @@ class VoiceWsSession:
         self._receiving: TurnRecord | None = None  # the turn whose reply audio is arriving
         self._item_of: dict[str, str] = {}  # response id → assistant item id
         self._changed = asyncio.Event()
+        self._barge_watch: TurnRecord | None = None  # the reply a barge-in waits on
         self._closed = False
         self._updated = False
 
@@ -245,7 +246,7 @@ class VoiceWsSession:
         turn = self._receiving
         if turn is not None:
             turn.on_audio(now, audio_ms)
-            if turn.audio_ms >= self.w.barge_in_after_ms:
+            if turn is self._barge_watch and turn.audio_ms >= self.w.barge_in_after_ms:
                 self._changed.set()
 
     def _on_event(self, event: dict[str, Any], now: float) -> None:
@@ -303,7 +304,8 @@ class VoiceWsSession:
                 return predicate()
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await self._changed.wait()
         return True
 
     async def _wait_done(self, turn: TurnRecord, deadline: float) -> bool:
@@ -361,7 +363,11 @@ class VoiceWsSession:
         def ready() -> bool:
             return turn.done_at is not None or turn.audio_ms >= enough
 
-        await self._wait(ready, deadline)
+        self._barge_watch = turn
+        try:
+            await self._wait(ready, deadline)
+        finally:
+            self._barge_watch = None
         if turn.done_at is not None or turn.audio_ms < enough or turn.response_id is None:
             return None
         turn.barge_in_at = self.clock()
