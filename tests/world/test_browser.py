@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import pytest
-
 from tests.world.conftest import WorldServer
 
 CHROMIUM = os.environ.get("OMNIDUPLEX_CHROMIUM", "/usr/bin/chromium")
