@@ -46,14 +46,20 @@ SENTENCES = (
 )
 
 
-def pipeline_without_retention(tmp: Path) -> Path:
-    """The pipeline's YAML with every stage's ``kv_bytes`` set to 0 (nothing retained)."""
+def bench_pipeline(tmp: Path, *, retain: bool) -> Path:
+    """The shipped pipeline, replies made deterministic and never empty (greedy, at least 8
+    tokens: random tiny weights may sample EOS first); ``retain=False`` sets every stage's
+    ``kv_bytes`` to 0 (nothing retained between turns)."""
     source = Path(load_pipeline(PIPELINE).source)
     doc = yaml.safe_load(source.read_text())
     for stage in doc["stages"]:
-        stage.setdefault("budget", {})["kv_bytes"] = 0
-    doc["name"] = f"{PIPELINE}-no-kv"
-    out = tmp / f"{PIPELINE}-no-kv.yaml"
+        if stage["name"] == "thinker":
+            stage.setdefault("options", {}).update({"greedy": True, "min_tokens": 8})
+        if not retain:
+            stage.setdefault("budget", {})["kv_bytes"] = 0
+    name = PIPELINE if retain else f"{PIPELINE}-no-kv"
+    doc["name"] = name
+    out = tmp / f"{name}.yaml"
     out.write_text(yaml.safe_dump(doc, sort_keys=False))
     return out
 
@@ -161,8 +167,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="od-bench-kv-") as name:
         tmp = Path(name)
         servers = {
-            "retained": await start_server(PIPELINE, tmp),
-            "not_retained": await start_server(str(pipeline_without_retention(tmp)), tmp),
+            "retained": await start_server(str(bench_pipeline(tmp, retain=True)), tmp),
+            "not_retained": await start_server(str(bench_pipeline(tmp, retain=False)), tmp),
         }
         try:
             for server in servers.values():

@@ -95,8 +95,10 @@ class ServerProcess:
     @property
     def command(self) -> list[str]:
         assert self._data_dir is not None
-        # `nice` before exec, so every thread of the server inherits the priority.
-        prefix = ["nice", "-n", str(self.nice)] if self.nice else []
+        # `nice` before exec, so every thread of the server inherits the priority; its -n is
+        # relative to our own niceness (which the load generator may already have changed).
+        adjust = self.nice - os.getpriority(os.PRIO_PROCESS, 0) if self.nice else 0
+        prefix = ["nice", "-n", str(adjust)] if adjust else []
         return [
             *prefix,
             sys.executable,

@@ -4,6 +4,12 @@ It owns nothing heavy: stages compute on their workers, connectors hold the payl
 orchestrator moves handles along edges (through each edge's chunk policy) and client payloads
 into the request's bounded stream. Every callback from a replica runs on the event loop and
 never blocks.
+
+Flow control, per request: a stage is not stepped while the client buffer is full, while a
+downstream stage still working on the request holds ``inbox_limit`` chunks, or while an edge with
+``max_ahead`` has that many of the stage's items not yet taken into a downstream step (credits,
+returned when the downstream takes its inbox). A downstream stage that is done with the request
+holds nothing back: its upstream stages are woken and what they still hand it is freed at once.
 """
 
 from __future__ import annotations

@@ -60,7 +60,6 @@ from session.store.errors import (
     StoreError,
     StoreUnavailable,
 )
-from session.store.event_ids import parse_event_id
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +117,6 @@ class HostedSession:
     token_digest: str | None = None  # of the resume token, once known here (create, authorize)
     orphans: tuple[bool, str | None] = (False, None)  # restored: (end them?, lost replica)
     migrated_from: str | None = None  # scale-out failover: the lost owner, told at the next resume
-    fork_seq: int | None = None  # failover: the durable event seq the new owner continued from
 
     @property
     def connected(self) -> bool:
@@ -329,7 +327,6 @@ class SessionHost:
         )
         hs = await self._host(record, core, epoch=bound.epoch)
         hs.migrated_from = bound.previous_replica  # set when it moved here from a lost replica
-        hs.fork_seq = record.event_seq if bound.previous_replica is not None else None
         hs.driver.start()
         # The dead process's in-flight response is ended once a connection is attached, after
         # its replay or snapshot, so the client sees it end live (see serve_resume).
@@ -382,13 +379,7 @@ class SessionHost:
         after = logged_event_id(last_event_id)
         await hs.writer.flush()  # what this process holds unflushed becomes replayable
         try:
-            try:
-                events = await self.store.events_after(hs.session_id, after)
-            except ReplayUnavailable as exc:
-                fork = await self._fork_point(hs, after, exc)
-                if fork is None:
-                    raise
-                after, events = fork, await self.store.events_after(hs.session_id, fork or None)
+            events = await self.store.events_after(hs.session_id, after)
         except ReplayUnavailable as exc:
             core = hs.driver.core
             resumed = connection_event(
@@ -414,21 +405,6 @@ class SessionHost:
         )
         last = events[-1]["event_id"] if events else last_event_id
         link.release([resumed, *events, *self._migration_notice(hs, last)], skip=replayed_through(through))
-
-    async def _fork_point(self, hs: HostedSession, after: str | None, exc: ReplayUnavailable) -> str | None:
-        """Failover: the client saw events of the lost owner that never became durable (its
-        `last_event_id` is past the log). Replay from the last durable event instead (`""`:
-        from the start), so it gets what the new owner logged since (the in-flight response
-        ending `failed` `replica_lost`); None when this is not that case (resync instead)."""
-        ref = parse_event_id(after or "")
-        fork = hs.fork_seq
-        if exc.reason != "unknown_event_id" or ref is None or fork is None:
-            return None
-        if ref.epoch >= hs.writer.epoch or ref.seq <= fork:
-            return None
-        if fork == 0:
-            return ""
-        return await self.store.event_id_at(hs.session_id, fork)
 
     def _migration_notice(self, hs: HostedSession, after: str | None) -> list[dict[str, Any]]:
         """Scale-out failover: `omni.session.migrated` once, after the first resume's replay."""

@@ -6,16 +6,21 @@ Then the lifespan starts a :class:`ReplicaMembership`:
 
 * **Registration.** A lease in the registry (``session.affinity``) refreshed every
   ``refresh_s`` (2 s) that lapses after ``lease_s`` (5 s): id, advertised URL, capacity
-  (``--max-sessions``), load (live sessions, pushed as soon as it changes) and state.
+  (``--max-sessions``), load (live sessions, pushed within ~0.1 s of a change) and state.
 * **Drain.** SIGTERM (:class:`DrainingServer`) marks the replica ``DRAINING``: pickers skip
   it, :class:`ReplicaGate` refuses new sessions here with 503 ``replica_draining`` (the gateway
   then tries another replica) while resumes of the sessions it holds still pass; once no
   session is left (or ``drain_timeout_s`` passed) it deregisters and uvicorn shuts down.
-* **Binding.** :meth:`ReplicaMembership.claim` binds a session to this replica (first writer
-  wins, epoch 1) or takes it over when its owner's lease lapsed (epoch + 1; ``previous_replica``
-  says from where). The epoch goes into the session's ``SessionWriter``; a flush after the
-  session moved elsewhere fails with ``StaleEpoch`` and :func:`fenced_close` says how the local
-  session ends.
+* **Binding.** :meth:`ReplicaMembership.claim` (``SessionHost.join_replica``) binds a new
+  session to this replica (first writer wins, epoch 1) or, at a resume, takes it over when its
+  owner's lease lapsed (epoch + 1; ``previous_replica`` says from where: the client is told
+  ``omni.session.migrated``). The epoch goes into the session's ``SessionWriter``; a flush
+  after the session moved elsewhere fails with ``StaleEpoch`` and the host ends its copy
+  (close 1012: the client resumes on the new owner).
+* **Coming back.** Each heartbeat returns the new lease deadline on Redis's clock; when the
+  previous one had passed (the process was stopped, or cut off from Redis, for longer than
+  the lease) the lease-regained hooks run: ``SessionHost.recheck_bindings`` flushes every live
+  session at once, so the ones that moved meanwhile are fenced now, not at their next write.
 
 Ids are random per process: a replica restarted at the same address is a new replica, so a
 zombie of the old process can never share an epoch with its successor.
@@ -44,16 +49,13 @@ from starlette.routing import BaseRoute, Route
 
 from session.affinity import Binding, ReplicaInfo, ReplicaLease, ReplicaRegistry, SessionBinding
 from session.store.aio import cancel_and_wait, wait_event
-from session.store.errors import SessionGone, StaleEpoch, StoreError
+from session.store.errors import StoreError
 from web.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
 REPLICA_PREFIX = "rep_"
 DRAINING_CODE = "replica_draining"
-# WebSocket close for a session this replica may no longer serve (it moved or expired):
-# 1012 "service restart" tells the client to reconnect, and a resume lands on the new owner.
-FENCED_CLOSE_CODE = 1012
 
 Json = dict[str, Any]
 Scope = Mapping[str, Any]
@@ -111,15 +113,6 @@ async def owner_json(binding: SessionBinding, registry: ReplicaRegistry, session
         "epoch": bound.epoch,
         "alive": owner is not None,
     }
-
-
-def fenced_close(error: StoreError) -> tuple[int, str]:
-    """How a session ends locally when its writer hits ``StaleEpoch`` / ``SessionGone``."""
-    if isinstance(error, StaleEpoch):
-        return FENCED_CLOSE_CODE, "session moved to another replica"
-    if isinstance(error, SessionGone):
-        return 1001, "session expired"
-    return 1011, "session store error"
 
 
 class ReplicaMembership:

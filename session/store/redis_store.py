@@ -342,22 +342,6 @@ class SessionStore:
             raise result
         return result
 
-    async def event_id_at(self, session_id: str, seq: int) -> str | None:
-        """The id of the logged event with sequence number ``seq`` (None: not in the stream).
-
-        Scale-out failover: the fork point from which a client that saw events the lost owner
-        never made durable is replayed what the new owner logged since.
-        """
-        if seq < 1:
-            return None
-        async with redis_errors():
-            entries = await self.redis.xrange(self.keys(session_id).events, f"0-{seq}", f"0-{seq}")
-        if not entries:
-            return None
-        _, fields = entries[0]
-        event_id = (fields or {}).get("i")
-        return str(event_id) if event_id is not None else None
-
     async def resume(
         self, tenant: str, session_id: str, token: str | None, last_event_id: str | None
     ) -> Resumed:

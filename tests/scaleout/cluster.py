@@ -201,8 +201,8 @@ class Cluster:
         wait_ready(new, path="/readyz")
         return new
 
-    def add_gateway(self, redis_url: str | None = None) -> Proc:
-        gw = start_gateway(redis_url or self.redis_url, self.tmp)
+    def add_gateway(self, redis_url: str | None = None, *, extra: Sequence[str] = ()) -> Proc:
+        gw = start_gateway(redis_url or self.redis_url, self.tmp, extra=extra)
         self.gateways.append(gw)
         wait_ready([gw])
         return gw
@@ -222,11 +222,12 @@ class Cluster:
 
 
 @contextmanager
-def cluster(redis_url: str, tmp: Path, *, replicas: int = 2) -> Iterator[Cluster]:
+def cluster(redis_url: str, tmp: Path, *, replicas: int = 2, extra: Sequence[str] = ()) -> Iterator[Cluster]:
+    """A gateway and ``replicas`` replicas (``extra``: arguments for all of them)."""
     c = Cluster(redis_url, tmp)
     try:
-        c.add_gateway()
-        c.add_replicas(replicas)
+        c.add_gateway(extra=extra)
+        c.add_replicas(replicas, extra=extra)
         c.wait_registered(replicas)
         yield c
     finally:
@@ -244,8 +245,11 @@ class RealtimeClient:
         self.events: list[dict[str, Any]] = []
 
     @classmethod
-    async def open(cls, url: str, **kwargs: Any) -> RealtimeClient:
-        ws = await connect(url, subprotocols=[Subprotocol("realtime")], proxy=None, open_timeout=15, **kwargs)
+    async def open(
+        cls, url: str, *, subprotocols: Sequence[str] = ("realtime",), **kwargs: Any
+    ) -> RealtimeClient:
+        protocols = [Subprotocol(p) for p in subprotocols]
+        ws = await connect(url, subprotocols=protocols, proxy=None, open_timeout=15, **kwargs)
         return cls(ws)
 
     async def next(self, timeout_s: float = 10.0) -> dict[str, Any]:

@@ -6,11 +6,8 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 import redis.asyncio
 
 from session.affinity import SessionBinding
@@ -20,19 +17,12 @@ from tests.scaleout.cluster import (
     Cluster,
     Proc,
     Session,
-    cluster,
     get,
     live_sessions,
     replica_id_of,
     replicas_view,
     wait_until,
 )
-
-
-@pytest.fixture
-def two_replicas(redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
-    with cluster(redis_url, tmp_path, replicas=2) as c:
-        yield c
 
 
 def reply_text(done: dict[str, Any]) -> str:
@@ -49,8 +39,8 @@ async def owner_of(c: Cluster, session_id: str) -> Proc:
     raise AssertionError(f"no live replica is {owner_id}")
 
 
-async def test_resume_through_the_gateway_lands_on_the_owner(two_replicas: Cluster) -> None:
-    c = two_replicas
+async def test_resume_through_the_gateway_lands_on_the_owner(shared: Cluster) -> None:
+    c = shared
     s = await Session.open(c.gateway)
     first = await s.client.turn("remember the blue door")
     assert first["response"]["status"] == "completed"
@@ -64,7 +54,9 @@ async def test_resume_through_the_gateway_lands_on_the_owner(two_replicas: Clust
     client = await s.resume(c.gateway, last)
     resumed = await client.until("omni.session.resumed")
     assert resumed["replay_count"] == 0
-    assert await live_sessions(owner) == 1 and await live_sessions(other) == 0
+    served = (await get(f"{c.gateway.url}/v1/sessions/{s.session_id}")).json()  # asks the owner
+    assert served["replica"]["id"] == view["replica"]["id"] and served["live_here"] and served["connected"]
+    assert not (await get(f"{other.url}/v1/sessions/{s.session_id}")).json()["live_here"]
     second = await client.turn("what did I say?")
     assert "user:remember the blue door" in reply_text(second)
     assert (await get(f"{c.gateway.url}/v1/sessions/{s.session_id}")).json()["replica"]["epoch"] == 1
@@ -122,7 +114,7 @@ async def test_kill9_owner_session_migrates_with_its_history(two_replicas: Clust
     await client.close()
 
 
-async def test_returning_replica_is_fenced_and_reregisters(two_replicas: Cluster, redis_url: str) -> None:
+async def test_returning_replica_is_fenced_and_reregisters(two_replicas: Cluster) -> None:
     """SIGSTOP the owner past its lease: the session moves. After SIGCONT the old owner
     registers again, notices its lease had lapsed, and its write for the moved session is
     rejected (stale epoch): it ends its copy, closing the connection it still had (1012)."""
@@ -145,7 +137,7 @@ async def test_returning_replica_is_fenced_and_reregisters(two_replicas: Cluster
         new_owner = migrated["to_replica"]
     finally:
         os.kill(owner.proc.pid, signal.SIGCONT)
-    r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+    r = redis.asyncio.Redis.from_url(c.redis_url, decode_responses=True)
     try:
         items_before = await SessionStore(r).list_items(s.session_id)
 
@@ -170,14 +162,12 @@ async def test_returning_replica_is_fenced_and_reregisters(two_replicas: Cluster
     await client.close()
 
 
-async def test_stale_epoch_write_is_rejected_and_ends_the_local_session(
-    two_replicas: Cluster, redis_url: str
-) -> None:
-    c = two_replicas
+async def test_stale_epoch_write_is_rejected_and_ends_the_local_session(shared: Cluster) -> None:
+    c = shared
     s = await Session.open(c.gateway)
     await s.client.turn("one")
     owner = await owner_of(c, s.session_id)
-    r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+    r = redis.asyncio.Redis.from_url(c.redis_url, decode_responses=True)
     try:
         moved = await SessionBinding(r).takeover(s.session_id, "rep_elsewhere", 1)  # as a failover would
         assert moved.won and moved.epoch == 2
@@ -199,6 +189,6 @@ async def test_stale_epoch_write_is_rejected_and_ends_the_local_session(
         await r.aclose()
 
     async def gone() -> bool:
-        return await live_sessions(owner) == 0
+        return not (await get(f"{owner.url}/v1/sessions/{s.session_id}")).json()["live_here"]
 
     await wait_until(gone, 5, "the fenced replica drops its copy")

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 import pytest
 from websockets.exceptions import InvalidStatus
 
-from tests.conftest_redis import RedisServerProcess
+from media.webrtc_client import RealtimeCallClient
 from tests.live_server import free_port
 from tests.scaleout.cluster import (
     LEASE_S,
@@ -24,12 +24,6 @@ from tests.scaleout.cluster import (
     replicas_view,
     wait_until,
 )
-
-
-@pytest.fixture
-def two_replicas(redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
-    with cluster(redis_url, tmp_path, replicas=2) as c:
-        yield c
 
 
 async def owner_of_only_session(c: Cluster) -> Proc:
@@ -49,8 +43,9 @@ def exited(proc: Proc) -> Callable[[], Awaitable[bool]]:
     return check
 
 
-async def test_sessions_spread_across_both_replicas(two_replicas: Cluster) -> None:
-    c = two_replicas
+async def test_sessions_spread_across_both_replicas(shared: Cluster) -> None:
+    c = shared
+    before = [await live_sessions(r) for r in c.replicas]
     clients = []
     try:
         for _ in range(6):
@@ -60,9 +55,10 @@ async def test_sessions_spread_across_both_replicas(two_replicas: Cluster) -> No
             clients.append(client)
             # Each replica pushes its load within ~0.1 s; two choices then pick the emptier one.
             await asyncio.sleep(0.25)
-        assert sorted([await live_sessions(r) for r in c.replicas]) == [3, 3]
-        loads = sorted(r["load"] for r in await replicas_view(c.gateway))
-        assert loads == [3, 3]
+        after = [await live_sessions(r) for r in c.replicas]
+        added = [a - b for a, b in zip(after, before, strict=True)]
+        assert sum(added) == 6 and min(added) >= 2 and max(after) - min(after) <= 1, (before, after)
+        assert sorted(r["load"] for r in await replicas_view(c.gateway)) == sorted(after)
         # Frames relay both ways: a full turn through the gateway.
         done = await clients[0].turn("hello")
         assert done["response"]["status"] == "completed"
@@ -146,8 +142,8 @@ async def test_replica_lost_mid_session_closes_client_1012(two_replicas: Cluster
     assert await client.until_closed(5) == 1012 and client.ws.close_reason == "replica_lost"
 
 
-async def test_admin_key_guards_the_registry(two_replicas: Cluster) -> None:
-    c = two_replicas
+async def test_admin_key_guards_the_registry(shared: Cluster) -> None:
+    c = shared
     url = c.gateway.url + "/v1/replicas"
     async with httpx.AsyncClient(trust_env=False) as http:
         assert (await http.get(url)).status_code == 401
@@ -160,11 +156,8 @@ async def test_admin_key_guards_the_registry(two_replicas: Cluster) -> None:
     assert models["data"][0]["id"] == "history-echo"
 
 
-async def test_no_live_replica_is_503_and_websocket_1013(
-    redis_server: RedisServerProcess, tmp_path: Path
-) -> None:
-    empty_db = redis_server.url.rsplit("/", 1)[0] + "/7"  # a registry nobody registered in
-    c = Cluster(empty_db, tmp_path)
+async def test_no_live_replica_is_503_and_websocket_1013(db_url: str, tmp_path: Path) -> None:
+    c = Cluster(db_url, tmp_path)  # a registry nobody registered in
     try:
         gw = c.add_gateway()
         r = await get(gw.url + "/v1/models")
@@ -192,3 +185,64 @@ async def test_redis_unreachable_from_gateway_is_503(tmp_path: Path) -> None:
         assert b"store_unavailable" in refused.value.response.body
     finally:
         c.stop()
+
+
+async def test_webrtc_offer_goes_to_a_replica_and_hangup_finds_it(shared: Cluster) -> None:
+    c = shared
+    before = {r.port: await live_sessions(r) for r in c.replicas}
+    async with RealtimeCallClient(c.gateway.url) as client:  # offer → the gateway → a replica
+        assert client.call is not None and client.call.status_code == 201
+        # The answer carries the replica's own candidates: media and events go there directly.
+        await client.wait_event("session.created")
+        grown = [r for r in c.replicas if await live_sessions(r) == before[r.port] + 1]
+        assert len(grown) == 1
+        owner = grown[0]
+        assert await client.hangup() == 200  # routed by the call → replica record in Redis
+
+        async def ended() -> bool:
+            return await live_sessions(owner) == before[owner.port]
+
+        await wait_until(ended, 10, "the call ends on its replica")
+    async with httpx.AsyncClient(trust_env=False) as http:
+        gone = await http.post(f"{c.gateway.url}{client.call.location}/hangup")
+    assert gone.status_code == 404
+
+
+async def test_credentials_pass_through_and_refusals_are_relayed(db_url: str, tmp_path: Path) -> None:
+    keys = ["--api-keys", "key-a:tenant-a,key-b:tenant-b"]
+    with cluster(db_url, tmp_path, replicas=1, extra=keys) as c:
+        # No key: the gateway itself refuses, before any replica.
+        with pytest.raises(InvalidStatus) as refused:
+            await RealtimeClient.open(c.gateway.ws_url)
+        assert refused.value.response.status_code == 401
+        # A key in the browser subprotocol form passes through to the replica.
+        client = await RealtimeClient.open(
+            c.gateway.ws_url, subprotocols=["realtime", "openai-insecure-api-key.key-a"]
+        )
+        created = await client.until("session.created")
+        token = (await client.until("omni.session.resumable"))["resume_token"]
+        sid = created["session"]["id"]
+        await client.close(4000)
+        url = f"{c.gateway.ws_url}?session_id={sid}"
+        # The replica's refusals reach the client as they are: a wrong resume token is 403 ...
+        with pytest.raises(InvalidStatus) as bad_token:
+            await RealtimeClient.open(
+                url, additional_headers={"Authorization": "Bearer key-a", "X-Omni-Resume-Token": "rt_wrong"}
+            )
+        assert bad_token.value.response.status_code == 403
+        assert b"invalid_resume_token" in bad_token.value.response.body
+        # ... and another tenant's session is 404, over REST too.
+        with pytest.raises(InvalidStatus) as other_tenant:
+            await RealtimeClient.open(
+                url, additional_headers={"Authorization": "Bearer key-b", "X-Omni-Resume-Token": token}
+            )
+        assert other_tenant.value.response.status_code == 404
+        async with httpx.AsyncClient(trust_env=False) as http:
+            mine = await http.get(
+                f"{c.gateway.url}/v1/sessions/{sid}", headers={"Authorization": "Bearer key-a"}
+            )
+            theirs = await http.get(
+                f"{c.gateway.url}/v1/sessions/{sid}", headers={"Authorization": "Bearer key-b"}
+            )
+        assert mine.status_code == 200 and mine.json()["replica"]["epoch"] == 1
+        assert theirs.status_code == 404
