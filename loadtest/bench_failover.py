@@ -40,11 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
-from websockets.typing import Subprotocol
 
-from loadtest.bench_gateway import Child, embedded_redis, spawn_gateway, spawn_replica, wait_http
+from loadtest.bench_gateway import embedded_redis, spawn_gateway, spawn_replica, wait_http
+from loadtest.realtime_client import RealtimeClient
+from loadtest.server_process import Child
 from loadtest.stats import summarize
 from session.affinity import ReplicaRegistry
 from session.store import SessionStore, redis_connection
@@ -76,52 +75,11 @@ def paced_null_pipeline(folder: Path, *, delay_ms: int, audio_ms: int) -> Path:
     return path
 
 
-class Client:
-    """A raw realtime client that keeps every event it received."""
+class Client(RealtimeClient):
+    """A raw realtime client that keeps every event it received (bench timeouts: 30 s)."""
 
-    def __init__(self, ws: ClientConnection) -> None:
-        self.ws = ws
-        self.events: list[dict[str, Any]] = []
-
-    @classmethod
-    async def open(cls, url: str, headers: dict[str, str] | None = None) -> Client:
-        protocols = [Subprotocol("realtime")]
-        ws = await connect(
-            url, subprotocols=protocols, proxy=None, open_timeout=30, additional_headers=headers
-        )
-        return cls(ws)
-
-    async def next(self, timeout_s: float = 30.0) -> dict[str, Any]:
-        event: dict[str, Any] = json.loads(await asyncio.wait_for(self.ws.recv(), timeout_s))
-        self.events.append(event)
-        return event
-
-    async def until(self, type_: str, timeout_s: float = 30.0) -> dict[str, Any]:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                event = await self.next(timeout_s)
-                if event["type"] == type_:
-                    return event
-
-    async def send(self, event: dict[str, Any]) -> None:
-        await self.ws.send(json.dumps(event))
-
-    async def ask(self, text: str) -> None:
-        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
-        await self.send({"type": "conversation.item.create", "item": item})
-        await self.send({"type": "response.create"})
-
-    async def drain_until_closed(self, timeout_s: float = 30.0) -> int | None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                while True:
-                    await self.next(timeout_s)
-        except ConnectionClosed:
-            return self.ws.close_code
-
-    def committed(self) -> dict[str, dict[str, Any]]:
-        """Items the client saw completed (``conversation.item.done``), by id."""
-        return {e["item"]["id"]: e["item"] for e in self.events if e["type"] == "conversation.item.done"}
+    timeout_s = 30.0
+    open_timeout_s = 30.0
 
 
 def item_content(item: dict[str, Any]) -> list[tuple[str, str]]:
@@ -229,12 +187,12 @@ async def run_trial(dep: Deployment, redis: Any, index: int, rng: random.Random)
     owner.kill9()
     trial.lapse_after_kill_s = max(0.0, (lease_until_ms - (int(seconds) * 1000 + int(micros) // 1000)) / 1000)
     replacement = asyncio.create_task(dep.add_replica(), name="bench-replacement-replica")
-    code = await client.drain_until_closed()
+    code = await client.until_closed()
     if code != 1012:
         trial.notes.append(f"closed with {code}")
     last = client.events[-1]["event_id"]
     url = f"{gw.ws_url}?session_id={sid}&last_event_id={last}"
-    resumed_client = await Client.open(url, {"X-Omni-Resume-Token": token})
+    resumed_client = await Client.open(url, additional_headers={"X-Omni-Resume-Token": token})
     resumed = await resumed_client.until("omni.session.resumed")
     trial.resumed_after_kill_s = time.monotonic() - killed
     trial.replayed = int(resumed.get("replay_count", 0))

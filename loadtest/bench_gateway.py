@@ -34,12 +34,9 @@ import base64
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,69 +47,12 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.typing import Subprotocol
 
-from loadtest.server_process import free_port
+from loadtest.server_process import Child, free_port, replica_args, spawn
 from loadtest.stats import summarize
 from session.affinity import ReplicaInfo, ReplicaLease, ReplicaRegistry
 from session.store import EmbeddedRedis, redis_connection
 
-ROOT = Path(__file__).resolve().parents[1]
-
 # --- processes ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Child:
-    """A subprocess we started (and only that one is ever signalled)."""
-
-    name: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill9(self) -> None:
-        if self.alive():
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.alive():
-            self.proc.send_signal(2)  # SIGINT: uvicorn shuts down at once
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill9()
-
-    def tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-3000:]
-        return ""
-
-
-def spawn(name: str, args: Sequence[str], log_dir: Path, port: int) -> Child:
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{name}-{port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, *args],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=log_file,
-        )
-    return Child(name, port, proc, log_path)
 
 
 def spawn_gateway(redis_url: str, log_dir: Path) -> Child:
@@ -135,27 +75,15 @@ def spawn_replica(
     redis_url: str, log_dir: Path, *, pipeline: str = "null", lease_s: float = 5.0, refresh_s: float = 2.0
 ) -> Child:
     port = free_port()
-    args = [
-        "-m",
-        "web.cli",
-        "serve",
-        "--pipeline",
-        pipeline,
-        "--port",
-        str(port),
-        "--redis-url",
+    serve = replica_args(
         redis_url,
-        "--advertise-url",
-        f"http://127.0.0.1:{port}",
-        "--replica-lease-s",
-        str(lease_s),
-        "--replica-refresh-s",
-        str(refresh_s),
-        "--data-dir",
-        str(log_dir / f"data-{port}"),
-        "--log-level",
-        "warning",
-    ]
+        port,
+        pipeline=pipeline,
+        lease_s=lease_s,
+        refresh_s=refresh_s,
+        data_dir=log_dir / f"data-{port}",
+    )
+    args = ["-m", "web.cli", *serve, "--log-level", "warning"]
     return spawn("replica", args, log_dir, port)
 
 

@@ -32,8 +32,8 @@ import yaml
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
-from loadtest.bench_gateway import Child, spawn, wait_http
-from loadtest.server_process import free_port
+from loadtest.bench_gateway import wait_http
+from loadtest.server_process import Child, free_port, spawn
 from loadtest.stats import summarize
 from runtime.spec import load_pipeline
 

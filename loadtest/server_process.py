@@ -12,12 +12,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
 import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -157,3 +160,94 @@ class ServerProcess:
 
 def safe_name(label: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in label) or "server"
+
+
+# --- child processes on loopback ports (the benches' and the scale-out tests') ---------------------
+
+
+@dataclass
+class Child:
+    """A subprocess we started (and only that one is ever signalled)."""
+
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill9(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def sigterm(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGINT)  # uvicorn: shut down now, no drain
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+    def tail(self, chars: int = 3000) -> str:
+        """The end of its log (stdout and stderr)."""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+def spawn(name: str, args: Sequence[str], log_dir: Path, port: int, *, drop_env: Sequence[str] = ()) -> Child:
+    """``python ARGS`` in the repository root, output in ``log_dir/NAME-PORT.log``; ``drop_env``:
+    environment variables it must not inherit."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}-{port}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for key in drop_env:
+        env.pop(key, None)
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    return Child(name, port, proc, log_path)
+
+
+def replica_args(
+    redis_url: str, port: int, *, pipeline: str, lease_s: float, refresh_s: float, data_dir: Path
+) -> list[str]:
+    """``serve`` arguments for a replica on ``port`` that registers itself in ``redis_url``."""
+    return [
+        "serve",
+        "--pipeline",
+        pipeline,
+        "--port",
+        str(port),
+        "--redis-url",
+        redis_url,
+        "--advertise-url",
+        f"http://127.0.0.1:{port}",
+        "--replica-lease-s",
+        str(lease_s),
+        "--replica-refresh-s",
+        str(refresh_s),
+        "--data-dir",
+        str(data_dir),
+    ]

@@ -20,13 +20,11 @@ from collections.abc import Callable, Sequence
 
 import av
 import numpy as np
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
-from aiortc.exceptions import InternalError, InvalidAccessError, InvalidStateError, OperationError
+from aiortc import RTCPeerConnection
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
-from aiortc.rtcdatachannel import RTCDataChannel
 from aiortc.sdp import SessionDescription
 
-from media.webrtc import MAX_OFFER_BYTES, IceServer, OfferError
+from media.webrtc import ChannelPeer, IceServer, OfferError, parse_offer, peer_connection
 
 log = logging.getLogger(__name__)
 
@@ -99,26 +97,8 @@ class FrameTrack(MediaStreamTrack):
 
 def check_video_offer(sdp: str) -> SessionDescription:
     """An offer with exactly one video section we can send and, optionally, a data channel."""
-    if not sdp.strip():
-        raise OfferError("The body is empty: expected an SDP offer.")
-    if len(sdp.encode()) > MAX_OFFER_BYTES:
-        raise OfferError(f"The SDP offer is larger than {MAX_OFFER_BYTES} bytes.")
-    if not sdp.lstrip().startswith("v=0"):
-        raise OfferError("Not an SDP offer: it must start with 'v=0'.")
-    try:
-        parsed = SessionDescription.parse(sdp)
-    except Exception as exc:  # the parser raises whatever the bad line provokes
-        raise OfferError(f"Malformed SDP: {type(exc).__name__}: {exc}") from None
+    parsed = parse_offer(sdp, "video", "offer one video section and a data channel.")
     video = [m for m in parsed.media if m.kind == "video"]
-    for media in parsed.media:
-        if media.kind not in ("video", "application"):
-            raise OfferError(
-                f"Unsupported media section {media.kind!r}: offer one video section and a data channel."
-            )
-        if media.ice is None or not media.ice.usernameFragment or not media.ice.password:
-            raise OfferError(f"The {media.kind} section has no ICE credentials (a=ice-ufrag / a=ice-pwd).")
-        if not media.dtls or not media.dtls.fingerprints:
-            raise OfferError(f"The {media.kind} section has no DTLS fingerprint (a=fingerprint).")
     if len(video) != 1:
         raise OfferError(f"The SDP offer must have exactly one video section, it has {len(video)}.")
     if video[0].direction not in ("recvonly", "sendrecv"):
@@ -133,22 +113,17 @@ def check_video_offer(sdp: str) -> SessionDescription:
     return parsed
 
 
-class VideoPeer:
+class VideoPeer(ChannelPeer):
     """One answered peer connection: the outbound video track and the ``controls`` channel."""
 
+    channel_label = CONTROLS_CHANNEL
+    channel_name = "controls"
+    channel_high_water = CHANNEL_HIGH_WATER
+    channel_low_water = CHANNEL_HIGH_WATER // 4
+
     def __init__(self, pc: RTCPeerConnection, track: FrameTrack) -> None:
-        self.pc = pc
+        super().__init__(pc)
         self.track = track
-        self.on_message: Callable[[str], None] | None = None
-        self.channel: RTCDataChannel | None = None
-        self.connected = asyncio.Event()
-        self.ended = asyncio.Event()
-        self.end_reason = ""
-        self._channel_open = asyncio.Event()
-        self._drained = asyncio.Event()
-        self._closed = False
-        pc.on("datachannel", self._on_datachannel)
-        pc.on("connectionstatechange", self._on_connection_state)
 
     @classmethod
     async def answer(
@@ -156,58 +131,9 @@ class VideoPeer:
     ) -> tuple[VideoPeer, str]:
         """Check ``offer_sdp`` and answer it; raises ``OfferError`` (and leaves nothing open)."""
         check_video_offer(offer_sdp)
-        peer = cls(
-            RTCPeerConnection(RTCConfiguration(iceServers=[s.to_aiortc() for s in ice_servers])), track
-        )
-        try:
-            await peer.pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
-            peer.pc.addTrack(track)  # after the remote description: binds to the offered section
-            await peer.pc.setLocalDescription(await peer.pc.createAnswer())
-        except (ValueError, InternalError, InvalidAccessError, InvalidStateError, OperationError) as exc:
-            await peer.close("offer rejected")
-            raise OfferError(f"Cannot answer the SDP offer: {exc}") from None
-        except BaseException:
-            await peer.close("offer failed")
-            raise
-        description = peer.pc.localDescription
-        assert description is not None
-        return peer, description.sdp
-
-    # aiortc callbacks are synchronous (pyee would run coroutines as unowned tasks)
-
-    def _on_datachannel(self, channel: RTCDataChannel) -> None:
-        if channel.label != CONTROLS_CHANNEL or self.channel is not None:
-            log.info("closing unexpected data channel %r", channel.label)
-            channel.close()
-            return
-        self.channel = channel
-        channel.bufferedAmountLowThreshold = CHANNEL_HIGH_WATER // 4
-        channel.on("message", self._on_message)
-        channel.on("open", self._channel_open.set)
-        channel.on("bufferedamountlow", self._drained.set)
-        channel.on("close", lambda: self.end("controls channel closed"))
-        if channel.readyState == "open":
-            self._channel_open.set()
-
-    def _on_message(self, message: str | bytes) -> None:
-        text = message if isinstance(message, str) else message.decode("utf-8", errors="replace")
-        if self.on_message is not None:
-            self.on_message(text)
-
-    def _on_connection_state(self) -> None:
-        state = self.pc.connectionState
-        if state == "connected":
-            self.connected.set()
-        elif state in ("failed", "closed"):
-            self.end(f"connection {state}")
-
-    def end(self, reason: str) -> None:
-        """Mark the peer ended (wakes every waiter); ``close`` releases it."""
-        if not self.ended.is_set():
-            self.end_reason = reason
-            self.ended.set()
-            self._channel_open.set()
-            self._drained.set()
+        peer = cls(peer_connection(ice_servers), track)
+        # The track is added after the remote description: it binds to the offered section.
+        return peer, await peer._answer(offer_sdp, lambda: peer.pc.addTrack(track))
 
     async def wait_ready(self, within_s: float) -> bool:
         """True once connected with the controls channel open; False on timeout or end."""
@@ -218,27 +144,5 @@ class VideoPeer:
         channel = self.channel
         return channel is not None and channel.readyState == "open" and not self.ended.is_set()
 
-    async def send_text(self, text: str) -> bool:
-        """One message on the controls channel, waiting while its buffer is over the high-water
-        mark; False when the peer ended first."""
-        await self._channel_open.wait()
-        channel = self.channel
-        while not self.ended.is_set() and channel is not None and channel.bufferedAmount > CHANNEL_HIGH_WATER:
-            self._drained.clear()
-            await self._drained.wait()
-        if self.ended.is_set() or channel is None or channel.readyState != "open":
-            return False
-        try:
-            channel.send(text)
-        except InvalidStateError:
-            return False
-        return True
-
-    async def close(self, reason: str = "closed") -> None:
-        self.end(reason)
-        if self._closed:
-            return
-        self._closed = True
+    async def _release(self) -> None:
         self.track.stop()
-        with contextlib.suppress(Exception):
-            await self.pc.close()

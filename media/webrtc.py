@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import unquote
 
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
@@ -104,8 +104,10 @@ class OfferError(ValueError):
     """An SDP offer this server cannot answer; the message says why (sent back as a 400)."""
 
 
-def check_offer(sdp: str) -> SessionDescription:
-    """Reject what aiortc would accept silently or fail on later (no audio, video, no DTLS)."""
+def parse_offer(sdp: str, media_kind: str, unsupported: str) -> SessionDescription:
+    """The checks every offer gets: size, SDP syntax, and per section a kind this server takes
+    (``media_kind`` or the data channel's ``application``; else ``unsupported`` says what to
+    offer), ICE credentials and a DTLS fingerprint."""
     if not sdp.strip():
         raise OfferError("The body is empty: expected an SDP offer.")
     if len(sdp.encode()) > MAX_OFFER_BYTES:
@@ -116,19 +118,22 @@ def check_offer(sdp: str) -> SessionDescription:
         parsed = SessionDescription.parse(sdp)
     except Exception as exc:  # the parser raises whatever the bad line provokes
         raise OfferError(f"Malformed SDP: {type(exc).__name__}: {exc}") from None
-    if not parsed.media:
-        raise OfferError("The SDP offer has no media sections (m= lines).")
-    audio = [m for m in parsed.media if m.kind == "audio"]
     for media in parsed.media:
-        if media.kind not in ("audio", "application"):
-            raise OfferError(
-                f"Unsupported media section {media.kind!r}: offer one audio section "
-                "(and the oai-events data channel) only."
-            )
+        if media.kind not in (media_kind, "application"):
+            raise OfferError(f"Unsupported media section {media.kind!r}: {unsupported}")
         if media.ice is None or not media.ice.usernameFragment or not media.ice.password:
             raise OfferError(f"The {media.kind} section has no ICE credentials (a=ice-ufrag / a=ice-pwd).")
         if not media.dtls or not media.dtls.fingerprints:
             raise OfferError(f"The {media.kind} section has no DTLS fingerprint (a=fingerprint).")
+    return parsed
+
+
+def check_offer(sdp: str) -> SessionDescription:
+    """Reject what aiortc would accept silently or fail on later (no audio, video, no DTLS)."""
+    parsed = parse_offer(sdp, "audio", "offer one audio section (and the oai-events data channel) only.")
+    if not parsed.media:
+        raise OfferError("The SDP offer has no media sections (m= lines).")
+    audio = [m for m in parsed.media if m.kind == "audio"]
     if len(audio) != 1:
         raise OfferError(f"The SDP offer must have exactly one audio section, it has {len(audio)}.")
     names = {c.mimeType.split("/")[-1].lower() for c in audio[0].rtp.codecs}
@@ -182,82 +187,64 @@ def analyse_audio_on_arrival(pc: RTCPeerConnection) -> None:
 MessageCallback = Callable[[str], None]
 
 
-class PeerLink:
-    """One answered peer connection: audio in, the outbound track, the events channel."""
+def peer_connection(ice_servers: Sequence[IceServer]) -> RTCPeerConnection:
+    """A peer connection with exactly the configured ICE servers (aiortc would add a STUN one)."""
+    return RTCPeerConnection(RTCConfiguration(iceServers=[s.to_aiortc() for s in ice_servers]))
 
-    def __init__(
-        self,
-        pc: RTCPeerConnection,
-        outbound: OutboundAudioTrack,
-        *,
-        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-    ) -> None:
+
+class ChannelPeer:
+    """What every answered peer shares: connection state, one text data channel (``channel_label``,
+    with backpressure) and the answer/close lifecycle. Subclasses add their media."""
+
+    channel_label: ClassVar[str]
+    channel_name: ClassVar[str]  # in the end reason when the channel closes
+    channel_high_water: ClassVar[int]  # bytes queued on the channel before `send_text` waits
+    channel_low_water: ClassVar[int]
+    send_errors: ClassVar[tuple[type[Exception], ...]] = (InvalidStateError,)
+
+    def __init__(self, pc: RTCPeerConnection) -> None:
         self.pc = pc
-        self.outbound = outbound
-        self.max_message_size = max_message_size  # the largest message the peer accepts
-        self.on_audio: AudioCallback | None = None
         self.on_message: MessageCallback | None = None
         self.channel: RTCDataChannel | None = None
-        self.pump: InboundAudioPump | None = None
         self.connected = asyncio.Event()
         self.ended = asyncio.Event()
         self.end_reason = ""
         self._channel_open = asyncio.Event()
         self._drained = asyncio.Event()  # the channel's buffer fell below the low-water mark
         self._closed = False
-        pc.on("track", self._on_track)
         pc.on("datachannel", self._on_datachannel)
         pc.on("connectionstatechange", self._on_connection_state)
 
-    @classmethod
-    async def answer(
-        cls, offer_sdp: str, *, ice_servers: Sequence[IceServer], outbound: OutboundAudioTrack
-    ) -> tuple[PeerLink, str]:
-        """Check `offer_sdp`, answer it; raises `OfferError` (and leaves nothing open)."""
-        offer = check_offer(offer_sdp)
-        config = RTCConfiguration(iceServers=[s.to_aiortc() for s in ice_servers])
-        caps = [m.sctpCapabilities for m in offer.media if m.sctpCapabilities is not None]
-        max_size = caps[0].maxMessageSize if caps and caps[0].maxMessageSize else DEFAULT_MAX_MESSAGE_SIZE
-        link = cls(RTCPeerConnection(config), outbound, max_message_size=max_size)
+    async def _answer(self, offer_sdp: str, add_tracks: Callable[[], object]) -> str:
+        """Answer the (checked) offer: ``add_tracks`` runs after the remote description, so
+        tracks bind to the offered sections. Raises ``OfferError`` (and leaves nothing open)."""
         try:
-            await link.pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
-            analyse_audio_on_arrival(link.pc)
-            # After the remote description, so the track binds to the offered audio section.
-            link.pc.addTrack(outbound)
-            await link.pc.setLocalDescription(await link.pc.createAnswer())
+            await self.pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
+            add_tracks()
+            await self.pc.setLocalDescription(await self.pc.createAnswer())
         except (ValueError, InternalError, InvalidAccessError, InvalidStateError, OperationError) as exc:
-            await link.close("offer rejected")
+            await self.close("offer rejected")
             raise OfferError(f"Cannot answer the SDP offer: {exc}") from None
         except BaseException:
-            await link.close("offer failed")
+            await self.close("offer failed")
             raise
-        description = link.pc.localDescription
+        description = self.pc.localDescription
         assert description is not None
-        return link, description.sdp
+        return description.sdp
 
     # --- aiortc callbacks (synchronous: pyee would run coroutines as unowned tasks) ---------
 
-    def _on_track(self, track: MediaStreamTrack) -> None:
-        if track.kind != "audio" or self.pump is not None:
-            return
-        self.pump = InboundAudioPump(track, self._deliver_audio)
-        self.pump.start(name="webrtc:inbound-audio")
-
-    def _deliver_audio(self, samples: Any, rate: int) -> None:
-        if self.on_audio is not None:
-            self.on_audio(samples, rate)
-
     def _on_datachannel(self, channel: RTCDataChannel) -> None:
-        if channel.label != EVENTS_CHANNEL or self.channel is not None:
+        if channel.label != self.channel_label or self.channel is not None:
             log.info("closing unexpected data channel %r", channel.label)
             channel.close()
             return
         self.channel = channel
-        channel.bufferedAmountLowThreshold = CHANNEL_LOW_WATER
+        channel.bufferedAmountLowThreshold = self.channel_low_water
         channel.on("message", self._on_message)
         channel.on("open", self._channel_open.set)
         channel.on("bufferedamountlow", self._drained.set)
-        channel.on("close", lambda: self._end("events channel closed"))
+        channel.on("close", lambda: self.end(f"{self.channel_name} channel closed"))
         if channel.readyState == "open":
             self._channel_open.set()
 
@@ -271,17 +258,98 @@ class PeerLink:
         if state == "connected":
             self.connected.set()
         elif state in ("failed", "closed"):
-            self._end(f"connection {state}")
+            self.end(f"connection {state}")
 
-    def _end(self, reason: str) -> None:
+    def end(self, reason: str) -> None:
+        """Mark the peer ended (wakes every waiter; each checks `ended` after waking); ``close``
+        releases it."""
         if not self.ended.is_set():
             self.end_reason = reason
             self.ended.set()
-            # Wake every waiter; each checks `ended` after waking.
             self._channel_open.set()
             self._drained.set()
 
     # --- use --------------------------------------------------------------------------------
+
+    async def send_text(self, text: str) -> bool:
+        """Send one message on the channel, waiting for it to open and to drain below the
+        high-water mark; False when the peer ended first."""
+        await self._channel_open.wait()
+        channel, high_water = self.channel, self.channel_high_water
+        while not self.ended.is_set() and channel is not None and channel.bufferedAmount > high_water:
+            self._drained.clear()
+            await self._drained.wait()
+        if self.ended.is_set() or channel is None or channel.readyState != "open":
+            return False
+        try:
+            channel.send(text)
+        except self.send_errors:
+            log.warning("%s channel: could not send a %d-byte message", self.channel_name, len(text))
+            return False
+        return True
+
+    async def _release(self) -> None:
+        """Stop the subclass's media (once, from ``close``)."""
+
+    async def close(self, reason: str = "closed") -> None:
+        """Stop everything this peer holds (idempotent)."""
+        self.end(reason)
+        if self._closed:
+            return
+        self._closed = True
+        await self._release()
+        with contextlib.suppress(Exception):
+            await self.pc.close()
+
+
+class PeerLink(ChannelPeer):
+    """One answered peer connection: audio in, the outbound track, the events channel."""
+
+    channel_label = EVENTS_CHANNEL
+    channel_name = "events"
+    channel_high_water = CHANNEL_HIGH_WATER
+    channel_low_water = CHANNEL_LOW_WATER
+    send_errors = (InvalidStateError, ValueError)  # closed meanwhile; over the peer's size limit
+
+    def __init__(
+        self,
+        pc: RTCPeerConnection,
+        outbound: OutboundAudioTrack,
+        *,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    ) -> None:
+        super().__init__(pc)
+        self.outbound = outbound
+        self.max_message_size = max_message_size  # the largest message the peer accepts
+        self.on_audio: AudioCallback | None = None
+        self.pump: InboundAudioPump | None = None
+        pc.on("track", self._on_track)
+
+    @classmethod
+    async def answer(
+        cls, offer_sdp: str, *, ice_servers: Sequence[IceServer], outbound: OutboundAudioTrack
+    ) -> tuple[PeerLink, str]:
+        """Check `offer_sdp`, answer it; raises `OfferError` (and leaves nothing open)."""
+        offer = check_offer(offer_sdp)
+        caps = [m.sctpCapabilities for m in offer.media if m.sctpCapabilities is not None]
+        max_size = caps[0].maxMessageSize if caps and caps[0].maxMessageSize else DEFAULT_MAX_MESSAGE_SIZE
+        link = cls(peer_connection(ice_servers), outbound, max_message_size=max_size)
+
+        def add_tracks() -> None:
+            analyse_audio_on_arrival(link.pc)
+            link.pc.addTrack(outbound)
+
+        return link, await link._answer(offer_sdp, add_tracks)
+
+    def _on_track(self, track: MediaStreamTrack) -> None:
+        if track.kind != "audio" or self.pump is not None:
+            return
+        self.pump = InboundAudioPump(track, self._deliver_audio)
+        self.pump.start(name="webrtc:inbound-audio")
+
+    def _deliver_audio(self, samples: Any, rate: int) -> None:
+        if self.on_audio is not None:
+            self.on_audio(samples, rate)
 
     async def wait_ready(self, within_s: float) -> bool:
         """True once ICE/DTLS connected and the events channel is open; False on timeout/end."""
@@ -303,31 +371,7 @@ class PeerLink:
         open_channel = channel is not None and channel.readyState == "open"
         return open_channel and self.connected.is_set() and not self.ended.is_set()
 
-    async def send_text(self, text: str) -> bool:
-        """Send one message on the events channel, waiting for it to open and to drain below
-        the high-water mark; False when the link ended first."""
-        await self._channel_open.wait()
-        channel = self.channel
-        while not self.ended.is_set() and channel is not None and channel.bufferedAmount > CHANNEL_HIGH_WATER:
-            self._drained.clear()
-            await self._drained.wait()
-        if self.ended.is_set() or channel is None or channel.readyState != "open":
-            return False
-        try:
-            channel.send(text)
-        except (InvalidStateError, ValueError):  # closed meanwhile; over the peer's size limit
-            log.warning("events channel: could not send a %d-byte message", len(text))
-            return False
-        return True
-
-    async def close(self, reason: str = "closed") -> None:
-        """Stop everything this peer holds (idempotent)."""
-        self._end(reason)
-        if self._closed:
-            return
-        self._closed = True
+    async def _release(self) -> None:
         if self.pump is not None:
             await self.pump.aclose()
         self.outbound.stop()
-        with contextlib.suppress(Exception):
-            await self.pc.close()

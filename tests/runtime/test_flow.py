@@ -14,8 +14,14 @@ from tests.runtime.fakes import events
 pytestmark = pytest.mark.timeout(30)
 
 
-def pipeline(*, gen_step: float = 0.0, relay_step: float = 0.0, sink_step: float = 0.0,
-             gen_relay: str = "", relay_sink: str = "{first: 1, steady: 1, left_context: 0}") -> str:
+def pipeline(
+    *,
+    gen_step: float = 0.0,
+    relay_step: float = 0.0,
+    sink_step: float = 0.0,
+    gen_relay: str = "",
+    relay_sink: str = "{first: 1, steady: 1, left_context: 0}",
+) -> str:
     gen_relay_chunk = f", chunk: {gen_relay}" if gen_relay else ""
     return f"""
 name: flow
@@ -115,8 +121,10 @@ async def test_max_ahead_with_chunks_full_mode_and_an_early_downstream(edge: str
     chunk = "{first: 4, steady: 5, left_context: 2}"
     spec = pipeline(relay_step=0.005, sink_step=0.005, gen_relay=chunk, relay_sink=chunk)
     source, target = edge.split("->")
-    spec = spec.replace(f"from: {source}, to: {target}, mode: async_chunk, connector: inproc",
-                        f"from: {source}, to: {target}, mode: async_chunk, connector: inproc, max_ahead: 5")
+    spec = spec.replace(
+        f"from: {source}, to: {target}, mode: async_chunk, connector: inproc",
+        f"from: {source}, to: {target}, mode: async_chunk, connector: inproc, max_ahead: 5",
+    )
     async with running(spec) as orch:
         ahead = spy_ahead(orch, source, target)
         outputs, status = await asyncio.wait_for((await orch.submit({"n": 30})).collect(), 10)

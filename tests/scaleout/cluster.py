@@ -11,11 +11,7 @@ are short (1.5 s, beats every 0.3 s) so a lapse takes ~1.5 s, not 5 s.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -24,99 +20,39 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
-from websockets.typing import Subprotocol
 
+from loadtest.realtime_client import RealtimeClient
+from loadtest.server_process import Child, replica_args, spawn
 from tests.live_server import free_port
 from tests.sessions.history_engine import pipeline_file
 
-ROOT = Path(__file__).resolve().parents[2]
 LEASE_S = 1.5
 REFRESH_S = 0.3
 ADMIN_KEY = "test-admin-key"
 
 
-@dataclass
-class Proc:
-    role: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill9(self) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-    def sigterm(self) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-
-    def stop(self) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGINT)  # uvicorn: shut down now, no drain
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill9()
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
+Proc = Child  # a replica or gateway subprocess: ``name`` is its role
 
 
 def _spawn(role: str, args: Sequence[str], log_dir: Path, port: int, *, module: str = "web.cli") -> Proc:
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{role}-{port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("OMNIDUPLEX_API_KEYS", None)
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-    return Proc(role, port, proc, log_path)
+    return spawn(role, ["-m", module, *args], log_dir, port, drop_env=("OMNIDUPLEX_API_KEYS",))
 
 
 def start_replica(redis_url: str, tmp: Path, *, lease_s: float = LEASE_S, extra: Sequence[str] = ()) -> Proc:
     port = free_port()
     pipeline = pipeline_file(tmp / "pipeline", delay_ms=30, audio_ms=600)
-    args = [
-        "serve",
-        "--pipeline",
-        str(pipeline),
-        "--port",
-        str(port),
-        "--redis-url",
+    serve = replica_args(
         redis_url,
-        "--advertise-url",
-        f"http://127.0.0.1:{port}",
-        "--replica-lease-s",
-        str(lease_s),
-        "--replica-refresh-s",
-        str(REFRESH_S),
+        port,
+        pipeline=str(pipeline),
+        lease_s=lease_s,
+        refresh_s=REFRESH_S,
+        data_dir=tmp / f"data-{port}",
+    )
+    args = [
+        *serve,
         "--admin-key",
         ADMIN_KEY,
-        "--data-dir",
-        str(tmp / f"data-{port}"),
         "--log-level",
         os.environ.get("SCALEOUT_LOG_LEVEL", "warning"),
         *extra,
@@ -136,7 +72,7 @@ def wait_ready(procs: Sequence[Proc], *, path: str = "/healthz", timeout_s: floa
     while pending:
         p = pending[0]
         if not p.alive():
-            raise RuntimeError(f"{p.role} on {p.port} exited ({p.proc.returncode}):\n{p.log()}")
+            raise RuntimeError(f"{p.name} on {p.port} exited ({p.proc.returncode}):\n{p.tail(4000)}")
         try:
             if httpx.get(p.url + path, timeout=1.0).status_code == 200:
                 pending.pop(0)
@@ -144,7 +80,7 @@ def wait_ready(procs: Sequence[Proc], *, path: str = "/healthz", timeout_s: floa
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{p.role} on {p.port} not ready in {timeout_s} s:\n{p.log()}")
+            raise TimeoutError(f"{p.name} on {p.port} not ready in {timeout_s} s:\n{p.tail(4000)}")
         time.sleep(0.05)
 
 
@@ -232,71 +168,6 @@ def cluster(redis_url: str, tmp: Path, *, replicas: int = 2, extra: Sequence[str
         yield c
     finally:
         c.stop()
-
-
-# --- a minimal realtime client ----------------------------------------------------------------
-
-
-class RealtimeClient:
-    """A raw WebSocket client that keeps every server event it receives."""
-
-    def __init__(self, ws: ClientConnection) -> None:
-        self.ws = ws
-        self.events: list[dict[str, Any]] = []
-
-    @classmethod
-    async def open(
-        cls, url: str, *, subprotocols: Sequence[str] = ("realtime",), **kwargs: Any
-    ) -> RealtimeClient:
-        protocols = [Subprotocol(p) for p in subprotocols]
-        ws = await connect(url, subprotocols=protocols, proxy=None, open_timeout=15, **kwargs)
-        return cls(ws)
-
-    async def next(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        event: dict[str, Any] = json.loads(await asyncio.wait_for(self.ws.recv(), timeout_s))
-        self.events.append(event)
-        return event
-
-    async def until(self, type_: str, timeout_s: float = 10.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            event = await self.next(max(0.01, deadline - time.monotonic()))
-            if event["type"] == type_:
-                return event
-
-    async def send(self, event: dict[str, Any]) -> None:
-        await self.ws.send(json.dumps(event))
-
-    async def turn(self, text: str, timeout_s: float = 10.0) -> dict[str, Any]:
-        """A user text item and a response to it; returns ``response.done``."""
-        await self.send(
-            {
-                "type": "conversation.item.create",
-                "item": {
-                    "type": "message",
-                    "role": "user",
-                    "content": [{"type": "input_text", "text": text}],
-                },
-            }
-        )
-        await self.send({"type": "response.create"})
-        return await self.until("response.done", timeout_s)
-
-    async def until_closed(self, timeout_s: float = 10.0) -> int | None:
-        """Read (and keep) events until the server closes; its close code."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                while True:
-                    await self.next(timeout_s)
-        except ConnectionClosed:
-            return self.ws.close_code
-
-    @property
-    def last_event_id(self) -> str:
-        return str(self.events[-1]["event_id"])
-
-    async def close(self, code: int = 1000) -> None:
-        await self.ws.close(code)
 
 
 @dataclass
