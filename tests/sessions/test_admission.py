@@ -114,6 +114,8 @@ async def test_resume_that_needs_a_slot_is_429_when_full(server: LiveServer) -> 
             async with resumed(server, parked.session_id, parked.resume_token, parked.last_event_id):
                 pass
         assert caught.value.response.status_code == 429
+    # The two sessions above give their slots back asynchronously after their clean close.
+    await until(lambda: all_zero(server), within_s=10)
     async with resumed(server, parked.session_id, parked.resume_token, parked.last_event_id):
         pass
     await until(lambda: all_zero(server), within_s=10)
