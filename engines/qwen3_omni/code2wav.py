@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engines.qwen3_omni.model import SAMPLE_RATE_OUT, LoadedModel, load_model
-from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
+from engines.qwen3_omni.model import SAMPLE_RATE_OUT, ModelEngine
+from runtime.engine import EngineRequest, StepInput, StepOutput
 from runtime.payloads import AudioChunk, CodecCodes, Payload
 
 
@@ -45,28 +45,18 @@ def _frames(payloads: Sequence[Payload]) -> list[np.ndarray]:
     ]
 
 
-class Code2WavEngine(Engine):
+class Code2WavEngine(ModelEngine):
     """Batches equal-length windows of several requests into one forward."""
 
     batchable = True
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
-        self._loaded: LoadedModel | None = None
         self.gain = float(self.options.get("gain", 1.0))
         # Frames (rows × window) per forward: bounds the activations of batched long decodes.
         self.max_batch_frames = max(1, int(self.options.get("max_batch_frames", 400)))
         #: Shapes of the batched forwards of the last step (tests and metrics read it).
         self.last_batch_shapes: list[tuple[int, ...]] = []
-
-    @property
-    def loaded(self) -> LoadedModel:
-        if self._loaded is None:
-            self._loaded = load_model(self.options)
-        return self._loaded
-
-    def load(self) -> None:
-        _ = self.loaded
 
     def start(self, request: EngineRequest) -> Code2WavState:
         return Code2WavState(request_id=request.request_id)

@@ -28,6 +28,7 @@ from transformers.cache_utils import DynamicCache
 from engines.qwen3_omni.config import tiny_config
 from engines.qwen3_omni.seeded import build_tiny_model
 from engines.qwen3_omni.tokenizer import build_tiny_tokenizer
+from runtime.engine import Engine
 
 TINY = "tiny"
 SAMPLE_RATE_OUT = 24_000
@@ -245,3 +246,20 @@ def _warm_up(loaded: LoadedModel) -> None:
         hidden = torch.zeros(1, 2, loaded.talker_hidden, dtype=loaded.dtype)
         model.talker.model(inputs_embeds=hidden, position_ids=pos)
         model.talker.code_predictor(inputs_embeds=hidden, use_cache=False)
+
+
+class ModelEngine(Engine):
+    """Base of the three stage engines: the shared model, loaded on first use (on a worker)."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        super().__init__(options)
+        self._loaded: LoadedModel | None = None
+
+    @property
+    def loaded(self) -> LoadedModel:
+        if self._loaded is None:
+            self._loaded = load_model(self.options)
+        return self._loaded
+
+    def load(self) -> None:
+        _ = self.loaded

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
-from engines.qwen3_omni.model import LoadedModel, load_model
+from engines.qwen3_omni.model import ModelEngine
 from engines.qwen3_omni.sampling import (
     SamplingParams,
     apply_repetition_penalty,
@@ -27,7 +27,7 @@ from engines.qwen3_omni.sampling import (
     select_token,
 )
 from engines.qwen3_omni.talker_prompt import special_text_rows
-from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
+from runtime.engine import EngineRequest, StepInput, StepOutput
 from runtime.payloads import CodecCodes, Embeddings
 
 
@@ -57,22 +57,15 @@ def _as_tensor(value: Any, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype)
 
 
-class TalkerEngine(Engine):
+class TalkerEngine(ModelEngine):
     """Qwen3-Omni talker + code predictor over ``transformers``, one cache per request."""
 
     batchable = True
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
-        self._loaded: LoadedModel | None = None
         self._tts_pad: torch.Tensor | None = None
         self._banned: torch.Tensor | None = None
-
-    @property
-    def loaded(self) -> LoadedModel:
-        if self._loaded is None:
-            self._loaded = load_model(self.options)
-        return self._loaded
 
     def load(self) -> None:
         loaded = self.loaded

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
-from engines.qwen3_omni.model import LoadedModel, load_model
+from engines.qwen3_omni.model import ModelEngine
 from engines.qwen3_omni.prompt import Prompt, build_prompt
 from engines.qwen3_omni.sampling import SamplingParams, make_generator, mask_tokens, select_token
 from engines.qwen3_omni.session_kv import SessionEntry, common_prefix
@@ -29,7 +29,7 @@ from engines.qwen3_omni.talker_prompt import (
     thinker_embed,
 )
 from engines.qwen3_omni.tokenizer import IncrementalDecoder
-from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
+from runtime.engine import EngineRequest, StepInput, StepOutput
 from runtime.kv import SessionKVStore, current_kv_store
 from runtime.payloads import Embeddings, Payload, TextDelta
 
@@ -68,28 +68,18 @@ def _int_param(params: Mapping[str, Any], options: Mapping[str, Any], name: str,
     return int(value)
 
 
-class ThinkerEngine(Engine):
+class ThinkerEngine(ModelEngine):
     """Qwen3-Omni thinker over ``transformers`` with its own KV cache per request or session."""
 
     batchable = False
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
-        self._loaded: LoadedModel | None = None
         budget = self.options.get("session_kv_bytes")
         self._private_store = SessionKVStore(int(budget)) if budget is not None else None
         #: Counters of the last request that started (tests read them), and totals.
         self.stats: dict[str, int] = {"prefill_tokens": 0, "reused_tokens": 0, "requests": 0}
         self._tts_eos: np.ndarray | None = None
-
-    @property
-    def loaded(self) -> LoadedModel:
-        if self._loaded is None:
-            self._loaded = load_model(self.options)
-        return self._loaded
-
-    def load(self) -> None:
-        _ = self.loaded
 
     @property
     def sessions(self) -> SessionKVStore:
