@@ -209,6 +209,10 @@ class ChannelPeer:
         self.connected = asyncio.Event()
         self.ended = asyncio.Event()
         self.end_reason = ""
+        # The peer closed the channel itself (a stream reset while the SCTP association was
+        # up): a deliberate goodbye, unlike a connection that failed or was torn down.
+        self.closed_by_peer = False
+        self.opened = False  # the channel has been open (ICE, DTLS and SCTP all got through)
         self._channel_open = asyncio.Event()
         self._drained = asyncio.Event()  # the channel's buffer fell below the low-water mark
         self._closed = False
@@ -242,11 +246,25 @@ class ChannelPeer:
         self.channel = channel
         channel.bufferedAmountLowThreshold = self.channel_low_water
         channel.on("message", self._on_message)
-        channel.on("open", self._channel_open.set)
+        channel.on("open", self._on_channel_open)
         channel.on("bufferedamountlow", self._drained.set)
-        channel.on("close", lambda: self.end(f"{self.channel_name} channel closed"))
+        channel.on("close", self._on_channel_close)
         if channel.readyState == "open":
-            self._channel_open.set()
+            self._on_channel_open()
+
+    def _on_channel_open(self) -> None:
+        self.opened = True
+        self._channel_open.set()
+
+    def _on_channel_close(self) -> None:
+        # An SCTP ABORT (the peer's `pc.close()`), a lost connection or our own close mark
+        # the association closed before its channels; a channel the peer closed alone does not.
+        sctp = self.pc.sctp
+        if not self.ended.is_set() and sctp is not None and sctp.state == "connected":
+            self.closed_by_peer = True
+            self.end(f"{self.channel_name} channel closed by the peer")
+        else:
+            self.end(f"{self.channel_name} channel closed")
 
     def _on_message(self, message: str | bytes) -> None:
         text = message if isinstance(message, str) else message.decode("utf-8", errors="replace")

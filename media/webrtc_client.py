@@ -128,16 +128,30 @@ class RealtimeCallClient:
         assert description is not None
         return description.sdp
 
-    async def connect(self, *, timeout_s: float = 20.0) -> CallInfo:
+    async def connect(
+        self,
+        *,
+        timeout_s: float = 20.0,
+        resume: tuple[str, str, str | None] | None = None,
+    ) -> CallInfo:
+        """Offer, answer, wait for the events channel. `resume`: (session id, resume token,
+        last event id) of a session to resume on this call."""
         sdp = await self.offer()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        params: dict[str, str] = {}
+        if resume is not None:
+            params["session_id"] = resume[0]
+            headers["X-Omni-Resume-Token"] = resume[1]
+            if resume[2] is not None:
+                params["last_event_id"] = resume[2]
+        url = f"{self.http_url}/v1/realtime/calls"
         async with httpx.AsyncClient(timeout=30.0) as http:
             if self.session is None:
                 headers["Content-Type"] = "application/sdp"
-                resp = await http.post(f"{self.http_url}/v1/realtime/calls", content=sdp, headers=headers)
+                resp = await http.post(url, content=sdp, headers=headers, params=params)
             else:
                 files = {"sdp": (None, sdp), "session": (None, json.dumps(self.session))}
-                resp = await http.post(f"{self.http_url}/v1/realtime/calls", files=files, headers=headers)
+                resp = await http.post(url, files=files, headers=headers, params=params)
         if resp.status_code != 201:
             raise RuntimeError(f"call rejected: {resp.status_code} {resp.text}")
         location = resp.headers["location"]

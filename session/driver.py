@@ -13,7 +13,10 @@ The session outlives its connections: with a :class:`SessionLog` (the store's
 what the client gets; conversation items and config changes are logged as they happen. A
 connection can then drop (`attach` returns a link whose end the host watches) while the
 session runs on, and a new one can be attached later. `run(incoming)` keeps the simple
-one-connection life (WebRTC): start, serve one transport, shut down when it ends.
+one-connection life: start, serve one transport, shut down when it ends.
+
+Model audio leaves as the attached transport says (:func:`transport_audio_sink`): on a media
+track (WebRTC) as `PlayAudio` effects, otherwise as `response.output_audio.delta` events.
 """
 
 from __future__ import annotations
@@ -72,6 +75,15 @@ class AudioSink(Protocol):
     def clear(self, response_id: str) -> None: ...
 
 
+def transport_audio_sink(transport: Transport) -> AudioSink | None:
+    """The media track a transport plays model audio on (its ``audio_sink`` attribute), or
+    None when audio travels as `response.output_audio.delta` events (WebSocket). How audio
+    leaves is a property of the connection, not of the session: a session that began on
+    WebRTC can be resumed over a WebSocket and the other way round."""
+    sink: AudioSink | None = getattr(transport, "audio_sink", None)
+    return sink
+
+
 class DriverObserver(Protocol):
     """Metrics hooks (web/metrics.py): one call per response start, first audio and end, and
     per error event; never per audio frame."""
@@ -110,11 +122,16 @@ class _CallbackTransport:
     """`run(incoming)`'s transport: the constructor's send/close plus the `incoming` reader."""
 
     def __init__(
-        self, send: SendEvent, close: CloseTransport, incoming: Callable[[], Awaitable[str | None]]
+        self,
+        send: SendEvent,
+        close: CloseTransport,
+        incoming: Callable[[], Awaitable[str | None]],
+        audio_sink: AudioSink | None = None,
     ) -> None:
         self._send = send
         self._close = close
         self._incoming = incoming
+        self.audio_sink = audio_sink  # the driver's own (constructor) sink, if any
 
     async def send(self, event: dict[str, Any]) -> None:
         await self._send(event)
@@ -188,7 +205,8 @@ class RealtimeDriver:
         self._close = close
         self._vad = vad
         self._transcriber = transcriber
-        self._audio_sink = audio_sink
+        self._audio_sink = audio_sink  # `attach` replaces it with the transport's (if any)
+        self._track_response: str | None = None  # the last response with audio for a track
         self._log = log
         self.options = options or DriverOptions()
         self._vad_queue: asyncio.Queue[DetectSpeech] = asyncio.Queue()
@@ -230,7 +248,9 @@ class RealtimeDriver:
         old = self.link
         if old is not None:
             old.finish(LinkEnd.REPLACED, 4000, "session resumed on another connection")
+            self._drop_audio_sink()
         self._links += 1
+        self._use_audio_sink(transport_audio_sink(transport))
         self.link = TransportLink(
             transport,
             self._on_client_text,
@@ -244,13 +264,31 @@ class RealtimeDriver:
         """Forget `link` if it is still the current one (its connection ended)."""
         if self.link is link:
             self.link = None
+            self._drop_audio_sink()
+
+    def _use_audio_sink(self, sink: AudioSink | None) -> None:
+        """Model audio of responses started from now on leaves on `sink` (PlayAudio effects,
+        playout reported back for truncation) or, without one, as audio delta events. A
+        response keeps the mode it started with (the core fixes it per response)."""
+        self._audio_sink = sink
+        self.core.options.audio_out_via_track = sink is not None
+
+    def _drop_audio_sink(self) -> None:
+        """The track went with its connection: audio it still held is lost. A finished
+        response that was playing on it counts as played out (so the core stops waiting for
+        the track); one still running is settled when it ends (`_run_response`)."""
+        if self._audio_sink is None:
+            return
+        self._audio_sink = None
+        if self._track_response is not None:
+            self.playout_finished(self._track_response)
 
     async def run(self, incoming: Callable[[], Awaitable[str | None]]) -> None:
         """Serve until the client goes away or the core closes the session (one connection,
         no resume). `incoming()` returns the next client text frame, or None when the client
         is gone. Exceptions from handling a client frame are re-raised after shutdown."""
         assert self._send is not None and self._close is not None, "run() needs send and close"
-        link = self.attach(_CallbackTransport(self._send, self._close, incoming))
+        link = self.attach(_CallbackTransport(self._send, self._close, incoming, self._audio_sink))
         self.start()
         ended = asyncio.ensure_future(link.wait())
         closed = asyncio.ensure_future(self.closed.wait())
@@ -373,6 +411,7 @@ class RealtimeDriver:
             elif isinstance(effect, TranscribeInput):
                 self._spawn(self._transcribe(effect), f"transcribe:{effect.item_id}")
             elif isinstance(effect, PlayAudio):
+                self._track_response = effect.response_id
                 if self._audio_sink is not None:
                     self._audio_sink.play(effect)
             elif isinstance(effect, ClearAudioOutput):
@@ -518,6 +557,10 @@ class RealtimeDriver:
             self.apply(self.core.on_response_done(rid, "failed", str(exc), now=self.now()))
         finally:
             self._responses.pop(rid, None)
+            if self._audio_sink is None and self._track_response == rid:
+                # Its track went away (the peer vanished, or the session moved to a
+                # WebSocket) before the response ended: nothing will report its playout.
+                self.apply(self.core.on_playout_finished(rid, self.now()))
             if resp.slot is not None:
                 resp.slot.release()
                 resp.slot = None

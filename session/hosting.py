@@ -7,16 +7,20 @@ its :class:`~session.retention.RetentionTimer`. Connections come and go:
 * **open**: admission (web layer: `admission.try_admit` / `acquire`), then :meth:`create`
   (Redis record + resume token) and :meth:`serve_new`: `session.created`, then
   `omni.session.resumable {session_id, resume_token, expires_at}`, then live;
-* **connection lost** (no close frame, or any close code but 1000): the session is *detached*
+* **connection lost** (no close frame, or any close code but 1000; a WebRTC peer whose
+  connection failed or closed without a hangup): the session is *detached*
   and runs on (a response in flight keeps streaming into the log) for the disconnect grace;
   past it, an in-flight response is cancelled and the session is *parked*: it leaves the
   process and its admission slot, and stays resumable from Redis until its idle TTL. A client
-  close with code 1000 parks at once;
-* **resume** (:meth:`serve_resume`): the new connection is attached *held*, the writer is
-  flushed, the events after `last_event_id` are read from the log and sent behind
-  `omni.session.resumed {session_id, replay_count}`, then what was queued meanwhile minus what
-  the replay already had, then live. If the id is no longer replayable (trimmed, unknown,
-  gap) the client gets `omni.session.snapshot {session, items}` instead;
+  close with code 1000 (a WebRTC client closing its events channel) parks at once; a
+  transport with a ``session_end = (cause, delete)`` attribute ends it so (a WebRTC call
+  whose ICE never connected: deleted, nobody ever held its resume token);
+* **resume** (:meth:`serve_resume`; session/hosting_resume.py): the new connection is
+  attached *held*, the writer is flushed, the events after `last_event_id` are read from the
+  log and sent behind `omni.session.resumed {session_id, replay_count}`, then what was
+  queued meanwhile minus what the replay already had, then live. If the id is no longer
+  replayable (trimmed, unknown, gap) the client gets `omni.session.snapshot {session,
+  items}` instead;
 * **restore** (:meth:`restore`): a resume of a session this process does not hold (parked,
   or its process died) rebuilds the core from Redis (config + items with transcripts) under a
   new binding epoch, so ids the dead process issued but never made durable cannot collide;
@@ -39,23 +43,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from session.admission import AdmissionController, Rejected
+from session.admission import AdmissionController
 from session.affinity import Binding, SessionBinding
 from session.driver import RealtimeDriver, SessionLog
-from session.identity import resume_token_matches, secret_digest
+from session.hosting_resume import AdmissionRefused, ResumeHosting, SessionElsewhere
+from session.identity import secret_digest
 from session.link import LinkEnd, Transport, TransportLink
 from session.realtime.config import SessionConfig
 from session.realtime.core import CoreOptions, RealtimeSessionCore
-from session.realtime.records import config_from_record, config_record
-from session.resume import connection_event, event_seq, logged_event_id, replayed_through
+from session.realtime.records import config_record
+from session.resume import connection_event
 from session.retention import RetentionPolicy, RetentionTimer, Verdict
 from session.store import SessionRecord, SessionStore, SessionWriter
 from session.store.aio import cancel_and_wait, wait_event
 from session.store.errors import (
-    ReplayUnavailable,
-    ResumeTokenInvalid,
     SessionGone,
-    SessionNotFound,
     StaleEpoch,
     StoreError,
     StoreUnavailable,
@@ -63,28 +65,20 @@ from session.store.errors import (
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "AdmissionRefused",
+    "HostSettings",
+    "HostedSession",
+    "SessionElsewhere",
+    "SessionHost",
+]
+
 CoreOptionsFactory = Callable[[SessionConfig, str], CoreOptions]
 DriverFactory = Callable[[RealtimeSessionCore, SessionLog], RealtimeDriver]
 Claim = Callable[[str], Awaitable[Binding]]
 
 CLEAN_CLOSE = 1000
 RESTART_CLOSE = (1012, "server restarting; resume the session")
-
-
-class AdmissionRefused(Exception):
-    """A resume that needs a slot here found none (HTTP 429 with Retry-After)."""
-
-    def __init__(self, decision: Rejected) -> None:
-        super().__init__(decision.reason)
-        self.decision = decision
-
-
-class SessionElsewhere(Exception):
-    """The session is live on another replica (scale-out: route the resume there)."""
-
-    def __init__(self, binding: Binding) -> None:
-        super().__init__(f"session is bound to replica {binding.replica_id}")
-        self.binding = binding
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +121,7 @@ class HostedSession:
         return "active" if self.connected else "detached"
 
 
-class SessionHost:
+class SessionHost(ResumeHosting):
     def __init__(
         self,
         store: SessionStore,
@@ -251,175 +245,6 @@ class SessionHost:
             )
         return await self._watch(hs, link)
 
-    # --- resume ------------------------------------------------------------------------------
-
-    async def authorize(self, tenant: str, session_id: str, token: str | None) -> None:
-        """Before the upgrade: `SessionNotFound` (unknown, expired, another tenant's) or
-        `ResumeTokenInvalid`; nothing else is revealed. A session held here checks the token
-        against the digest it keeps (constant time, no round trip)."""
-        hs = self.live(tenant, session_id)
-        if hs is not None and hs.token_digest is not None:
-            if not resume_token_matches(token, hs.token_digest):
-                raise ResumeTokenInvalid(session_id)
-            return
-        await self.store.authorize_resume(tenant, session_id, token)
-        if hs is not None and token:
-            hs.token_digest = secret_digest(token)
-
-    def live(self, tenant: str, session_id: str) -> HostedSession | None:
-        hs = self.sessions.get(session_id)
-        return hs if hs is not None and hs.tenant == tenant and not hs.ending else None
-
-    async def restore(self, tenant: str, session_id: str, token: str | None = None) -> HostedSession:
-        """The live session, or one rebuilt from Redis (taking an admission slot: raises
-        `AdmissionRefused`; `SessionNotFound`, `SessionElsewhere`, `StoreUnavailable`).
-        Concurrent restores of one session share one rebuild, which completes even if the
-        caller goes away (the session then waits detached for a connection)."""
-        hs = self.live(tenant, session_id)
-        if hs is not None:
-            return hs
-        flight = self._restoring.get(session_id)
-        if flight is None:
-            flight = asyncio.create_task(self._restore_once(tenant, session_id), name=f"restore:{session_id}")
-            self._restoring[session_id] = flight
-            flight.add_done_callback(lambda t: self._restore_done(session_id, t))
-        hs = await asyncio.shield(flight)
-        if hs.tenant != tenant:  # authorize() checked the tenant; this is belt and braces
-            raise SessionNotFound(session_id)
-        if token and hs.token_digest is None:  # `token` was authorized: later resumes check here
-            hs.token_digest = secret_digest(token)
-        return hs
-
-    def _restore_done(self, session_id: str, task: asyncio.Task[HostedSession]) -> None:
-        self._restoring.pop(session_id, None)
-        if not task.cancelled():
-            task.exception()  # retrieved here: a caller that went away cannot
-
-    async def _restore_once(self, tenant: str, session_id: str) -> HostedSession:
-        ending = self._ending.get(session_id)
-        if ending is not None:  # parked or ending right now: let its writer finish first
-            await ending.wait()
-        hs = self.live(tenant, session_id)
-        if hs is not None:
-            return hs
-        decision = await self.admission.try_admit(session_id, tenant, may_queue=False)
-        if isinstance(decision, Rejected):
-            raise AdmissionRefused(decision)
-        try:
-            return await self._rebuild(tenant, session_id)
-        except BaseException:
-            await self._release(session_id)
-            raise
-
-    async def _rebuild(self, tenant: str, session_id: str) -> HostedSession:
-        snapshot = await self.store.load_snapshot(tenant, session_id)
-        bound = await self._take_binding(session_id)
-        record = snapshot.record
-        config = config_from_record(record.config, default_model=self._default_model(session_id))
-        now = self._clock()
-        core = RealtimeSessionCore.restore(
-            self._options(config, session_id),
-            snapshot.items,
-            conversation_id=record.config.get("conversation_id"),
-            now=now,
-            epoch=self._wall(),
-            expires_at=record.expires_at,
-        )
-        hs = await self._host(record, core, epoch=bound.epoch)
-        hs.migrated_from = bound.previous_replica  # set when it moved here from a lost replica
-        hs.driver.start()
-        # The dead process's in-flight response is ended once a connection is attached, after
-        # its replay or snapshot, so the client sees it end live (see serve_resume).
-        hs.orphans = (True, bound.previous_replica)
-        hs.timer.on_disconnect(self._wall())  # detached until a connection attaches
-        hs.writer.set_state("detached")
-        self.counts["restored"] += 1
-        return hs
-
-    async def _take_binding(self, session_id: str) -> Binding:
-        """The binding (epoch) this process writes the session with from now on (always a new
-        one, except a session parked by this very replica); `previous_replica` when it moved."""
-        if self.claim is not None:
-            bound = await self.claim(session_id)
-            if bound.replica_id != self.replica_id:
-                raise SessionElsewhere(bound)
-            return bound
-        current = await self.binding.get(session_id)
-        moved = await self.binding.takeover(session_id, self.replica_id, current.epoch if current else 0)
-        if not moved.won:
-            raise SessionElsewhere(moved)
-        return replace(moved, previous_replica=None)
-
-    async def serve_resume(
-        self, hs: HostedSession, transport: Transport, last_event_id: str | None
-    ) -> LinkEnd:
-        """Attach a resuming connection: replay what it missed, then serve it live."""
-        async with hs.lock:
-            if hs.ending:
-                with contextlib.suppress(Exception):
-                    await transport.close(1013, "the session is moving; resume again")
-                return LinkEnd.CLOSED
-            link = hs.driver.attach(transport, held=True)
-            hs.timer.on_reconnect(self._wall())
-            try:
-                await self._replay(hs, link, last_event_id)
-                hs.writer.set_state("active")  # after the replay: not a round trip on its path
-                pending, lost = hs.orphans
-                if pending:
-                    hs.orphans = (False, None)
-                    core = hs.driver.core
-                    hs.driver.apply(core.close_orphaned_responses(self._clock(), lost_replica=lost))
-            except StoreError as exc:
-                log.warning("session %s: resume failed: %s", hs.session_id, exc)
-                link.finish(LinkEnd.CLOSED, 1013, "session store unavailable; resume again")
-            self.counts["resumed"] += 1
-        return await self._watch(hs, link)
-
-    async def _replay(self, hs: HostedSession, link: TransportLink, last_event_id: str | None) -> None:
-        after = logged_event_id(last_event_id)
-        await hs.writer.flush()  # what this process holds unflushed becomes replayable
-        try:
-            events = await self.store.events_after(hs.session_id, after)
-        except ReplayUnavailable as exc:
-            core = hs.driver.core
-            resumed = connection_event(
-                "omni.session.resumed",
-                last_event_id,
-                session_id=hs.session_id,
-                replay_count=0,
-                replay_unavailable=exc.reason,
-            )
-            snapshot = connection_event(
-                "omni.session.snapshot",
-                hs.driver.last_event_id,
-                session=core.session_object(),
-                items=[item.to_wire() for item in core.conversation.items],
-            )
-            notice = self._migration_notice(hs, hs.driver.last_event_id)
-            link.release([resumed, snapshot, *notice], drop_queued=True)  # the snapshot supersedes them
-            self.counts["resynced"] += 1
-            return
-        through = event_seq(events[-1]["event_id"]) if events else event_seq(after)
-        resumed = connection_event(
-            "omni.session.resumed", last_event_id, session_id=hs.session_id, replay_count=len(events)
-        )
-        last = events[-1]["event_id"] if events else last_event_id
-        link.release([resumed, *events, *self._migration_notice(hs, last)], skip=replayed_through(through))
-
-    def _migration_notice(self, hs: HostedSession, after: str | None) -> list[dict[str, Any]]:
-        """Scale-out failover: `omni.session.migrated` once, after the first resume's replay."""
-        lost, hs.migrated_from = hs.migrated_from, None
-        if lost is None:
-            return []
-        event = connection_event(
-            "omni.session.migrated",
-            after,
-            session_id=hs.session_id,
-            from_replica=lost,
-            to_replica=self.replica_id,
-        )
-        return [event]
-
     # --- connections end ---------------------------------------------------------------------
 
     async def _watch(self, hs: HostedSession, link: TransportLink) -> LinkEnd:
@@ -430,8 +255,12 @@ class SessionHost:
             hs.driver.detach(link)
             if hs.ending or superseded or end is LinkEnd.REPLACED:
                 return end
+            ends: tuple[str, bool] | None = getattr(link.transport, "session_end", None)
             if hs.driver.closed.is_set():
                 action: tuple[str, bool] | None = ("expired", True)
+            elif ends is not None:  # the transport knows the session is over (see SessionEnd)
+                hs.driver.apply(hs.driver.core.cancel_response(self._clock()))
+                action = ends
             elif getattr(link.transport, "disconnect_code", None) == CLEAN_CLOSE:
                 hs.driver.apply(hs.driver.core.cancel_response(self._clock()))
                 action = ("client_closed", False)
@@ -499,15 +328,16 @@ class SessionHost:
 
     # --- end ---------------------------------------------------------------------------------
 
-    async def delete(self, tenant: str, session_id: str) -> None:
-        """`DELETE /v1/sessions/{id}`: end the session everywhere (`SessionNotFound`)."""
+    async def delete(self, tenant: str, session_id: str, *, cause: str = "deleted") -> None:
+        """`DELETE /v1/sessions/{id}` (or a WebRTC hangup, `cause` "hangup"): end the session
+        everywhere, live or parked (`SessionNotFound`)."""
         hs = self.live(tenant, session_id)
         if hs is not None:
-            await self._end(hs, "deleted", delete=True, close=(CLEAN_CLOSE, "session deleted"))
+            await self._end(hs, cause, delete=True, close=(CLEAN_CLOSE, f"session {cause}"))
             return
         await self.store.get_session(tenant, session_id)
         await self.store.delete_session(session_id)
-        self.counts["deleted"] += 1
+        self.counts[cause] += 1
 
     async def describe(self, tenant: str, session_id: str) -> dict[str, Any]:
         """`GET /v1/sessions/{id}`: the session's state (`SessionNotFound` for others')."""

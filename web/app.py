@@ -14,14 +14,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from media.webrtc import parse_ice_servers
-from session.identity import api_key_from_request, authenticate
+from session.identity import Principal, api_key_from_request, authenticate
+from session.video.hosting import WorldHost
 from session.video.runtimes import OrchestratorPool
 from web.context import ServerContext, server_context
 from web.realtime_ws import error_body, realtime_endpoint
 from web.replica import ReplicaGate, replica_membership, replica_routes
 from web.sessions_api import session_routes
 from web.settings import ServerSettings
-from web.video import Denial, VideoService
+from web.video import VideoService
 from web.webrtc import WebRtcService
 
 
@@ -114,16 +115,15 @@ def routes() -> list[BaseRoute]:
     ]
 
 
-async def video_gate(conn: HTTPConnection) -> Denial | None:
-    """World-model sessions authenticate like realtime ones (API key or ephemeral key)."""
+async def video_principal(conn: HTTPConnection) -> Principal | None:
+    """World-model sessions authenticate like realtime ones (API key or ephemeral key → tenant);
+    open mode (no keys configured) is tenant ``default``."""
     ctx: ServerContext = conn.app.state.ctx
     if ctx.open_mode:
-        return None
+        return Principal("default")
     protocols = [p.strip() for p in conn.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
     key = api_key_from_request(conn.headers.get("authorization"), protocols)
-    if await authenticate(key, ctx.api_keys, ctx.ephemeral) is None:
-        return Denial(401, "invalid_api_key", "Missing or invalid API key.")
-    return None
+    return await authenticate(key, ctx.api_keys, ctx.ephemeral)
 
 
 def create_app(settings: ServerSettings) -> Starlette:
@@ -132,7 +132,7 @@ def create_app(settings: ServerSettings) -> Starlette:
     video = VideoService(
         pool,
         ice_servers=parse_ice_servers(settings.stun, settings.turn),
-        gate=video_gate,
+        identify=video_principal,  # slots, records, retention: the WorldHost set in the lifespan
         max_sessions=settings.max_sessions,
     )
 
@@ -143,6 +143,10 @@ def create_app(settings: ServerSettings) -> Starlette:
             app.state.ctx = ctx
             app.state.started = started
             app.state.webrtc = webrtc
+            # World sessions share the voice sessions' store, admission slots and binding.
+            world = video.host = app.state.world = WorldHost(ctx.host)
+            app.state.video = video
+            await world.start()
             try:
                 # Scale-out (web/replica.py): registry lease and SIGTERM drain; None when standalone.
                 async with replica_membership(settings, ctx.redis, load=lambda: len(ctx.sessions)) as replica:
@@ -153,6 +157,7 @@ def create_app(settings: ServerSettings) -> Starlette:
                     yield
             finally:
                 await webrtc.close()
+                await world.close()  # every world ends: cancelled, slot released, record deleted
                 await video.close()
                 await pool.close()
 

@@ -208,16 +208,21 @@ async def session_rest(request: Request) -> Response:
 
 
 async def create_call(request: Request) -> Response:
-    """`POST /v1/realtime/calls`: the offer to a picked replica; media then goes direct."""
+    """`POST /v1/realtime/calls`: the offer to a picked replica; media then goes direct. A
+    resuming call (``?session_id=``) goes to the session's owner, like a WebSocket resume."""
     gw = gateway_of(request)
     if not await gw.authorized(request.headers.get("authorization"), []):
         return error_response(401, "invalid_api_key", "Missing or invalid API key.")
     body = await request.body()
     tried: set[str] = set()
     last: Response | None = None
+    resuming = request.query_params.get("session_id")
     try:
         for _ in range(RETRIES):
-            replica = await gw.router.new_session(exclude=tried)
+            if resuming:
+                replica = (await gw.router.session(resuming, exclude=tried)).replica
+            else:
+                replica = await gw.router.new_session(exclude=tried)
             answer = await _forward_to(gw, request, body, replica)
             tried.add(replica.replica_id)
             if answer is None:

@@ -13,6 +13,7 @@ from starlette.routing import BaseRoute, Route
 from session.hosting import SessionHost
 from session.identity import Principal, api_key_from_request, authenticate, is_session_id
 from session.store.errors import SessionNotFound, StoreUnavailable
+from session.video.hosting import WorldHost
 from web.context import ServerContext
 from web.realtime_ws import error_body
 
@@ -32,7 +33,7 @@ def _not_found() -> JSONResponse:
 
 async def session_endpoint(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
-    host: SessionHost = ctx.host
+    host: SessionHost | WorldHost = ctx.host
     try:
         principal = await _principal(request)
     except StoreUnavailable:
@@ -40,6 +41,9 @@ async def session_endpoint(request: Request) -> Response:
     if principal is None:
         return error_body(401, "invalid_api_key", "Missing or invalid API key.")
     session_id = request.path_params["session_id"]
+    world = getattr(request.app.state, "world", None)  # session.video.hosting.WorldHost
+    if world is not None and world.live(principal.tenant, session_id) is not None:
+        host = world  # a world session live here: same describe/delete interface
     try:
         if not is_session_id(session_id):
             raise SessionNotFound(session_id)

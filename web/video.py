@@ -11,6 +11,15 @@ I/O only. Both transports run the same :class:`~session.video.core.VideoSessionC
   the same JSON events on ``controls`` (``video.chunk_metadata`` with ``kind: "rtp"`` is the
   chunk status: index, frames, fps, queue depth) and the frames on the video track, which
   aiortc encodes (VP8/H.264). ``DELETE /v1/realtime/video/calls/{call_id}`` hangs up.
+
+With a :class:`~session.video.hosting.WorldHost` (``service.host``, set by the app once the
+session layer is up) both transports are hosted sessions like voice ones: identity (API key or
+``ek_`` key → tenant), an admission slot shared with voice sessions, a Redis record, and for
+the WebSocket a resume token (``omni.session.resumable`` first), retention and resume
+(``?session_id=…`` with ``X-Omni-Resume-Token`` or the ``omni-resume-token.<token>``
+subprotocol). Every refusal comes before the upgrade or the SDP answer, as JSON. See
+docs/sessions.md, "World sessions". Without a host (tests of the protocol alone) a
+connection is its session and ``max_sessions`` caps this process.
 """
 
 from __future__ import annotations
@@ -34,12 +43,18 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from media.video import EncodedChunk
 from media.video_rtc import FrameTrack, VideoPeer
 from media.webrtc import IceServer, OfferError
+from session.identity import RESUME_HEADER, Principal, is_session_id, resume_token_from_request
+from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from session.video.config import VideoConfig
 from session.video.core import StartGeneration, VideoSessionCore
 from session.video.driver import RuntimeProvider, TransportClosed, VideoSessionDriver
+from session.video.hosting import AdmissionRefused, SessionElsewhere, WorldHost, WorldSession
 from session.video.outlets import ChunkOutlet
 
 log = logging.getLogger(__name__)
+
+REALTIME_SUBPROTOCOL = "realtime"
+DriverFactory = Callable[[VideoSessionCore], VideoSessionDriver]
 
 STATIC_WORLD = Path(__file__).with_name("static") / "world"
 
@@ -49,6 +64,7 @@ class WebSocketVideoTransport:
 
     def __init__(self, websocket: WebSocket) -> None:
         self._ws = websocket
+        self.disconnect_code: int | None = None  # how the client left (1006: no close frame)
 
     async def send_text(self, text: str) -> None:
         try:
@@ -111,6 +127,9 @@ class TrackOutlet:
         except MediaStreamError as exc:
             raise TransportClosed(f"video track ended: {exc}") from exc
 
+    async def restart(self) -> None:
+        pass  # a call is not resumed: its track carries one stream
+
     def close(self) -> None:
         pass
 
@@ -164,19 +183,43 @@ class VideoCall:
 
 @dataclass(frozen=True, slots=True)
 class Denial:
-    """Why a connection is refused before any session starts (HTTP status, error code, text)."""
+    """Why a connection is refused before any session starts (HTTP status, error code, text);
+    the body has the shape of the realtime endpoint's (``{"error": {type, code, message}}``)."""
 
     status: int
     code: str
     message: str
+    retry_after_s: int | None = None
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"code": self.code, "message": self.message}}, status_code=self.status)
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        body = {"error": {"type": kind, "code": self.code, "message": self.message}}
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
-# Identity and admission live in the session layer; the app passes them in as a gate
-# (e.g. API key → 401, tenant over quota → 429). None lets the connection in.
+# Without a host: the app passes identity and admission in as a gate (e.g. API key → 401).
+# None lets the connection in.
 Gate = Callable[[HTTPConnection], Awaitable[Denial | None]]
+# With a host: who is calling (None: no valid key → 401). May raise StoreUnavailable.
+Identify = Callable[[HTTPConnection], Awaitable[Principal | None]]
+
+UNAUTHORIZED = Denial(401, "invalid_api_key", "Missing or invalid API key (Authorization: Bearer <key>).")
+STORE_DOWN = Denial(503, "store_unavailable", "The session store (Redis) is unavailable; retry shortly.", 1)
+BAD_TOKEN = Denial(403, "invalid_resume_token", "The resume token is missing or not valid.")
+NOT_FOUND = Denial(404, "session_not_found", "No such session (it may have expired).")
+ELSEWHERE = Denial(409, "session_elsewhere", "The session is served by another replica.", 1)
+NOT_RESUMABLE = Denial(409, "session_not_resumable", "A WebRTC world call cannot be resumed.")
+
+
+def _capacity(refused: AdmissionRefused) -> Denial:
+    d = refused.decision
+    return Denial(429, d.code, f"No session slot is free ({d.reason}).", d.retry_after_s)
+
+
+def offered_subprotocols(connection: HTTPConnection) -> list[str]:
+    raw = connection.headers.get("sec-websocket-protocol", "")
+    return [p.strip() for p in raw.split(",") if p.strip()]
 
 
 class VideoService:
@@ -191,9 +234,12 @@ class VideoService:
         connect_timeout_s: float = 15.0,
         gate: Gate | None = None,
         max_sessions: int = 64,
+        identify: Identify | None = None,
     ) -> None:
         self.runtimes = runtimes
         self.gate = gate
+        self.identify = identify
+        self.host: WorldHost | None = None  # the app sets it once the session layer is up
         self.max_sessions = max_sessions
         self.config = config or VideoConfig()
         self.ice_servers = list(ice_servers)
@@ -219,7 +265,7 @@ class VideoService:
         ]
 
     async def _admit(self, connection: HTTPConnection) -> Denial | None:
-        """World sessions take slots like voice sessions: the gate first, then this process's cap."""
+        """Unhosted: the gate first, then this process's cap."""
         if self.gate is not None:
             denial = await self.gate(connection)
             if denial is not None:
@@ -228,35 +274,102 @@ class VideoService:
             return Denial(503, "server_busy", f"All {self.max_sessions} video session slots are in use.")
         return None
 
+    async def _principal(self, connection: HTTPConnection) -> Principal | Denial:
+        if self.identify is None:
+            return Principal("default")
+        try:
+            principal = await self.identify(connection)
+        except StoreUnavailable:
+            return STORE_DOWN
+        return UNAUTHORIZED if principal is None else principal
+
+    async def _admit_hosted(self, host: WorldHost, connection: HTTPConnection) -> tuple[str, str] | Denial:
+        """Identity, then a slot: (tenant, session id) or why not."""
+        principal = await self._principal(connection)
+        if isinstance(principal, Denial):
+            return principal
+        try:
+            return principal.tenant, await host.admit(principal.tenant)
+        except AdmissionRefused as refused:
+            return _capacity(refused)
+        except StoreUnavailable:
+            return STORE_DOWN
+
+    async def _create_hosted(
+        self, host: WorldHost, admitted: tuple[str, str], transport_kind: str, new_driver: DriverFactory
+    ) -> tuple[WorldSession, str] | Denial:
+        """The record of an admitted session whose driver ``new_driver`` builds; the slot goes
+        back if it cannot be made."""
+        tenant, session_id = admitted
+        try:
+            driver = new_driver(VideoSessionCore(self.config, session_id=session_id))
+            return await host.create(session_id, tenant, driver, transport_kind=transport_kind)
+        except (StoreUnavailable, SessionElsewhere):
+            await host.forfeit(session_id)
+            return STORE_DOWN
+        except BaseException:
+            await host.forfeit(session_id)
+            raise
+
     async def create_call(self, request: Request) -> Response:
         """Answer an SDP offer; the call then runs until the peer or the session ends."""
-        denial = await self._admit(request)
-        if denial is not None:
-            return denial.response()
+        host = self.host
+        admitted: tuple[str, str] | None = None
+        if host is None:
+            denial = await self._admit(request)
+            if denial is not None:
+                return denial.response()
+        else:
+            decision = await self._admit_hosted(host, request)
+            if isinstance(decision, Denial):
+                return decision.response()
+            admitted = decision
         offer = (await request.body()).decode("utf-8", errors="replace")
         track = FrameTrack()
         try:
             peer, answer = await VideoPeer.answer(offer, ice_servers=self.ice_servers, track=track)
-        except OfferError as exc:
-            return Denial(400, "invalid_offer", str(exc)).response()
+        except BaseException as exc:
+            if host is not None and admitted is not None:
+                await host.forfeit(admitted[1])
+            if isinstance(exc, OfferError):
+                return Denial(400, "invalid_offer", str(exc)).response()
+            raise
         call_id = f"vrtc_{secrets.token_hex(10)}"
 
         async def outlets(start: StartGeneration) -> ChunkOutlet:
             return TrackOutlet(track)
 
-        driver = VideoSessionDriver(
-            VideoSessionCore(self.config), PeerVideoTransport(peer), self.runtimes, outlets=outlets
-        )
+        peer_transport = PeerVideoTransport(peer)
+
+        def new_driver(core: VideoSessionCore) -> VideoSessionDriver:
+            return VideoSessionDriver(core, peer_transport, self.runtimes, outlets=outlets)
+
+        headers = {"Location": f"/v1/realtime/video/calls/{call_id}"}
+        hosted: WorldSession | None = None
+        if host is not None and admitted is not None:
+            opened = await self._create_hosted(host, admitted, "webrtc", new_driver)
+            if isinstance(opened, Denial):
+                await peer.close("refused")
+                return opened.response()
+            hosted = opened[0]
+            await host.open(hosted, peer_transport, None)
+            driver = hosted.driver
+            headers["X-Omni-Session-Id"] = hosted.session_id
+        else:
+            driver = new_driver(VideoSessionCore(self.config))
+            self.sessions[driver.core.session_id] = driver
         call = VideoCall(call_id, peer, driver)
         self.calls[call_id] = call
-        self.sessions[driver.core.session_id] = driver
-        task = asyncio.create_task(self._serve_call(call), name=f"video-call-{call_id}")
+        task = asyncio.create_task(
+            self._serve_call(call, hosted, peer_transport), name=f"video-call-{call_id}"
+        )
         self._call_tasks.add(task)
         task.add_done_callback(self._call_tasks.discard)
-        headers = {"Location": f"/v1/realtime/video/calls/{call_id}"}
         return Response(answer, status_code=201, media_type="application/sdp", headers=headers)
 
-    async def _serve_call(self, call: VideoCall) -> None:
+    async def _serve_call(
+        self, call: VideoCall, hosted: WorldSession | None, transport: PeerVideoTransport
+    ) -> None:
         try:
             await call.run(self.connect_timeout_s)
         except Exception:
@@ -264,6 +377,8 @@ class VideoService:
         finally:
             self.calls.pop(call.call_id, None)
             self.sessions.pop(call.driver.core.session_id, None)
+            if hosted is not None and self.host is not None:
+                await asyncio.shield(self.host.connection_ended(hosted, transport, None))
 
     async def hangup(self, request: Request) -> Response:
         call = self.calls.get(request.path_params["call_id"])
@@ -273,6 +388,15 @@ class VideoService:
         return Response(status_code=204)
 
     async def websocket(self, websocket: WebSocket) -> None:
+        host = self.host
+        if host is None:
+            await self._websocket_unhosted(websocket)
+        elif websocket.query_params.get("session_id") is not None:
+            await self._resume(websocket, host)
+        else:
+            await self._websocket_hosted(websocket, host)
+
+    async def _websocket_unhosted(self, websocket: WebSocket) -> None:
         denial = await self._admit(websocket)
         if denial is not None:
             await websocket.send_denial_response(denial.response())
@@ -291,6 +415,80 @@ class VideoService:
         finally:
             self.sessions.pop(session_id, None)
             await driver.close()
+
+    async def _websocket_hosted(self, websocket: WebSocket, host: WorldHost) -> None:
+        transport = WebSocketVideoTransport(websocket)
+
+        def new_driver(core: VideoSessionCore) -> VideoSessionDriver:
+            return VideoSessionDriver(core, transport, self.runtimes, retain=True)
+
+        admitted = await self._admit_hosted(host, websocket)
+        if isinstance(admitted, Denial):
+            await websocket.send_denial_response(admitted.response())
+            return
+        opened = await self._create_hosted(host, admitted, "websocket", new_driver)
+        if isinstance(opened, Denial):
+            await websocket.send_denial_response(opened.response())
+            return
+        hosted, token = opened
+        try:
+            await _accept(websocket)
+            if await host.open(hosted, transport, token):
+                await self._serve_connection(websocket, hosted, transport)
+        finally:
+            await asyncio.shield(host.connection_ended(hosted, transport, transport.disconnect_code))
+
+    async def _resume(self, websocket: WebSocket, host: WorldHost) -> None:
+        principal = await self._principal(websocket)
+        if isinstance(principal, Denial):
+            await websocket.send_denial_response(principal.response())
+            return
+        session_id = websocket.query_params.get("session_id", "")
+        offered = offered_subprotocols(websocket)
+        token = resume_token_from_request(websocket.headers.get(RESUME_HEADER), offered)
+        denial: Denial | None = None
+        try:
+            if not token:
+                raise ResumeTokenInvalid(session_id)
+            if not is_session_id(session_id):
+                raise SessionNotFound(session_id)
+            hosted = await host.authorize(principal.tenant, session_id, token)
+            if hosted.transport_kind != "websocket":
+                denial = NOT_RESUMABLE
+        except SessionNotFound:
+            denial = NOT_FOUND
+        except ResumeTokenInvalid:
+            denial = BAD_TOKEN
+        except SessionElsewhere:
+            denial = ELSEWHERE
+        except StoreUnavailable:
+            denial = STORE_DOWN
+        if denial is not None:
+            await websocket.send_denial_response(denial.response())
+            return
+        transport = WebSocketVideoTransport(websocket)
+        try:
+            await _accept(websocket)
+            if await host.resume(hosted, transport):
+                await self._serve_connection(websocket, hosted, transport)
+        finally:
+            await asyncio.shield(host.connection_ended(hosted, transport, transport.disconnect_code))
+
+    async def _serve_connection(
+        self, websocket: WebSocket, hosted: WorldSession, transport: WebSocketVideoTransport
+    ) -> None:
+        """Client frames into the driver until the connection ends or the session does."""
+        driver = hosted.driver
+        receiver = asyncio.create_task(
+            _receive_frames(websocket, driver, transport), name=f"video-receive-{hosted.session_id}"
+        )
+        closed = asyncio.create_task(driver.wait_closed(), name=f"video-closed-{hosted.session_id}")
+        try:
+            await asyncio.wait({receiver, closed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (receiver, closed):
+                task.cancel()
+            await asyncio.gather(receiver, closed, return_exceptions=True)
 
     async def close(self) -> None:
         """Server shutdown: end every live session and call."""
@@ -324,6 +522,33 @@ async def _receive(websocket: WebSocket, driver: VideoSessionDriver) -> None:
     finally:
         with contextlib.suppress(Exception):
             await asyncio.shield(driver.close())
+
+
+async def _accept(websocket: WebSocket) -> None:
+    """Accept, selecting ``realtime`` when offered: a browser that offers subprotocols (e.g.
+    ``omni-resume-token.<token>``) fails the handshake unless the server selects one."""
+    offered = offered_subprotocols(websocket)
+    await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
+
+
+async def _receive_frames(
+    websocket: WebSocket, driver: VideoSessionDriver, transport: WebSocketVideoTransport
+) -> None:
+    """Hosted: client frames into the driver until the client goes away; remembers how it
+    left (its close code) for the host to detach or end the session."""
+    try:
+        while True:
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                transport.disconnect_code = int(message.get("code") or 1005)
+                return
+            text = message.get("text")
+            if text is not None:
+                await driver.handle_text(text)
+            elif message.get("bytes") is not None:
+                await driver.handle_binary(message["bytes"])
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        transport.disconnect_code = transport.disconnect_code or 1006
 
 
 async def _world_redirect(request: Request) -> Response:

@@ -2,11 +2,18 @@
 
 `POST /v1/realtime/calls` answers an SDP offer (`application/sdp`, or `multipart/form-data`
 with parts `sdp` and `session`) with `201`, the SDP answer and `Location:
-/v1/realtime/calls/<call_id>`; `POST /v1/realtime/calls/<call_id>/hangup` ends the call.
-A call is the same session driver and core as the WebSocket endpoint (`build_driver`), with
-a different transport: JSON events on the `oai-events` data channel, mic audio from the
-inbound track (`feed_input_audio`), model audio out on a paced track (`PlayAudio` /
-`ClearAudioOutput` effects, playout reported back to the core).
+/v1/realtime/calls/<call_id>`; `POST /v1/realtime/calls/<call_id>/hangup` ends the call and
+its session. A call is a hosted session like a WebSocket one (`ctx.host`: Redis record,
+resume token, admission slot, disconnect grace, retention, `GET`/`DELETE /v1/sessions/{id}`)
+on another transport (web/webrtc_call.py): JSON events on the `oai-events` data channel, mic
+audio from the inbound track, model audio out on a paced track.
+
+Resume: `POST /v1/realtime/calls?session_id=…&last_event_id=…` with the token in
+`X-Omni-Resume-Token` answers `201` and replays what was missed on the new data channel; a
+session that began on a call can equally be resumed over the WebSocket, and the other way
+round. Refusals come before any peer connection: 401, 400 (offer, config), 403
+`invalid_resume_token`, 404 `session_not_found`, 409 `session_elsewhere`, 429 (no slot: a
+call cannot wait in the admission queue), 503 (Redis down).
 
 The demo: `GET /` (web/static/index.html), `POST /v1/demo/session` (an ephemeral key and the
 ICE servers for the page; open mode, a valid API key, or the `OMNIDUPLEX_DEMO_KEY` secret).
@@ -15,12 +22,13 @@ ICE servers for the page; open mode, a valid API key, or the `OMNIDUPLEX_DEMO_KE
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
 import os
 import secrets
+from collections import OrderedDict
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -34,173 +42,38 @@ from media.tracks import OutboundAudioTrack
 from media.webrtc import MAX_OFFER_BYTES, IceServer, OfferError, PeerLink, check_offer, parse_ice_servers
 from session.admission import Rejected
 from session.driver import RealtimeDriver
-from session.identity import Principal, api_key_from_request, authenticate, new_session_id
+from session.hosting import AdmissionRefused, SessionElsewhere, SessionHost
+from session.identity import (
+    RESUME_HEADER,
+    Principal,
+    api_key_from_request,
+    authenticate,
+    is_session_id,
+    new_session_id,
+    resume_token_from_request,
+)
+from session.link import LinkEnd
 from session.realtime.config import SessionConfig, SessionIn
-from session.realtime.effects import CoreOutput, PlayAudio
-from session.realtime.ids import random_id
-from session.store.errors import StoreUnavailable
+from session.store.aio import cancel_and_wait
+from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from web.context import ServerContext
-from web.realtime_ws import build_driver, error_body, initial_config
+from web.realtime_ws import error_body, initial_config
 from web.settings import ServerSettings
+from web.webrtc_call import RealtimeCall, append_rejection, too_large
+
+__all__ = ["DEMO_KEY_ENV", "RealtimeCall", "WebRtcService", "append_rejection", "too_large"]
 
 log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).with_name("static")
 DEMO_KEY_ENV = "OMNIDUPLEX_DEMO_KEY"
 CALL_PREFIX = "rtc_"
+MAX_REMEMBERED_CALLS = 4096  # call ids a late hangup can still name
 # The page's default session: server VAD turns with the user's words transcribed.
 DEMO_SESSION: dict[str, Any] = {
     "type": "realtime",
     "audio": {"input": {"transcription": {"model": "whisper-1"}}},
 }
-
-
-APPEND = "input_audio_buffer.append"
-
-
-def append_rejection(text: str) -> dict[str, Any] | None:
-    """The `error` event for an `input_audio_buffer.append` sent on the events channel (mic
-    audio belongs on the track), or None when `text` is another event."""
-    try:
-        event = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(event, dict) or event.get("type") != APPEND:
-        return None
-    client_id = event.get("event_id")
-    return {
-        "type": "error",
-        "event_id": random_id("event"),
-        "error": {
-            "type": "invalid_request_error",
-            "code": "invalid_event",
-            "message": "input_audio_buffer.append is not supported on WebRTC calls: "
-            "send microphone audio on the audio track.",
-            "param": "type",
-            "event_id": client_id if isinstance(client_id, str) else None,
-        },
-    }
-
-
-def too_large(event: dict[str, Any], size: int, limit: int) -> dict[str, Any]:
-    """What the peer gets instead of an event its data channel cannot carry."""
-    return {
-        "type": "error",
-        "event_id": random_id("event"),
-        "error": {
-            "type": "server_error",
-            "code": "event_too_large",
-            "message": f"A {event.get('type')} event of {size} bytes exceeds this data channel's "
-            f"{limit}-byte message limit and was not sent.",
-            "param": None,
-            "event_id": None,
-        },
-    }
-
-
-class TrackAudioSink:
-    """The driver's `AudioSink`: `PlayAudio` / `ClearAudioOutput` effects onto the track."""
-
-    def __init__(self, track: OutboundAudioTrack) -> None:
-        self.track = track
-
-    def play(self, effect: PlayAudio) -> None:
-        self.track.play(effect.response_id, effect.samples, effect.sample_rate)
-
-    def clear(self, response_id: str) -> None:
-        self.track.clear(response_id)
-
-
-class RealtimeCall:
-    """One WebRTC call: a `PeerLink` bound to a `RealtimeDriver`, served by `run()`."""
-
-    def __init__(self, call_id: str, tenant: str, link: PeerLink, *, connect_timeout_s: float) -> None:
-        self.call_id = call_id
-        self.tenant = tenant
-        self.link = link
-        self.connect_timeout_s = connect_timeout_s
-        self.sink = TrackAudioSink(link.outbound)
-        self._inbox: asyncio.Queue[str] = asyncio.Queue(256)
-        self.driver: RealtimeDriver | None = None
-
-    def bind(self, driver: RealtimeDriver) -> None:
-        self.driver = driver
-        self.link.outbound.observer = driver
-        self.link.on_audio = driver.feed_input_audio
-        self.link.on_message = self._on_message
-
-    # --- transport callbacks for the driver ------------------------------------------------
-
-    async def send(self, event: dict[str, Any]) -> None:
-        if event.get("type") == "response.done":
-            # All of the response's audio has been queued on the track by now.
-            self.link.outbound.finish(str(event.get("response", {}).get("id", "")))
-        text = json.dumps(event, separators=(",", ":"))
-        if len(text.encode()) > self.link.max_message_size:
-            text = json.dumps(too_large(event, len(text.encode()), self.link.max_message_size))
-        await self.link.send_text(text)
-
-    async def close_transport(self, code: int, reason: str) -> None:
-        await self.link.close(f"session closed ({code}): {reason}")
-
-    def _on_message(self, text: str) -> None:
-        if APPEND in text and self.driver is not None:
-            rejection = append_rejection(text)
-            if rejection is not None:
-                self.driver.apply(CoreOutput(events=[rejection]))
-                return
-        try:
-            self._inbox.put_nowait(text)
-        except asyncio.QueueFull:
-            if self.driver is not None:
-                self.driver.request_close(1008, "client sends events faster than they are handled")
-
-    async def _incoming(self) -> str | None:
-        if not self._inbox.empty():
-            return self._inbox.get_nowait()
-        message = asyncio.ensure_future(self._inbox.get())
-        ended = asyncio.ensure_future(self.link.ended.wait())
-        try:
-            await asyncio.wait({message, ended}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ended.cancel()
-            if not message.done():
-                message.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ended
-        if message.done() and not message.cancelled():
-            return message.result()
-        return None
-
-    # --- lifecycle ----------------------------------------------------------------------------
-
-    async def run(self) -> None:
-        assert self.driver is not None
-        watchdog = asyncio.create_task(self._watch_connect(), name=f"{self.call_id}:connect")
-        try:
-            await self.driver.run(self._incoming)
-        finally:
-            watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watchdog
-            await self.link.close("session ended")
-            log.info(
-                "call %s ended (%s); outbound track %s",
-                self.call_id,
-                self.link.end_reason,
-                json.dumps(self.link.outbound.stats()),
-            )
-
-    async def _watch_connect(self) -> None:
-        """ICE that never connects (or no events channel): release the call and its slot."""
-        if not await self.link.wait_ready(self.connect_timeout_s):
-            if not self.link.ended.is_set():
-                log.info("call %s: not connected in %.0f s", self.call_id, self.connect_timeout_s)
-            await self.link.close(self.link.end_reason or "ICE did not connect")
-
-    def hangup(self) -> None:
-        if self.driver is not None:
-            self.driver.request_close(1000, "hangup")
 
 
 class WebRtcService:
@@ -209,7 +82,10 @@ class WebRtcService:
     def __init__(self, settings: ServerSettings, *, connect_timeout_s: float = 30.0) -> None:
         self.ice_servers: list[IceServer] = parse_ice_servers(settings.stun, settings.turn)
         self.connect_timeout_s = connect_timeout_s
-        self.calls: dict[str, RealtimeCall] = {}
+        self.calls: dict[str, RealtimeCall] = {}  # calls whose peer connection is up
+        # call id → (tenant, session id), for hangups that come after the peer went (the demo
+        # closes its peer connection first); the newest calls, bounded.
+        self.call_sessions: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
 
     def routes(self) -> list[BaseRoute]:
@@ -222,7 +98,7 @@ class WebRtcService:
         ]
 
     async def close(self) -> None:
-        """Server shutdown: end every call and wait for it."""
+        """Server shutdown: end every call (their sessions detach, then the host parks them)."""
         for call in list(self.calls.values()):
             await call.link.close("server shutting down")
         tasks = list(self._tasks)
@@ -235,92 +111,182 @@ class WebRtcService:
     # --- calls --------------------------------------------------------------------------------
 
     async def create_call(self, request: Request) -> Response:
+        """A new session's call, or (`?session_id=…&last_event_id=…` with the resume token in
+        `X-Omni-Resume-Token`) a call that resumes a session. Everything that can be refused
+        is refused before a peer connection exists."""
         ctx: ServerContext = request.app.state.ctx
         principal = await _principal(ctx, request)
         if principal is None:
             ctx.metrics.admission("invalid_api_key")
             return _unauthorized()
+        host: SessionHost | None = ctx.host
+        if host is None:
+            return error_body(503, "not_ready", "The server is not ready yet.", retry_after_s=1)
         offer = await _read_offer(request)
         if isinstance(offer, Response):
             return offer
         sdp, session_part = offer
-        try:
-            config = initial_config(ctx, request.query_params.get("model"), principal)
-            if session_part is not None:
-                config = config.apply_update(SessionIn.model_validate(session_part))
-        except Exception as exc:
-            ctx.metrics.admission("invalid_session_config")
-            return error_body(400, "invalid_session_config", str(exc))
+        resume_id = request.query_params.get("session_id")
+        config: SessionConfig | None = None
+        if resume_id is None:
+            try:
+                config = initial_config(ctx, request.query_params.get("model"), principal)
+                if session_part is not None:
+                    config = config.apply_update(SessionIn.model_validate(session_part))
+            except Exception as exc:
+                ctx.metrics.admission("invalid_session_config")
+                return error_body(400, "invalid_session_config", str(exc))
+        elif session_part is not None:
+            return error_body(
+                400, "invalid_session_config", "A resumed session keeps its config: send no 'session' part."
+            )
         try:
             check_offer(sdp)  # before taking a slot
         except OfferError as exc:
             ctx.metrics.admission("invalid_offer")
             return error_body(400, "invalid_offer", str(exc))
+        if resume_id is not None:
+            return await self._resume_call(ctx, host, request, principal, resume_id, sdp)
+        assert config is not None
+        return await self._new_call(ctx, host, principal, config, sdp)
+
+    async def _new_call(
+        self, ctx: ServerContext, host: SessionHost, principal: Principal, config: SessionConfig, sdp: str
+    ) -> Response:
         session_id = new_session_id()
-        refused = await _admit(ctx, session_id, principal.tenant)
+        refused = await _admit(ctx, host, session_id, principal.tenant)
         if refused is not None:
             return refused
         try:
-            link, answer = await PeerLink.answer(
-                sdp, ice_servers=self.ice_servers, outbound=OutboundAudioTrack()
-            )
+            link, answer = await self._answer(sdp)
         except BaseException as exc:
-            await _release(ctx, session_id)
+            await host.forfeit(session_id)  # retried by the host's sweeper while Redis is down
             if isinstance(exc, OfferError):
                 ctx.metrics.admission("invalid_offer")
                 return error_body(400, "invalid_offer", str(exc))
             raise
-        call_id = CALL_PREFIX + secrets.token_hex(12)
-        call = RealtimeCall(call_id, principal.tenant, link, connect_timeout_s=self.connect_timeout_s)
         try:
-            self._start(ctx, call, config, session_id)
-        except BaseException:
+            hs, token = await host.create(session_id, principal.tenant, config)
+        except BaseException as exc:
             await link.close("session setup failed")
-            await _release(ctx, session_id)
+            await host.forfeit(session_id)
+            if isinstance(exc, StoreUnavailable):
+                ctx.metrics.admission("store_unavailable")
+                return _store_down()
+            if isinstance(exc, SessionElsewhere):
+                ctx.metrics.admission("session_elsewhere")
+                return _elsewhere()
             raise
+        call = self._call(principal.tenant, session_id, link, new_session=True)
+        self._serve(call, host.serve_new(hs, call, token), hs.driver)
         ctx.metrics.admission("admitted")
-        return Response(
-            answer,
-            status_code=201,
-            media_type="application/sdp",
-            headers={"Location": f"/v1/realtime/calls/{call_id}"},
-        )
+        return _answered(call, answer)
 
-    def _start(self, ctx: ServerContext, call: RealtimeCall, config: SessionConfig, session_id: str) -> None:
-        driver = build_driver(
-            ctx,
-            config,
-            send=call.send,
-            close=call.close_transport,
-            session_id=session_id,
-            audio_out_via_track=True,
-            audio_sink=call.sink,
+    async def _resume_call(
+        self,
+        ctx: ServerContext,
+        host: SessionHost,
+        request: Request,
+        principal: Principal,
+        session_id: str,
+        sdp: str,
+    ) -> Response:
+        token = resume_token_from_request(request.headers.get(RESUME_HEADER))
+        try:
+            if not token:
+                raise ResumeTokenInvalid(session_id)
+            if not is_session_id(session_id):
+                raise SessionNotFound(session_id)
+            await host.authorize(principal.tenant, session_id, token)
+            hs = await host.restore(principal.tenant, session_id, token)
+        except SessionNotFound:
+            ctx.metrics.resume("session_not_found")
+            return error_body(404, "session_not_found", "No such session (it may have expired).")
+        except ResumeTokenInvalid:
+            ctx.metrics.resume("invalid_resume_token")
+            return error_body(403, "invalid_resume_token", "The resume token is missing or not valid.")
+        except AdmissionRefused as refused:
+            ctx.metrics.resume(refused.decision.code)
+            return _capacity(refused.decision)
+        except SessionElsewhere:
+            ctx.metrics.resume("session_elsewhere")
+            return _elsewhere()
+        except StoreUnavailable:
+            ctx.metrics.resume("store_unavailable")
+            return _store_down()
+        try:
+            link, answer = await self._answer(sdp)
+        except OfferError as exc:  # the session stays as it was (detached, in its grace)
+            ctx.metrics.resume("invalid_offer")
+            return error_body(400, "invalid_offer", str(exc))
+        call = self._call(principal.tenant, session_id, link, new_session=False)
+        last_event_id = request.query_params.get("last_event_id")
+        self._serve(call, host.serve_resume(hs, call, last_event_id), hs.driver)
+        ctx.metrics.resume("resumed")
+        return _answered(call, answer)
+
+    async def _answer(self, sdp: str) -> tuple[PeerLink, str]:
+        return await PeerLink.answer(sdp, ice_servers=self.ice_servers, outbound=OutboundAudioTrack())
+
+    def _call(self, tenant: str, session_id: str, link: PeerLink, *, new_session: bool) -> RealtimeCall:
+        call_id = CALL_PREFIX + secrets.token_hex(12)
+        call = RealtimeCall(
+            call_id,
+            tenant,
+            session_id,
+            link,
+            connect_timeout_s=self.connect_timeout_s,
+            new_session=new_session,
         )
+        self.calls[call_id] = call
+        self.call_sessions[call_id] = (tenant, session_id)
+        while len(self.call_sessions) > MAX_REMEMBERED_CALLS:
+            self.call_sessions.popitem(last=False)
+        return call
+
+    def _serve(
+        self, call: RealtimeCall, serving: Coroutine[Any, Any, LinkEnd], driver: RealtimeDriver
+    ) -> None:
+        """Serve the session on the call (the host attaches it, and watches how it ends)."""
         call.bind(driver)
-        ctx.sessions[session_id] = driver
-        self.calls[call.call_id] = call
 
         async def serve() -> None:
+            watchdog = asyncio.create_task(call.watch_connect(), name=f"{call.call_id}:connect")
             try:
-                await call.run()
+                await serving
+            except Exception:
+                log.exception("call %s: serving session %s failed", call.call_id, call.session_id)
             finally:
-                ctx.sessions.pop(session_id, None)
+                await cancel_and_wait(watchdog)
                 self.calls.pop(call.call_id, None)
-                await _release(ctx, session_id)
+                await call.finish()
 
-        task = asyncio.create_task(serve(), name=f"{call.call_id}:{session_id}")
+        task = asyncio.create_task(serve(), name=f"{call.call_id}:{call.session_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def hangup(self, request: Request) -> Response:
+        """End the call's session for good (deleted), whether its peer is still up or not."""
         ctx: ServerContext = request.app.state.ctx
         principal = await _principal(ctx, request)
         if principal is None:
             return _unauthorized()
-        call = self.calls.get(request.path_params["call_id"])
-        if call is None or (call.tenant != principal.tenant and not ctx.open_mode):
+        call_id = request.path_params["call_id"]
+        known = self.call_sessions.get(call_id)
+        if known is None or (known[0] != principal.tenant and not ctx.open_mode) or ctx.host is None:
             return error_body(404, "call_not_found", "No such call.")
-        call.hangup()
+        tenant, session_id = known
+        try:
+            await ctx.host.delete(tenant, session_id, cause="hangup")
+        except SessionNotFound:
+            self.call_sessions.pop(call_id, None)
+            return error_body(404, "call_not_found", "No such call (its session has ended).")
+        except StoreUnavailable:
+            return _store_down()
+        self.call_sessions.pop(call_id, None)
+        call = self.calls.get(call_id)
+        if call is not None:  # a call whose session moved on (resumed elsewhere) still ends
+            await call.link.close("hangup")
         return Response(status_code=200)
 
     # --- the demo -----------------------------------------------------------------------------
@@ -346,38 +312,46 @@ class WebRtcService:
         )
 
 
-async def _admit(ctx: ServerContext, session_id: str, tenant: str) -> Response | None:
+async def _admit(ctx: ServerContext, host: SessionHost, session_id: str, tenant: str) -> Response | None:
     """Take a session slot from the shared admission (the WebSocket's), or say why not.
     A call is one HTTP request, so it cannot wait in the admission queue: full is 429."""
-    host = ctx.host
-    if host is None:  # no session host (tests of bare contexts): count this process's sessions
-        if len(ctx.sessions) < ctx.settings.max_sessions:
-            return None
-        return error_body(429, "server_at_capacity", "No session slot is free.", retry_after_s=1)
     try:
         decision = await host.admission.try_admit(session_id, tenant, may_queue=False)
     except StoreUnavailable:
         ctx.metrics.admission("store_unavailable")
-        return error_body(
-            503,
-            "store_unavailable",
-            "The session store (Redis) is unavailable; retry shortly.",
-            retry_after_s=1,
-        )
+        return _store_down()
     if isinstance(decision, Rejected):
         ctx.metrics.admission(decision.code)
-        return error_body(
-            429,
-            decision.code,
-            f"No session slot is free ({decision.reason}).",
-            retry_after_s=decision.retry_after_s,
-        )
+        return _capacity(decision)
     return None
 
 
-async def _release(ctx: ServerContext, session_id: str) -> None:
-    if ctx.host is not None:
-        await ctx.host.forfeit(session_id)  # retried by the host's sweeper while Redis is down
+def _capacity(decision: Rejected) -> Response:
+    return error_body(
+        429,
+        decision.code,
+        f"No session slot is free ({decision.reason}).",
+        retry_after_s=decision.retry_after_s,
+    )
+
+
+def _store_down() -> Response:
+    return error_body(
+        503, "store_unavailable", "The session store (Redis) is unavailable; retry shortly.", retry_after_s=1
+    )
+
+
+def _elsewhere() -> Response:
+    return error_body(409, "session_elsewhere", "The session is served by another replica.", retry_after_s=1)
+
+
+def _answered(call: RealtimeCall, answer: str) -> Response:
+    return Response(
+        answer,
+        status_code=201,
+        media_type="application/sdp",
+        headers={"Location": f"/v1/realtime/calls/{call.call_id}"},
+    )
 
 
 def _unauthorized() -> Response:

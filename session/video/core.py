@@ -38,6 +38,7 @@ from session.video.events import (
     SessionInteraction,
     SessionPing,
     SessionPong,
+    SessionResumed,
     SessionStart,
     SessionStop,
     VideoStart,
@@ -109,6 +110,8 @@ class _Request:
     pending: list[tuple[str, float]] = field(default_factory=list)  # (event_id, queued_at)
     pending_count: int = 0
     in_flight: dict[int, tuple[list[str], float]] = field(default_factory=dict)  # chunk → ids, oldest
+    last_chunk_index: int = -1  # of the last chunk handed to the transport
+    wire_config: dict[str, Any] | None = None  # video.start's config (for a resumed connection)
 
 
 def plan_generation(
@@ -208,6 +211,30 @@ class VideoSessionCore:
     @property
     def streaming(self) -> bool:
         return self.phase is Phase.STREAMING
+
+    @property
+    def generating(self) -> bool:
+        """A world is running (starting or streaming) and no ``session.stop`` is pending:
+        what a hosted session keeps through a dropped connection."""
+        req = self._request
+        return req is not None and self.phase in (Phase.STARTING, Phase.STREAMING) and not req.stop_requested
+
+    def resumed(self) -> SessionResumed:
+        """Where the world is, for a connection that resumes this session: it gets the chunk
+        after the last one handed out first (the driver hands a chunk out only to a
+        connection that is there to send it)."""
+        req = self._request
+        if req is None or self.phase is Phase.CLOSED:
+            return SessionResumed(self.session_id, self.phase.value, 0, 0)
+        return SessionResumed(
+            self.session_id,
+            self.phase.value,
+            req.last_chunk_index + 1,
+            req.chunks_sent,
+            request_id=req.request_id,
+            format=req.start.format,
+            config=req.wire_config,
+        )
 
     # -- client input -------------------------------------------------------------------------
 
@@ -345,6 +372,7 @@ class VideoSessionCore:
             "keys": sorted(req.model.keys),
             "prompt_updates": req.model.prompts,
         }
+        req.wire_config = config
         out: list[Output] = [VideoStart(req.request_id, self.session_id, start.format, config)]
         if req.stop_requested:  # session.stop arrived while the runtime was admitting it
             out.append(CancelGeneration(req.request_id))
@@ -410,6 +438,7 @@ class VideoSessionCore:
         )
         req.chunks_sent += 1
         req.frames_sent += encoded.frame_count
+        req.last_chunk_index = chunk_index
         return out
 
     def on_generation_end(self, status: str, error: str | None) -> list[Output]:
@@ -443,6 +472,21 @@ class VideoSessionCore:
             ErrorEvent(ErrorCode.CLIENT_STALLED, reason, request_id=None if req is None else req.request_id)
         )
         out.append(CloseConnection(1008, f"{ErrorCode.CLIENT_STALLED}: {reason}"))
+        return out
+
+    def on_ended(self, code: int, reason: str, error: tuple[str, str] | None = None) -> list[Output]:
+        """The session ends from outside (expired, deleted, server shutdown): cancel what
+        runs, say why (``error``: code and message), close with ``code``."""
+        if self.phase is Phase.CLOSED:
+            return []
+        req, self._request = self._request, None
+        self.phase = Phase.CLOSED
+        out: list[Output] = []
+        if req is not None:
+            out.append(CancelGeneration(req.request_id))
+        if error is not None:
+            out.append(ErrorEvent(error[0], error[1], request_id=None if req is None else req.request_id))
+        out.append(CloseConnection(code, reason))
         return out
 
     def on_closed(self) -> list[Output]:

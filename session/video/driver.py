@@ -11,18 +11,27 @@ pauses and memory stays flat; a send blocked for ``stall_timeout_s`` ends the se
 ``error`` (``client_stalled``) and close code 1008 where the socket still takes them.
 Metadata and its binary frame go out under one lock, so a control reply (pong, queued) can
 slip in between chunks but never between a chunk's two frames.
+
+Hosted sessions (``retain=True``, see :mod:`session.video.hosting`) outlive a connection: a
+send that finds the peer gone *detaches* the driver instead of ending it (the frames of that
+send are lost), and so does :meth:`VideoSessionDriver.detach`. While detached every send
+waits for :meth:`VideoSessionDriver.attach`: the media loop holds the one chunk it has and
+demands no other, so the runtime request and its rolling context stay as they are and nothing
+grows. The stall timeout does not run while detached (there is no socket to stall).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from media.video import EncodedChunk
 from runtime.payloads import Action, Conditioning, Frames, Payload
 from runtime.progress import AdmissionError, RequestHandle, RequestStatus
 from session.video.core import (
@@ -98,6 +107,7 @@ class VideoSessionDriver:
         *,
         outlets: OutletFactory = encoded_outlet,
         clock: Callable[[], float] = time.monotonic,
+        retain: bool = False,
     ) -> None:
         self.core = core
         self._outlets = outlets
@@ -111,10 +121,17 @@ class VideoSessionDriver:
         self._media: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
         self._dead = False  # the socket is unusable (stalled or gone): drop further sends
+        self.retain = retain  # a lost connection detaches instead of ending (hosted sessions)
+        self._attached = asyncio.Event()
+        self._attached.set()
+        self._restart_outlet = False  # a new connection took over: the next chunk stands alone
+        self._connection = 0  # +1 per attach: a chunk encoded for one connection is not sent to the next
+        self.last_activity = clock()  # client input or a chunk sent (driver clock; for idle TTL)
 
     # -- fed by the transport -----------------------------------------------------------------
 
     async def handle_text(self, text: str) -> None:
+        self.last_activity = self._clock()
         await self._perform(self.core.handle_text(text, self._clock()))
 
     async def handle_binary(self, data: bytes) -> None:
@@ -126,6 +143,56 @@ class VideoSessionDriver:
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
+
+    @property
+    def attached(self) -> bool:
+        return self._attached.is_set()
+
+    def detach(self) -> None:
+        """Hosted: the connection is gone; sends wait for :meth:`attach` (generation pauses)."""
+        if self.retain:
+            self._attached.clear()
+
+    async def attach(self, transport: VideoTransport, first: Sequence[str] = ()) -> None:
+        """Hosted resume: serve ``transport`` from now on, ``first`` (e.g. the resumed event)
+        ahead of anything else. Raises :class:`TransportClosed` if it cannot take them; the
+        driver then stays detached."""
+        self._attached.clear()
+        self._transport = transport
+        for text in first:
+            try:
+                async with asyncio.timeout(self._limits.stall_timeout_s):
+                    await transport.send_text(text)
+            except TimeoutError as exc:
+                raise TransportClosed("the resumed connection does not take events") from exc
+        self._restart_outlet = True
+        self._connection += 1
+        self.last_activity = self._clock()
+        self._attached.set()
+
+    async def end(self, code: int, reason: str, error: tuple[str, str] | None = None) -> None:
+        """Hosted: end the session from outside (expired, deleted, shutdown): cancel the
+        runtime request, then tell an attached client why (``error``) and close with ``code``."""
+        outputs = self.core.on_ended(code, reason, error)
+        attached = self._attached.is_set() and not self._dead
+        self._dead = True
+        for out in outputs:
+            if isinstance(out, CancelGeneration):
+                await self._cancel(out.request_id)
+        media, self._media = self._media, None
+        if media is not None:
+            media.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await media
+        if attached:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._limits.close_grace_s), self._send_lock:
+                    for out in outputs:
+                        if isinstance(out, ServerEvent):
+                            await self._transport.send_text(out.to_json())
+                        elif isinstance(out, CloseConnection):
+                            await self._transport.close(out.code, out.reason)
+        self._closed.set()
 
     async def close(self) -> None:
         """The transport is gone (or the server shuts down): stop generating, end the media loop."""
@@ -170,27 +237,61 @@ class VideoSessionDriver:
             await self._runtime.cancel(request_id)
 
     async def _send(self, *frames: str | bytes) -> None:
-        """Send frames back to back; :class:`_Stalled` if the socket blocks too long."""
+        """Send frames back to back; :class:`_Stalled` if the socket blocks too long. Hosted
+        and detached: wait for a connection first."""
         if self._dead:
             return
         async with self._send_lock:
-            for frame in frames:
-                started = self.stats.sending_since = self._clock()
-                try:
-                    async with asyncio.timeout(self._limits.stall_timeout_s):
-                        if isinstance(frame, bytes):
-                            await self._transport.send_bytes(frame)
-                        else:
-                            await self._transport.send_text(frame)
-                except TimeoutError:
-                    waited = self._clock() - started
-                    self.stats.send_blocked_s = max(self.stats.send_blocked_s, waited)
-                    raise _Stalled(waited) from None
-                finally:
-                    self.stats.sending_since = None
+            await self._wait_attached()
+            if not self._dead:
+                await self._write(frames)
+
+    async def _send_chunk(self, make: Callable[[], list[str | bytes]], connection: int) -> bool:
+        """Send a chunk's frames, built by ``make`` (which hands the chunk out to the core)
+        under the send lock. False, with nothing handed out, when detached or when another
+        connection took over since it was encoded for ``connection``: the caller encodes it
+        again for the new connection (an m4s one needs a new init segment)."""
+        if self._dead:
+            return True
+        async with self._send_lock:
+            if not self._attached.is_set() or self._connection != connection:
+                return False
+            if not self._dead:
+                await self._write(make())
+            return True
+
+    async def _write(self, frames: Sequence[str | bytes]) -> None:
+        transport = self._transport
+        for frame in frames:
+            started = self.stats.sending_since = self._clock()
+            try:
+                async with asyncio.timeout(self._limits.stall_timeout_s):
+                    if isinstance(frame, bytes):
+                        await transport.send_bytes(frame)
+                    else:
+                        await transport.send_text(frame)
+            except TransportClosed:
+                if not self.retain:
+                    raise
+                if self._transport is transport:  # not a connection already replaced
+                    self._attached.clear()
+                return  # these frames are lost; the resumed client starts after them
+            except TimeoutError:
+                if self.retain and self._transport is not transport:
+                    return  # a connection already replaced by a resume: not a stall
                 waited = self._clock() - started
                 self.stats.send_blocked_s = max(self.stats.send_blocked_s, waited)
-                self.stats.bytes_sent += len(frame)
+                raise _Stalled(waited) from None
+            finally:
+                self.stats.sending_since = None
+            waited = self._clock() - started
+            self.stats.send_blocked_s = max(self.stats.send_blocked_s, waited)
+            self.stats.bytes_sent += len(frame)
+
+    async def _wait_attached(self) -> None:
+        """Hosted and detached: wait for a connection (no stall timeout meanwhile)."""
+        if not self._attached.is_set():
+            await self._attached.wait()
 
     async def _on_stall(self, waited_s: float) -> None:
         if self._dead:
@@ -285,33 +386,49 @@ class VideoSessionDriver:
             if not isinstance(out, Frames):
                 continue
             self.stats.chunks_received += 1
-            encoded = await outlet.prepare(out.frames)
-            now = self._clock()
-            if demanded_at is not None:
-                pacer.observe_latency(now - demanded_at)
-            await self._sleep_until(pacer.send_at(now))
             fps = out.fps or start.fps
-            sent_at = self._clock()
-            events = self.core.on_chunk(
-                out.chunk_index,
-                encoded,
-                outlet.mime_type,
-                fps,
-                sent_at,
-                kind=outlet.kind,
-                queue_depth=outlet.queue_depth,
-            )
-            if outlet.kind == "media":
-                await self._send(*(event.to_json() for event in events), encoded.data)
-            else:
-                await self._send(*(event.to_json() for event in events))
+            while True:  # once, unless the connection drops between encoding and sending
+                await self._wait_attached()  # detached: hold this chunk, demand nothing more
+                if self._restart_outlet:
+                    self._restart_outlet = False
+                    await outlet.restart()
+                connection = self._connection
+                encoded = await outlet.prepare(out.frames)
+                now = self._clock()
+                if demanded_at is not None:
+                    pacer.observe_latency(now - demanded_at)
+                    demanded_at = None
+                await self._sleep_until(pacer.send_at(now))
+                sent_at = self._clock()
+
+                make = functools.partial(self._chunk_frames, outlet, out.chunk_index, encoded, fps, sent_at)
+                if await self._send_chunk(make, connection):
+                    break
+            if outlet.kind != "media":
                 await self._play(outlet, out.frames, fps)
             self.stats.chunks_sent += 1
+            self.last_activity = sent_at
             pacer.sent(sent_at, encoded.frame_count / fps)
             await self._sleep_until(pacer.demand_at(self._clock()))
             demanded_at = await self._demand(runtime)
         # the stream ended without a status: the runtime went away
         await self._perform(self.core.on_generation_end("failed", "the runtime ended the stream"))
+
+    def _chunk_frames(
+        self, outlet: ChunkOutlet, chunk_index: int, encoded: EncodedChunk, fps: float, sent_at: float
+    ) -> list[str | bytes]:
+        """Hand the chunk out (the core numbers it): its events, then its bytes (media outlets)."""
+        events = self.core.on_chunk(
+            chunk_index,
+            encoded,
+            outlet.mime_type,
+            fps,
+            sent_at,
+            kind=outlet.kind,
+            queue_depth=outlet.queue_depth,
+        )
+        wire: list[str | bytes] = [event.to_json() for event in events]
+        return [*wire, encoded.data] if outlet.kind == "media" else wire
 
     async def _play(self, outlet: ChunkOutlet, frames: Any, fps: float) -> None:
         """Frames onto a track outlet, which waits while about a chunk is queued: a peer that

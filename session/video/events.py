@@ -31,6 +31,7 @@ class ErrorCode:
     GENERATION_FAILED = "generation_failed"
     CLIENT_STALLED = "client_stalled"
     MESSAGE_TOO_LARGE = "message_too_large"
+    SESSION_EXPIRED = "session_expired"  # idle TTL or maximum lifetime (hosted sessions)
 
 
 class ProtocolError(ValueError):
@@ -278,3 +279,30 @@ class ErrorEvent(ServerEvent):
     message: str
     event_id: str | None = None
     request_id: str | None = None
+
+
+@dataclass(slots=True)
+class SessionResumable(ServerEvent):
+    """Hosted sessions (session/video/hosting.py), first event of a new connection: how to
+    resume this session after a dropped connection. The token is shown once."""
+
+    type: ClassVar[str] = "omni.session.resumable"
+    session_id: str
+    resume_token: str
+    expires_at: int
+
+
+@dataclass(slots=True)
+class SessionResumed(ServerEvent):
+    """First event of a resuming connection: where the running world is. Chunks continue
+    from ``chunk_index`` (the next chunk this client gets); ``request_id`` and ``config``
+    are those of ``video.start`` (absent when no world is generating)."""
+
+    type: ClassVar[str] = "omni.session.resumed"
+    session_id: str
+    phase: str
+    chunk_index: int
+    chunks_sent: int
+    request_id: str | None = None
+    format: str | None = None
+    config: dict[str, Any] | None = None

@@ -33,6 +33,10 @@ class ChunkOutlet(Protocol):
 
     async def play(self, frames: np.ndarray, fps: float) -> None: ...
 
+    async def restart(self) -> None:
+        """A new connection takes over the stream (a resumed session): the next chunk must
+        decode on its own (m4s: carry a new init segment)."""
+
     def close(self) -> None: ...
 
 
@@ -41,8 +45,9 @@ class EncodedOutlet:
 
     kind = "media"
 
-    def __init__(self, encoder: ChunkEncoder) -> None:
+    def __init__(self, encoder: ChunkEncoder, start: StartGeneration | None = None) -> None:
         self.encoder = encoder
+        self._start = start
 
     @property
     def mime_type(self) -> str:
@@ -58,6 +63,18 @@ class EncodedOutlet:
     async def play(self, frames: np.ndarray, fps: float) -> None:
         return None  # the bytes went out with the metadata
 
+    async def restart(self) -> None:
+        """JPEG chunks stand alone; an fMP4 stream starts over with a fresh encoder, so the
+        resumed client's first chunk carries the init segment its new player needs."""
+        start = self._start
+        if start is None or start.format == "jpeg":
+            return
+        fresh = await asyncio.to_thread(
+            make_encoder, start.format, start.width, start.height, start.fps, jpeg_quality=start.jpeg_quality
+        )
+        self.encoder.close()
+        self.encoder = fresh
+
     def close(self) -> None:
         self.encoder.close()
 
@@ -67,4 +84,4 @@ async def encoded_outlet(start: StartGeneration) -> ChunkOutlet:
     encoder = await asyncio.to_thread(
         make_encoder, start.format, start.width, start.height, start.fps, jpeg_quality=start.jpeg_quality
     )
-    return EncodedOutlet(encoder)
+    return EncodedOutlet(encoder, start)

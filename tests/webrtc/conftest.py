@@ -14,12 +14,15 @@ from tests.live_server import LiveServer, live_server
 from tests.speech_audio import SENTENCE, speak
 
 INTERRUPTION = "Wait, stop. I have another question."
+GRACE_S = 2.0
 TRANSCRIBED = {"type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with live_server(Path(tmp_path_factory.mktemp("srv"))) as live:
+    # A short disconnect grace: a client peer closed without a hangup detaches its session
+    # (tests/webrtc/test_resume.py), and later tests wait for the server to be empty again.
+    with live_server(Path(tmp_path_factory.mktemp("srv")), disconnect_grace_s=GRACE_S) as live:
         yield live
 
 

@@ -18,7 +18,7 @@ from media.webrtc_client import RealtimeCallClient
 from tests.live_server import LiveServer
 from tests.session.realtime_harness import assert_valid_server_event
 from tests.speech_audio import SENTENCE, words
-from tests.webrtc.conftest import TRANSCRIBED, open_peer_connections, webrtc_service
+from tests.webrtc.conftest import GRACE_S, TRANSCRIBED, open_peer_connections, webrtc_service
 
 SILENT_RMS = 1e-3
 
@@ -178,14 +178,25 @@ async def test_hangup_releases_the_call(server: LiveServer) -> None:
         assert again.status_code == 404
 
 
-async def test_vanished_peer_releases_the_session(server: LiveServer) -> None:
+async def test_peer_gone_without_hangup_gets_the_grace_then_is_released(server: LiveServer) -> None:
+    """`pc.close()` (a closed tab) is no hangup: like a dropped WebSocket, the session is
+    detached for the disconnect grace (see tests/webrtc/test_resume.py), then parked."""
     await settled(server)
     client = RealtimeCallClient(server.http_url)
     await client.connect()
     _, created = await client.wait_event("session.created")
-    assert created["session"]["id"] in server.ctx.sessions
+    session_id = created["session"]["id"]
+    assert session_id in server.ctx.sessions
     await client.pc.close()  # gone without a hangup
-    await settled(server)
+    url = f"{server.http_url}/v1/sessions/{session_id}"
+    async with httpx.AsyncClient() as http:
+        await wait_until(lambda: not webrtc_service(server).calls)
+        detached = (await http.get(url)).json()
+        assert detached["state"] == "detached" and detached["live_here"] is True
+        started = time.monotonic()
+        await settled(server)
+        assert time.monotonic() - started >= GRACE_S - 1.0
+        assert (await http.get(url)).json()["state"] == "parked"
     await client.close()
 
 

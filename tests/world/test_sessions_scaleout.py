@@ -1,0 +1,68 @@
+"""World sessions scaled out: two replica processes on one redis-server (tests/scaleout's
+helpers). A world is bound to the replica that opened it, like a voice session: its state
+answers with that owner everywhere, and a resume on another replica is refused with 409
+``session_elsewhere`` (the world's rolling context lives only on its owner)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from tests.conftest_redis import RedisServerProcess, start_tcp_redis
+from tests.scaleout.cluster import Proc, replica_id_of, start_replica, wait_ready
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
+    redis: RedisServerProcess = start_tcp_redis(tmp_path_factory.mktemp("redis"))
+    tmp = tmp_path_factory.mktemp("replicas")
+    started: list[Proc] = []
+    try:
+        started = [start_replica(redis.url, Path(tmp)) for _ in range(2)]
+        wait_ready(started, path="/readyz")
+        yield started[0], started[1]
+    finally:
+        for proc in started:
+            proc.stop()
+        redis.stop()
+
+
+def ws_url(replica: Proc, query: str = "") -> str:
+    return replica.url.replace("http://", "ws://") + "/v1/realtime/video" + query
+
+
+async def test_world_is_bound_to_its_replica(replicas: tuple[Proc, Proc]) -> None:
+    owner, other = replicas
+    owner_id = await replica_id_of(owner)
+    async with connect(ws_url(owner)) as ws:
+        resumable = json.loads(await ws.recv())
+        assert resumable["type"] == "omni.session.resumable"
+        session_id, token = resumable["session_id"], resumable["resume_token"]
+        async with httpx.AsyncClient(trust_env=False) as http:
+            here = (await http.get(f"{owner.url}/v1/sessions/{session_id}")).json()
+            there = (await http.get(f"{other.url}/v1/sessions/{session_id}")).json()
+        assert here["kind"] == "world" and here["live_here"] is True
+        assert here["replica"]["id"] == owner_id and here["replica"]["epoch"] >= 1
+        assert there["live_here"] is False and there["replica"]["id"] == owner_id
+        try:
+            await connect(
+                ws_url(other, f"?session_id={session_id}"), additional_headers={"X-Omni-Resume-Token": token}
+            )
+            raise AssertionError("a resume on the wrong replica was accepted")
+        except InvalidStatus as exc:
+            assert exc.response.status_code == 409
+            assert json.loads(exc.response.body)["error"]["code"] == "session_elsewhere"
+    async with httpx.AsyncClient(trust_env=False) as http:
+        for _ in range(100):  # a clean close ends it; its record goes
+            if (await http.get(f"{owner.url}/v1/sessions/{session_id}")).status_code == 404:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the world outlived its clean close")
