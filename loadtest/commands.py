@@ -59,6 +59,14 @@ async def run_levels(
 
 def one_line(level: dict[str, Any]) -> str:
     s, sv = level["summary"], level["server"]
+    w = s.get("world")
+    if w:
+        fps, jit, act = w["fps"], w["frame_jitter_ms"], w["action_ms"]
+        return (
+            f"[{level['label']}] N={level['sessions']}: fps min {fps['min']} mean {fps['mean']}"
+            f" (asked {w['fps_requested']}), jitter p99 {jit['p99']} ms, late chunks {w['late_chunks']},"
+            f" action p50 {act['p50']} p95 {act['p95']} ms, errors {s['errors']}"
+        )
     ttfa, gap = s["ttfa_ms"], s["delta_gap_ms"]
     verdict = "" if "slo_ok" not in level else (" SLO ok" if level["slo_ok"] else " SLO FAILED")
     cpu = (

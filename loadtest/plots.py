@@ -176,15 +176,83 @@ def capacity_probes(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _world(level: dict[str, Any]) -> dict[str, Any]:
+    world: dict[str, Any] = level["summary"].get("world") or {}
+    return world
+
+
+def frame_jitter_cdf(results: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for lv in _pick(results["levels"]):
+        q = _world(lv).get("frame_jitter_quantiles_ms") or []
+        if q:
+            ax.plot(q, np.arange(len(q)) / 100.0, label=f"{lv['label']} N={lv['sessions']}")
+    ax.axvline(0.0, color="gray", lw=0.8)
+    ax.set_xlabel("chunk arrival interval − chunk play time (ms; > 0: late)")
+    ax.set_ylabel("fraction of chunks")
+    ax.set_title("World sessions: frame-interval jitter")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def action_latency_cdf(results: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for lv in _pick(results["levels"]):
+        x, y = ecdf(_world(lv).get("action_samples_ms") or [])
+        if x.size:
+            ax.step(x, y, where="post", label=f"{lv['label']} N={lv['sessions']}")
+    ax.set_xlabel("key event sent → first chunk it shaped received (ms)")
+    ax.set_ylabel("fraction of actions")
+    ax.set_title("World sessions: action latency")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def fps_vs_concurrency(results: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label in _labels(results["levels"]):
+        mine = sorted((lv for lv in results["levels"] if lv["label"] == label), key=lambda lv: lv["sessions"])
+        n = [lv["sessions"] for lv in mine]
+        for q, style in (("min", "--s"), ("mean", "-o")):
+            y = [(_world(lv).get("fps") or {}).get(q) for lv in mine]
+            ax.plot(n, [np.nan if v is None else v for v in y], style, label=f"{label} fps {q}")
+        asked = [_world(lv).get("fps_requested") for lv in mine]
+        ax.plot(n, [np.nan if v is None else v for v in asked], ":", color="gray", label=f"{label} asked")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent sessions")
+    ax.set_ylabel("frames per second per session")
+    ax.set_title("World sessions: delivered fps against concurrency")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def draw_all(results: dict[str, Any], plots_dir: Path, name: str) -> list[Path]:
     """Every plot that fits the results; returns the files written."""
     plots_dir.mkdir(parents=True, exist_ok=True)
     levels = results["levels"]
-    jobs: list[tuple[str, Any]] = [("ttfa-cdf", ttfa_cdf), ("delta-gap-cdf", delta_gap_cdf)]
-    if len({lv["sessions"] for lv in levels}) > 1:
-        jobs.append(("ttfa-vs-concurrency", ttfa_vs_concurrency))
-    if len(_labels(levels)) > 1:
-        jobs.append(("compare-bars", compare_bars))
+    jobs: list[tuple[str, Any]]
+    if any(_world(lv) for lv in levels):
+        jobs = [("frame-jitter-cdf", frame_jitter_cdf), ("action-latency-cdf", action_latency_cdf)]
+        if len({lv["sessions"] for lv in levels}) > 1:
+            jobs.append(("fps-vs-concurrency", fps_vs_concurrency))
+    else:
+        jobs = [("ttfa-cdf", ttfa_cdf), ("delta-gap-cdf", delta_gap_cdf)]
+        if len({lv["sessions"] for lv in levels}) > 1:
+            jobs.append(("ttfa-vs-concurrency", ttfa_vs_concurrency))
+        if len(_labels(levels)) > 1:
+            jobs.append(("compare-bars", compare_bars))
     if any(lv["server"].get("available") for lv in levels):
         jobs.append(("server", server_timeline))
     if results.get("kind") == "capacity":

@@ -36,10 +36,12 @@ def level_row(lv: dict[str, Any]) -> str:
     adm = s.get("admissions", {})
     refused = sum(n for k, n in adm.items() if k != "admitted")
     ttfa, gap = s["ttfa_ms"], s["delta_gap_ms"]
+    silent = f" ({s['silent_frames']} silent frames)" if s.get("silent_frames") else ""
     return (
         f"| {lv['label']} | {lv['sessions']} | {s['turns']} | {_f(ttfa['p50'])} | {_f(ttfa['p95'])} "
         f"| {_f(ttfa['p99'])} | {_f(s['stream_ms']['p50'])} | {_f(s['rtf']['p50'], 2)} "
-        f"| {_f(gap['p99'])} / {_f(gap['max'])} | {s['underruns']} | {_f(s['barge_in_stop_ms']['p50'])} "
+        f"| {_f(gap['p99'])} / {_f(gap['max'])} | {s['underruns']}{silent} "
+        f"| {_f(s['barge_in_stop_ms']['p50'])} "
         f"| {_codes(s['errors_by_code'])} | {adm.get('admitted', 0)} / {refused} |\n"
     )
 
@@ -75,6 +77,62 @@ def server_row(lv: dict[str, Any]) -> str:
     )
 
 
+WORLD_HEADER = (
+    "| config | N | fps asked | fps min / p50 / mean | frames | frame jitter p50 / p99 / max "
+    "| late chunks | action → frame p50 / p95 / p99 | queued → applied p50 / p95 | server queued → out p50 "
+    "| actions sent / applied (late) | errors | admitted / refused |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|\n"
+)
+
+
+def world_row(lv: dict[str, Any]) -> str:
+    s = lv["summary"]
+    w = s.get("world") or {}
+    adm = s.get("admissions", {})
+    refused = sum(n for k, n in adm.items() if k != "admitted")
+    fps, jit = w.get("fps") or {}, w.get("frame_jitter_ms") or {}
+    act, qa = w.get("action_ms") or {}, w.get("queued_to_applied_ms") or {}
+    srv = w.get("server_action_ms") or {}
+    return (
+        f"| {lv['label']} | {lv['sessions']} | {_f(w.get('fps_requested'))} "
+        f"| {_f(fps.get('min'), 1)} / {_f(fps.get('p50'), 1)} / {_f(fps.get('mean'), 1)} "
+        f"| {w.get('frames', 0)} "
+        f"| {_f(jit.get('p50'), 1)} / {_f(jit.get('p99'), 1)} / {_f(jit.get('max'), 1)} "
+        f"| {w.get('late_chunks', 0)} | {_f(act.get('p50'))} / {_f(act.get('p95'))} / {_f(act.get('p99'))} "
+        f"| {_f(qa.get('p50'))} / {_f(qa.get('p95'))} | {_f(srv.get('p50'))} "
+        f"| {w.get('actions_sent', 0)} / {w.get('actions_applied', 0)} "
+        f"({w.get('applied_later_than_declared', 0)}) "
+        f"| {_codes(s['errors_by_code'])} | {adm.get('admitted', 0)} / {refused} |\n"
+    )
+
+
+def _is_world(results: dict[str, Any]) -> bool:
+    levels = results.get("levels") or []
+    return bool(levels) and levels[0].get("workload", {}).get("scenario") == "world"
+
+
+def _workload_line(w: dict[str, Any]) -> str:
+    if w.get("scenario") == "world":
+        return (
+            f"Workload: scenario `world`, model `{w.get('model') or 'tiny-jepa'}`,"
+            f" {w.get('video_format', 'jpeg')} {w.get('width')}×{w.get('height')} at {_f(w.get('fps'))} fps,"
+            f" a key event every {w.get('action_every_s')} s on average (± 50 %), ramp {w['ramp_s']} s,"
+            f" duration {w['duration_s']} s.\n\n"
+        )
+    transport = (
+        "mic on the call's audio track (48 kHz Opus, 20 ms frames) in real time"
+        if w.get("scenario") == "voice-webrtc"
+        else f"appends of {w['append_ms']} ms in real time"
+    )
+    return (
+        f"Workload: scenario `{w['scenario']}`, speech `{w['speech']}`, turns by `{w['turn_detection']}`"
+        f" (silence {w['silence_ms']} ms), {transport},"
+        f" ramp {w['ramp_s']} s,"
+        f" duration {w['duration_s']} s, pause {w['pause_s']} s, barge-in {w['barge_in']:.0%},"
+        f" playout prebuffer {w['prebuffer_ms']} ms.\n\n"
+    )
+
+
 def verdict_lines(lv: dict[str, Any]) -> list[str]:
     return [
         f"- {'PASS' if v['ok'] else 'FAIL'}: `{v['objective']}` (measured {_f(v['actual'], 1)})"
@@ -98,16 +156,14 @@ def render(results: dict[str, Any], plot_links: list[str]) -> str:
         )
     levels = results["levels"]
     if levels:
-        w = levels[0]["workload"]
-        out.append(
-            f"Workload: scenario `{w['scenario']}`, speech `{w['speech']}`, turns by `{w['turn_detection']}`"
-            f" (silence {w['silence_ms']} ms), appends of {w['append_ms']} ms in real time,"
-            f" ramp {w['ramp_s']} s,"
-            f" duration {w['duration_s']} s, pause {w['pause_s']} s, barge-in {w['barge_in']:.0%},"
-            f" playout prebuffer {w['prebuffer_ms']} ms.\n\n"
-        )
-    out.append("## Client-measured, per turn (ms)\n\n")
-    out.append(LEVEL_HEADER + "".join(level_row(lv) for lv in levels) + "\n")
+        out.append(_workload_line(levels[0]["workload"]))
+    world = _is_world(results)
+    if world:
+        out.append("## World sessions, client-measured (ms unless noted)\n\n")
+        out.append(WORLD_HEADER + "".join(world_row(lv) for lv in levels) + "\n")
+    else:
+        out.append("## Client-measured, per turn (ms)\n\n")
+        out.append(LEVEL_HEADER + "".join(level_row(lv) for lv in levels) + "\n")
     out.append("## Server, from `/metrics`\n\n")
     out.append(SERVER_HEADER + "".join(server_row(lv) for lv in levels) + "\n")
     verdicts = [(lv, verdict_lines(lv)) for lv in levels if lv.get("slo")]
@@ -125,7 +181,9 @@ def render(results: dict[str, Any], plot_links: list[str]) -> str:
         )
     if plot_links:
         out.append("## Plots\n\n" + "".join(f"![{Path(p).stem}]({p})\n\n" for p in plot_links))
-    out.append(GLOSSARY)
+    out.append((WORLD_GLOSSARY if world else GLOSSARY) + SERVER_GLOSSARY)
+    if levels and levels[0]["workload"].get("scenario") == "voice-webrtc":
+        out.append(WEBRTC_NOTE)
     return "".join(out)
 
 
@@ -156,7 +214,9 @@ GLOSSARY = """## What the columns mean
   first delta, then plays in real time) ran dry before the next delta arrived.
 - **barge-in stop**: the client's interruption (speech onset with server VAD, or
   `response.cancel`) → `response.done` (cancelled) of the interrupted reply.
-- **server TTFA**: the server's own histogram, response start → first pipeline audio.
+"""
+
+SERVER_GLOSSARY = """- **server TTFA**: the server's own histogram, response start → first pipeline audio.
 - **CPU ms per session-s**: server CPU time divided by the integral of open sessions over
   time: what one session costs, little affected by other load on the host.
 - **conversation audio**: audio the server holds in open sessions' conversations (peak); it
@@ -169,4 +229,32 @@ GLOSSARY = """## What the columns mean
   timestamps (and so the latencies above) include the client's own delay.
 - **late client sends**: appends the load generator sent > 20 ms behind schedule (if many, the
   client, not the server, is the bottleneck).
+"""
+
+
+WEBRTC_NOTE = """
+Over WebRTC (`voice-webrtc`) the answer arrives as 20 ms Opus frames on the call's track, not
+as deltas: **TTFA** ends at the arrival of the first RTP packet whose decoded peak is above
+0.02 (tapped before aiortc's jitter buffer); **first→last**, **RTF**, **gaps** and
+**underruns** count the answer's non-silent frames (digital silence the server's track sends
+while the pipeline is behind is missing audio; **silent frames** counts those frames between
+audible frames of a reply, so underruns without them are transport or client lateness). The
+track plays in real time, so RTF ≥ 1.
+**barge-in stop** ends at the first frame of the silence that followed the interruption
+(`output_audio_buffer.cleared` when no such frame was seen).
+"""
+
+WORLD_GLOSSARY = """## What the columns mean
+
+- **fps**: frames received per second by each session after its first second (min, median and
+  mean over sessions).
+- **frame jitter**: each chunk's arrival interval minus the play time of the previous chunk
+  (`frame_count / fps`; with one frame per chunk, *frame interval − 1/fps*), in ms, pooled over
+  sessions; positive is late. **late chunks**: more than half a frame period late.
+- **action → frame**: a key event's `session.interaction` sent → arrival of the first chunk the
+  server says it shaped (`session.interaction.applied` precedes that chunk).
+- **queued → applied**: arrival of `session.interaction.queued` → of `.applied`, client clock;
+  **server queued → out**: the server's own `latency_ms` in `.applied`.
+- **actions sent / applied (late)**: key events sent, applied, and applied on a later chunk
+  than the `applies_at_chunk` the server declared.
 """

@@ -27,6 +27,7 @@ from loadtest.stats import summarize
 from loadtest.turns import TurnRecord
 from loadtest.voice_ws import LiveCounters, SessionResult, VoiceWsSession
 from loadtest.workload import Workload
+from loadtest.world import WorldSession, WorldSessionResult, world_summary
 
 
 class SessionRunner(Protocol):
@@ -36,30 +37,52 @@ class SessionRunner(Protocol):
 SessionFactory = Callable[[int, Target, Workload, SpeechBank, LiveCounters], SessionRunner]
 
 
+def api_key() -> str | None:
+    """The key sessions authenticate with (``OMNIDUPLEX_API_KEY``; none for an open server)."""
+    return os.environ.get("OMNIDUPLEX_API_KEY") or None
+
+
+def auth_headers() -> dict[str, str]:
+    key = api_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def voice_ws_session(
     index: int, target: Target, workload: Workload, bank: SpeechBank, counters: LiveCounters
 ) -> SessionRunner:
     url = target.ws_url + (f"?model={workload.model}" if workload.model else "")
-    return VoiceWsSession(index, url, workload, bank, counters)
+    return VoiceWsSession(index, url, workload, bank, counters, headers=auth_headers())
 
 
-def _not_yet(name: str) -> SessionFactory:
-    def factory(
-        index: int, target: Target, workload: Workload, bank: SpeechBank, counters: LiveCounters
-    ) -> SessionRunner:
-        raise NotImplementedError(f"scenario {name!r} is not implemented yet (see docs/loadtest.md)")
+def voice_rtc_session(
+    index: int, target: Target, workload: Workload, bank: SpeechBank, counters: LiveCounters
+) -> SessionRunner:
+    from loadtest.voice_rtc import VoiceRtcSession  # aiortc: imported only when used
 
-    return factory
+    return VoiceRtcSession(index, target.base_url, workload, bank, counters, api_key=api_key())
 
 
-# voice-webrtc (an aiortc peer: mic on the RTP track, events on the data channel) and world
-# (frame pacing, fps, action latency) plug in here with their own session classes; the
-# runner, reports and plots only see SessionResult/TurnRecord.
+def world_session(
+    index: int, target: Target, workload: Workload, bank: SpeechBank, counters: LiveCounters
+) -> SessionRunner:
+    return WorldSession(index, target.ws_url + "/video", workload, counters, headers=auth_headers())
+
+
+async def warm_world(target: Target, workload: Workload) -> None:
+    from loadtest.world import warm_up
+
+    await warm_up(target.ws_url + "/video", workload, auth_headers())
+
+
+# The runner, reports and plots only see SessionResult/TurnRecord (world sessions add a
+# WorldStats, summarised under ``summary["world"]``).
 SCENARIOS: dict[str, SessionFactory] = {
     "voice-ws": voice_ws_session,
-    "voice-webrtc": _not_yet("voice-webrtc"),
-    "world": _not_yet("world"),
+    "voice-webrtc": voice_rtc_session,
+    "world": world_session,
 }
+# Run once before a level's clock starts (e.g. load the world model's pipeline).
+WARM_UPS: dict[str, Callable[[Target, Workload], Awaitable[None]]] = {"world": warm_world}
 
 
 async def wait_idle(sampler: MetricsSampler, timeout_s: float = 60.0) -> None:
@@ -96,6 +119,9 @@ async def run_level(
     factory = SCENARIOS[workload.scenario]
     counters = LiveCounters()
     sampler = MetricsSampler(target.base_url, pid=target.pid)
+    warm = WARM_UPS.get(workload.scenario)
+    if warm is not None:
+        await warm(target, workload)
     await wait_idle(sampler)
     sampler.scrapes.clear()
     await asyncio.sleep(settle_s)
@@ -160,6 +186,11 @@ async def run_level(
                 "close": r.close,
                 "late_sends": r.late_sends,
                 "vad_splits": r.vad_splits,
+                **(
+                    {"world": r.world.to_json()}
+                    if isinstance(r, WorldSessionResult) and r.world is not None
+                    else {}
+                ),
             }
             for r in results
         ],
@@ -197,6 +228,8 @@ def level_summary(results: list[SessionResult]) -> dict[str, Any]:
     completed = [t for t in turns if t.status == "completed"]
     gaps_ms = np.array([g * 1000.0 for t in turns for g in t.gaps_s], dtype=np.float64)
     barge = [t for t in turns if t.barge_in_at is not None]
+    worlds = [r.world for r in results if isinstance(r, WorldSessionResult) and r.world is not None]
+    extra: dict[str, Any] = {"world": world_summary(worlds)} if worlds else {}
     return {
         "turns": len(turns),
         "status": statuses,
@@ -210,6 +243,7 @@ def level_summary(results: list[SessionResult]) -> dict[str, Any]:
         ),
         "underruns": sum(t.underruns for t in turns),
         "turns_with_underruns": sum(1 for t in turns if t.underruns),
+        "silent_frames": sum(t.silent_frames for t in turns),
         "stall_ms": round(sum(t.playout.stall_s for t in turns) * 1000.0, 1),
         "barge_ins": len(barge),
         "barge_in_stop_ms": summarize(t.barge_in_stop_ms for t in barge),
@@ -218,4 +252,5 @@ def level_summary(results: list[SessionResult]) -> dict[str, Any]:
         "admissions": admissions,
         "vad_splits": sum(r.vad_splits for r in results),
         "unexpected_closes": sum(1 for r in results if r.close is not None),
+        **extra,
     }

@@ -34,6 +34,9 @@ class TurnRecord:
     barge_in_at: float | None = None  # the client interrupted (speech onset or response.cancel)
     barge_in_done_at: float | None = None  # response.done after the interruption
     errors: dict[str, int] = field(default_factory=dict)
+    # WebRTC: digitally silent 20 ms frames between audible frames of the reply (the server's
+    # track ran dry and sent silence: its pipeline or its pacer fell behind real time).
+    silent_frames: int = 0
     playout: PlayoutBuffer = field(default_factory=PlayoutBuffer)
 
     def on_audio(self, now: float, audio_ms: float) -> None:
@@ -100,6 +103,7 @@ class TurnRecord:
             "deltas": self.deltas,
             "max_delta_gap_ms": r(self.max_gap_s * 1000.0),
             "underruns": self.underruns,
+            "silent_frames": self.silent_frames,
             "stall_ms": r(self.playout.stall_s * 1000.0),
             "barge_in": self.barge_in_at is not None,
             "barge_in_stop_ms": r(self.barge_in_stop_ms),

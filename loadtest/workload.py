@@ -35,8 +35,14 @@ class Workload:
     prebuffer_ms: int = 100  # simulated client playout buffer
     response_timeout_s: float = 60.0  # end of speech → response.done
     max_output_tokens: int = 0  # response.create cap (manual turns); 0: the server's default
-    model: str | None = None  # ?model= (default: the server's pipeline)
+    model: str | None = None  # voice: ?model= (default: the server's pipeline); world: the model
     seed: int = 0
+    # world sessions (scenario "world"): session.start and the key presses
+    fps: float = 15.0
+    width: int = 256
+    height: int = 256
+    video_format: str = "jpeg"
+    action_every_s: float = 0.3  # mean interval between key events (keydown, keyup, ...)
 
     @property
     def total_s(self) -> float:
@@ -59,6 +65,12 @@ class Workload:
             raise ValueError("barge_in is a fraction in [0, 1]")
         if self.duration_s <= 0 or self.ramp_s < 0:
             raise ValueError("duration_s must be > 0 and ramp_s >= 0")
+        if not 0.0 < self.fps <= 120.0:
+            raise ValueError("fps must be in (0, 120]")
+        if self.width < 16 or self.height < 16:
+            raise ValueError("width and height must be >= 16")
+        if self.action_every_s <= 0:
+            raise ValueError("action_every_s must be > 0")
 
 
 def parse_levels(text: str) -> list[int]:
@@ -108,8 +120,16 @@ def add_workload_args(p: argparse.ArgumentParser, *, levels: bool = True) -> Non
     g.add_argument("--prebuffer-ms", type=int, default=d.prebuffer_ms, help="client playout prebuffer")
     g.add_argument("--response-timeout", type=float, default=d.response_timeout_s)
     g.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens)
-    g.add_argument("--model", default=None)
+    g.add_argument("--model", default=None, help="voice: ?model=; world: session.start model (tiny-jepa)")
     g.add_argument("--seed", type=int, default=d.seed)
+    v = p.add_argument_group("world sessions (--scenario world)")
+    v.add_argument("--fps", type=float, default=d.fps, help="session.start fps")
+    v.add_argument("--width", type=int, default=d.width)
+    v.add_argument("--height", type=int, default=d.height)
+    v.add_argument("--video-format", default=d.video_format, choices=("jpeg", "m4s"))
+    v.add_argument(
+        "--action-every", type=float, default=d.action_every_s, help="mean seconds between key events"
+    )
 
 
 def workload_from_args(args: argparse.Namespace, sessions: int | None = None) -> Workload:
@@ -134,6 +154,11 @@ def workload_from_args(args: argparse.Namespace, sessions: int | None = None) ->
         max_output_tokens=args.max_output_tokens,
         model=args.model,
         seed=args.seed,
+        fps=args.fps,
+        width=args.width,
+        height=args.height,
+        video_format=args.video_format,
+        action_every_s=args.action_every,
     )
     w.check()
     return w

@@ -92,3 +92,42 @@ def test_histogram_quantile_and_scrape() -> None:
 def test_parse_levels() -> None:
     assert parse_levels("1-16") == [1, 2, 4, 8, 16]
     assert parse_levels("3,1,200") == [1, 3, 200]
+
+
+def test_world_stats_fps_jitter_and_action_latency() -> None:
+    from loadtest.world import WARMUP_S, Action, WorldStats, world_summary
+
+    stats = WorldStats(fps_requested=15.0, started_at=0.0)
+    period = 1 / 15
+    # One frame per chunk, on time, except chunk 40 which arrives 50 ms late (then on time).
+    t = WARMUP_S
+    for i in range(60):
+        t += period + (0.05 if i == 40 else 0.0) - (0.05 if i == 41 else 0.0)
+        stats.chunk_at.append(t)
+        stats.chunk_frames.append(1)
+    jitter = stats.jitter_ms()
+    assert len(jitter) == 59
+    assert max(jitter) == pytest.approx(50.0) and min(jitter) == pytest.approx(-50.0)
+    assert stats.late_chunks() == 1  # > half a period late
+    assert stats.fps() == pytest.approx(15.0)
+    stats.actions["a"] = Action(sent_at=1.0, queued_at=1.01, applies_at=5, applied_at=1.06, applied_chunk=6)
+    stats.actions["a"].frame_at = 1.07
+    stats.actions["b"] = Action(sent_at=2.0)  # never queued
+    assert stats.action_ms() == [pytest.approx(70.0)]
+    assert stats.queued_to_applied_ms() == [pytest.approx(50.0)]
+    summary = world_summary([stats])
+    assert summary["actions_sent"] == 2 and summary["actions_applied"] == 1
+    assert summary["applied_later_than_declared"] == 1
+    assert summary["fps"]["min"] == pytest.approx(15.0)
+    assert len(summary["frame_jitter_quantiles_ms"]) == 101
+
+
+def test_rtc_speech_decodes_the_bank_at_48k() -> None:
+    from loadtest.speech import build_speech_bank
+    from loadtest.voice_rtc import rtc_speech
+
+    bank = build_speech_bank("tone", append_ms=40, speech_ms=500)
+    speech = rtc_speech(bank)
+    assert len(speech) == len(bank.utterances)
+    assert all(abs(len(s) - 24_000) <= 2 for s in speech)  # 500 ms at 48 kHz, padding dropped
+    assert rtc_speech(bank) is speech  # decoded once per bank
