@@ -114,7 +114,9 @@ class OutboundAudioTrack(MediaStreamTrack):
     """The server's audio track: queued model audio, paced at 20 ms, silence when idle.
 
     `play` / `clear` / `finish` are called from the event loop (session effects); `recv` is
-    called by aiortc's sender, which encodes each frame in a worker thread.
+    called by aiortc's sender, which encodes each frame in a worker thread. A response starts
+    playing after a pre-roll of `preroll_ms` (one frame) unless `lead_ms` of it is already
+    queued (see `PlayoutBuffer`): no underrun while the pipeline keeps ahead of real time.
     """
 
     kind = "audio"
@@ -126,6 +128,8 @@ class OutboundAudioTrack(MediaStreamTrack):
         rate: int = OPUS_RATE,
         frame_ms: int = FRAME_MS,
         max_buffered_s: float = 120.0,
+        preroll_ms: float = FRAME_MS,
+        lead_ms: float = 200.0,
         clock: Clock = time.monotonic,
         sleep: Sleep = asyncio.sleep,
     ) -> None:
@@ -133,39 +137,34 @@ class OutboundAudioTrack(MediaStreamTrack):
         self.observer = observer
         self.rate = rate
         self.frame_samples = rate * frame_ms // 1000
-        self.buffer = PlayoutBuffer(rate, max_buffered_s=max_buffered_s)
+        self.buffer = PlayoutBuffer(
+            rate, max_buffered_s=max_buffered_s, preroll_s=preroll_ms / 1000.0, lead_s=lead_ms / 1000.0
+        )
         self.pacer = FramePacer(frame_ms / 1000.0, clock=clock, sleep=sleep)
+        self._clock = clock
         self._time_base = fractions.Fraction(1, rate)
-        # Responses with audio still to come (not finished or cleared) → silent frames sent
-        # since their audio ran dry; those count as underruns once more of their audio comes.
-        self._dry: dict[str, int] = {}
         self.frames_sent = 0
         self.audible_frames = 0
-        self.underrun_frames = 0  # silence sent inside a response (its audio came too late)
+
+    @property
+    def underrun_frames(self) -> int:
+        """Silent frames sent inside a response (its audio came too late)."""
+        return self.buffer.underrun_frames
 
     # --- control, from the session ---------------------------------------------------------
 
     def play(self, response_id: str, samples: np.ndarray, rate: int) -> None:
-        self.buffer.push(response_id, np.asarray(samples, dtype=np.float32), rate)
-        self.underrun_frames += self._dry.pop(response_id, 0)
-        self._dry[response_id] = 0
-        while len(self._dry) > 8:  # responses never finished nor cleared
-            self._dry.pop(next(iter(self._dry)))
+        self.buffer.push(response_id, np.asarray(samples, dtype=np.float32), rate, self._clock())
 
     def finish(self, response_id: str) -> None:
         """All audio of `response_id` is queued; report it finished once the peer has it."""
-        self.buffer.finish(response_id)
-        self._dry.pop(response_id, None)
+        self.buffer.finish(response_id, self._clock())
         if not self.buffer.holds(response_id):
             self._report_finished(response_id)
 
     def clear(self, response_id: str | None = None) -> None:
         """Drop queued audio now (barge-in): the next frame out is silence."""
         self.buffer.clear(response_id)
-        if response_id is None:
-            self._dry.clear()
-        else:
-            self._dry.pop(response_id, None)
 
     # --- the media side --------------------------------------------------------------------
 
@@ -173,7 +172,7 @@ class OutboundAudioTrack(MediaStreamTrack):
         if self.readyState != "live":
             raise MediaStreamError
         index = await self.pacer.next_frame()
-        pulled = self.buffer.pull(self.frame_samples)
+        pulled = self.buffer.pull(self.frame_samples, self._clock())
         frame = av.AudioFrame.from_ndarray(pulled.samples.reshape(1, -1), format="s16", layout="mono")
         frame.sample_rate = self.rate
         frame.pts = index * self.frame_samples
@@ -181,26 +180,30 @@ class OutboundAudioTrack(MediaStreamTrack):
         self.frames_sent += 1
         if pulled.audible:
             self.audible_frames += 1
-        if pulled.filled < self.frame_samples:
-            for rid in self._dry:
-                if self.buffer.played_ms(rid) > 0 and not self.buffer.holds(rid):
-                    self._dry[rid] += 1
         self._report(pulled.played_ms, pulled.drained)
+        self.pacer.sent()
         return frame
 
     def stats(self) -> dict[str, float]:
-        """Counters and pacing lateness (ms) of this track, for logs and benchmarks."""
-        late = np.asarray(self.pacer.lateness, dtype=np.float64) * 1000.0
-        return {
+        """Counters and pacing (ms) of this track, for logs and benchmarks: `late_*` is the
+        wake-up against the 20 ms grid, `sent_*` the frame handed to the encoder against it."""
+        out: dict[str, float] = {
             "frames": self.frames_sent,
             "audible_frames": self.audible_frames,
             "underrun_frames": self.underrun_frames,
+            "preroll_frames": self.buffer.preroll_frames,
             "dropped_ms": round(self.buffer.dropped_samples * 1000.0 / self.rate, 1),
             "resyncs": self.pacer.resyncs,
-            "late_p50_ms": round(float(np.percentile(late, 50)), 2) if len(late) else 0.0,
-            "late_p99_ms": round(float(np.percentile(late, 99)), 2) if len(late) else 0.0,
-            "late_max_ms": round(float(late.max()), 2) if len(late) else 0.0,
         }
+        for name, window in (("late", self.pacer.lateness), ("sent", self.pacer.send_lateness)):
+            values = np.abs(np.asarray(window, dtype=np.float64)) * 1000.0
+            for key, q in (("p50", 50), ("p99", 99)):
+                out[f"{name}_{key}_ms"] = round(float(np.percentile(values, q)), 2) if len(values) else 0.0
+            out[f"{name}_max_ms"] = round(float(values.max()), 2) if len(values) else 0.0
+        # Hand-on interval − 20 ms between consecutive frames (the due times are 20 ms apart).
+        gaps = np.abs(np.diff(np.asarray(self.pacer.send_lateness, dtype=np.float64))) * 1000.0
+        out["gap_p99_ms"] = round(float(np.percentile(gaps, 99)), 2) if len(gaps) else 0.0
+        return out
 
     def _report(self, played: dict[str, float], drained: list[str]) -> None:
         observer = self.observer

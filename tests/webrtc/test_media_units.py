@@ -157,6 +157,7 @@ async def test_outbound_track_reports_playout_and_finish() -> None:
     rec = Recorder()
     track = OutboundAudioTrack(rec, clock=vt.clock, sleep=vt.sleep)
     track.play("r1", tone(0.1, 24_000), 24_000)
+    assert not np.any((await track.recv()).to_ndarray())  # one frame of pre-roll
     for _ in range(3):
         await track.recv()
     assert rec.played[-1] == ("r1", pytest.approx(60, abs=0.5))
@@ -173,6 +174,7 @@ async def test_outbound_track_underrun_then_finish_reports_once_complete() -> No
     rec = Recorder()
     track = OutboundAudioTrack(rec, clock=vt.clock, sleep=vt.sleep)
     track.play("r1", tone(0.02, 48_000), 48_000)
+    await track.recv()  # pre-roll
     await track.recv()
     assert rec.finished == ["r1"]  # drained (the session ignores this while r1 still runs)
     track.finish("r1")
@@ -303,11 +305,13 @@ async def test_underruns_count_only_real_gaps() -> None:
     vt = VirtualTime()
     track = OutboundAudioTrack(clock=vt.clock, sleep=vt.sleep)
     track.play("r1", tone(0.04, 48_000), 48_000)
-    for _ in range(5):  # 2 frames of audio, then 3 frames dry
+    for _ in range(6):  # 1 frame of pre-roll, 2 frames of audio, then 3 frames dry
         await track.recv()
     assert track.underrun_frames == 0  # maybe it was all: not an underrun yet
-    track.play("r1", tone(0.04, 48_000), 48_000)  # more came: those 3 frames were a gap
-    assert track.underrun_frames == 3
+    assert track.stats()["preroll_frames"] == 1
+    track.play("r1", tone(0.04, 48_000), 48_000)  # more came 20 ms before the next frame
+    assert np.any((await track.recv()).to_ndarray())
+    assert track.underrun_frames == 3  # those 3 frames were a gap
     for _ in range(4):
         await track.recv()
     track.finish("r1")  # complete: the trailing silence was no underrun
