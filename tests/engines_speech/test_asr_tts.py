@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,13 +36,23 @@ def test_piper_to_whisper_round_trip_is_exact(
 
 
 def test_natural_voice_round_trips_word_for_word(asr: Any) -> None:
-    """With Piper's default noise (what the pipeline speaks) case may vary, words do not."""
+    """With Piper's default noise (what the pipeline speaks) case may vary, words do not.
+
+    Piper's noise is drawn inside its ONNX graph (not seedable), and whisper-tiny mishears one
+    word ("quit brown fox") in about 1 of 100 draws on either encode path (loadtest/bench_asr.py):
+    of three draws, at most one word of 27 may differ, so a regression (a repeat, a dropped
+    clause) fails while that known miss does not make the suite flaky."""
     from engines.speech.tts import TtsConfig, shared_tts
 
     voice = shared_tts(TtsConfig())
+    wrong = 0
     for _ in range(3):
         audio = soxr.resample(voice.synthesize_all(SENTENCE), voice.sample_rate, 16000)
-        assert words(asr.transcribe(np.asarray(audio, dtype=np.float32))) == words(SENTENCE)
+        heard = words(asr.transcribe(np.asarray(audio, dtype=np.float32)))
+        matcher = difflib.SequenceMatcher(a=words(SENTENCE), b=heard, autojunk=False)
+        same = sum(block.size for block in matcher.get_matching_blocks())
+        wrong += max(len(words(SENTENCE)), len(heard)) - same
+    assert wrong <= 1
 
 
 def test_asr_on_silence_and_tiny_input(asr: Any) -> None:
@@ -66,13 +77,17 @@ def test_speech_timings(asr: Any, tts: Any, sentence16k: np.ndarray) -> None:
     asr.transcribe(sentence16k)
     asr_s = time.perf_counter() - t0
     t0 = time.perf_counter()
+    asr.transcribe_full(sentence16k)
+    full_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     first = next(iter(tts.synthesize("You said:")))
     first_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     audio = tts.synthesize_all(SENTENCE)
     rtf = (time.perf_counter() - t0) / (audio.size / tts.sample_rate)
     print(
-        f"ASR {sentence16k.size / 16000:.2f} s utterance: {asr_s * 1000:.0f} ms; "
+        f"ASR {sentence16k.size / 16000:.2f} s utterance: {asr_s * 1000:.0f} ms "
+        f"(padded 30 s window: {full_s * 1000:.0f} ms); "
         f"TTS first clause ({first.size / tts.sample_rate:.2f} s audio): {first_s * 1000:.0f} ms; "
         f"TTS RTF {rtf:.3f}"
     )
