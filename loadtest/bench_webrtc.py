@@ -190,6 +190,9 @@ async def webrtc_call(target: Target) -> AsyncIterator[Any]:
         await asyncio.sleep(0.5)
         yield client
     finally:
+        # Hang up first: a peer that just goes away keeps its session (and slot) for the grace period.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(client.hangup(), 10.0)
         await client.close()
 
 
