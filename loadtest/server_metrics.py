@@ -3,6 +3,9 @@
 A :class:`MetricsSampler` scrapes while the load runs; :func:`server_summary` turns the first
 and last scrapes and the samples between them into CPU, RSS, event-loop lag, server-side time
 to first audio, errors and admissions *of this run* (counter and histogram differences).
+
+``omniduplex_active_sessions`` counts voice and world sessions together (the per-session CPU
+cost uses it); ``omniduplex_active_sessions_by_kind{kind}`` splits them.
 """
 
 from __future__ import annotations
@@ -182,6 +185,17 @@ def _tree_summary(scrapes: list[Scrape]) -> dict[str, Any] | None:
     }
 
 
+def peak_by_label(scrapes: list[Scrape], name: str, label: str) -> dict[str, float]:
+    """The largest value of each ``label`` of gauge ``name`` over ``scrapes`` (e.g. the peak
+    voice and world sessions of ``omniduplex_active_sessions_by_kind``; empty from a server
+    that does not export it)."""
+    peaks: dict[str, float] = {}
+    for scrape in scrapes:
+        for key, value in scrape.by_label(name, label).items():
+            peaks[key] = max(peaks.get(key, value), value)
+    return peaks
+
+
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000.0, 1)
 
@@ -244,6 +258,7 @@ def server_summary(
             max(s.value("omniduplex_conversation_audio_bytes") for s in scrapes) / 2**20, 1
         ),
         "peak_active_sessions": max(s.value("omniduplex_active_sessions") for s in scrapes),
+        "peak_active_sessions_by_kind": peak_by_label(scrapes, "omniduplex_active_sessions_by_kind", "kind"),
         "server_ttfa_ms": {
             "p50": _ms(histogram_quantile(0.5, ttfa)),
             "p95": _ms(histogram_quantile(0.95, ttfa)),

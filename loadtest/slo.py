@@ -1,4 +1,11 @@
-"""Service-level objectives over a level's results: ``"ttfa_p95_ms<=1500,underruns==0"``."""
+"""Service-level objectives over a level's results: ``"ttfa_p95_ms<=1500,underruns==0"``.
+
+Voice levels are judged on their turns (``ttfa_*``, ``delta_gap_*``, ``underruns``, ...);
+world levels on ``summary["world"]`` (loadtest/world.py ``world_summary``), e.g.
+``"fps_min>=14,action_latency_p95_ms<=100,frame_jitter_p99_ms<=35,errors==0"``. A metric the
+level did not measure (a world metric on a voice level, no chunk received) fails: an SLO
+that cannot be checked is not met.
+"""
 
 from __future__ import annotations
 
@@ -37,6 +44,33 @@ def _unanswered(level: dict[str, Any]) -> float:
     return float(sum(n for s, n in status.items() if s not in ("completed", "cancelled")))
 
 
+def _world(*path: str) -> Callable[[dict[str, Any]], float | None]:
+    return lambda lv: _get(lv, "summary", "world", *path)
+
+
+def _unapplied(level: dict[str, Any]) -> float | None:
+    sent, applied = _world("actions_sent")(level), _world("actions_applied")(level)
+    return None if sent is None or applied is None else sent - applied
+
+
+WORLD_METRICS: dict[str, Callable[[dict[str, Any]], float | None]] = {
+    # frames delivered per second per session (after a 1 s warm-up): the slowest, the median
+    "fps_min": _world("fps", "min"),
+    "fps_p50": _world("fps", "p50"),
+    # key press → the first frame generated under it (client clock)
+    "action_latency_p50_ms": _world("action_ms", "p50"),
+    "action_latency_p95_ms": _world("action_ms", "p95"),
+    "action_latency_p99_ms": _world("action_ms", "p99"),
+    "server_action_latency_p95_ms": _world("server_action_ms", "p95"),
+    # chunk arrival minus the previous chunk's arrival and play time (positive: late)
+    "frame_jitter_p99_ms": _world("frame_jitter_ms", "p99"),
+    "frame_jitter_abs_p99_ms": _world("frame_jitter_abs_ms", "p99"),
+    "late_chunks": _world("late_chunks"),
+    "world_frames": _world("frames"),
+    "actions_unapplied": _unapplied,
+    "actions_applied_late": _world("applied_later_than_declared"),
+}
+
 METRICS: dict[str, Callable[[dict[str, Any]], float | None]] = {
     "ttfa_p50_ms": lambda lv: _get(lv, "summary", "ttfa_ms", "p50"),
     "ttfa_p95_ms": lambda lv: _get(lv, "summary", "ttfa_ms", "p95"),
@@ -52,6 +86,8 @@ METRICS: dict[str, Callable[[dict[str, Any]], float | None]] = {
     "turns": lambda lv: _get(lv, "summary", "turns"),
     "rss_growth_mb": lambda lv: _get(lv, "server", "rss_growth_mb"),
     "server_cpu_mean_percent": lambda lv: _get(lv, "server", "cpu_mean_percent"),
+    "unexpected_closes": lambda lv: _get(lv, "summary", "unexpected_closes"),
+    **WORLD_METRICS,
 }
 
 

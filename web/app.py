@@ -43,7 +43,9 @@ async def readyz(request: Request) -> Response:
         await ctx.redis.ping()
     except Exception as exc:
         return JSONResponse({"status": "redis unavailable", "error": str(exc)}, status_code=503)
-    return JSONResponse({"status": "ready", "pipeline": ctx.spec.name, "sessions": len(ctx.sessions)})
+    counts = ctx.metrics.session_counts()  # voice and world
+    body = {"status": "ready", "pipeline": ctx.spec.name, "sessions": sum(counts.values())}
+    return JSONResponse({**body, "sessions_by_kind": counts})
 
 
 async def models(request: Request) -> Response:
@@ -146,10 +148,15 @@ def create_app(settings: ServerSettings) -> Starlette:
             # World sessions share the voice sessions' store, admission slots and binding.
             world = video.host = app.state.world = WorldHost(ctx.host)
             app.state.video = video
+            ctx.metrics.bind_worlds(video.live_sessions)  # counted in metrics, /readyz, load
             await world.start()
             try:
+
+                def load() -> int:  # live voice and world sessions
+                    return sum(ctx.metrics.session_counts().values())
+
                 # Scale-out (web/replica.py): registry lease and SIGTERM drain; None when standalone.
-                async with replica_membership(settings, ctx.redis, load=lambda: len(ctx.sessions)) as replica:
+                async with replica_membership(settings, ctx.redis, load=load) as replica:
                     app.state.replica = replica
                     if replica is not None:  # admit and bind under the deployment's replica id
                         ctx.host.join_replica(replica.replica_id, replica.claim)

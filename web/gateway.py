@@ -10,9 +10,14 @@ coordination and any of them can die.
   then relayed both ways unchanged (:mod:`web.gateway_relay`). Subprotocols and auth headers
   pass through; the replica authenticates, and its refusals (401, 403, 429, ...) reach the
   client as they are.
-* ``POST /v1/realtime/calls``: the SDP offer goes to a picked replica; its answer carries the
-  replica's own ICE candidates, so media then flows between client and replica directly. The
-  call → replica pair is kept in Redis (with a TTL) so ``/hangup`` finds the replica.
+* ``GET /v1/realtime/video`` (WebSocket, world-model sessions): routed and relayed exactly
+  like ``/v1/realtime`` (new → a picked replica; ``?session_id=`` → the world's owner, the only
+  replica that can continue it; chunks' binary frames pass unchanged).
+* ``POST /v1/realtime/calls`` and ``POST /v1/realtime/video/calls``: the SDP offer goes to a
+  picked replica; its answer carries the replica's own ICE candidates, so media then flows
+  between client and replica directly. The call → replica pair is kept in Redis (with a TTL)
+  so the hangup (``POST .../calls/{id}/hangup``, ``DELETE /v1/realtime/video/calls/{id}``)
+  finds the replica.
 * REST: ``/v1/sessions/{id}`` (to the owner, else any live replica), ``/v1/models``,
   ``/v1/realtime/client_secrets`` (any replica: keys live in the shared Redis),
   ``/v1/replicas`` (admin key; answered from the registry), ``/healthz``, ``/readyz``.
@@ -48,7 +53,7 @@ from session.store.redis_store import redis_errors
 from web.auth import is_loopback_host
 from web.gateway_http import HttpForwarder, ReplicaHttpUnreachable, to_response
 from web.gateway_routing import NoReplicaAvailable, Router
-from web.gateway_ws import RealtimeRelayEndpoint
+from web.gateway_ws import RealtimeRelayEndpoint, world_error
 from web.replica import admin_denial, registry_json
 
 log = logging.getLogger("omniduplex.gateway")
@@ -208,8 +213,9 @@ async def session_rest(request: Request) -> Response:
 
 
 async def create_call(request: Request) -> Response:
-    """`POST /v1/realtime/calls`: the offer to a picked replica; media then goes direct. A
-    resuming call (``?session_id=``) goes to the session's owner, like a WebSocket resume."""
+    """`POST /v1/realtime/calls` (voice) or `POST /v1/realtime/video/calls` (world): the offer
+    to a picked replica; media then goes direct. A resuming call (``?session_id=``) goes to
+    the session's owner, like a WebSocket resume."""
     gw = gateway_of(request)
     if not await gw.authorized(request.headers.get("authorization"), []):
         return error_response(401, "invalid_api_key", "Missing or invalid API key.")
@@ -244,7 +250,8 @@ async def create_call(request: Request) -> Response:
 
 
 async def call_action(request: Request) -> Response:
-    """`POST /v1/realtime/calls/{call_id}/hangup`: to the replica that answered the call."""
+    """A call's hangup (`POST /v1/realtime/calls/{call_id}/hangup`, `DELETE
+    /v1/realtime/video/calls/{call_id}`): to the replica that answered the call."""
     gw = gateway_of(request)
     call_id = request.path_params["call_id"]
     try:
@@ -271,6 +278,10 @@ def routes() -> list[BaseRoute]:
         Route("/v1/realtime/calls", create_call, methods=["POST"]),
         Route("/v1/realtime/calls/{call_id}/hangup", call_action, methods=["POST"]),
         WebSocketRoute("/v1/realtime", RealtimeRelayEndpoint()),
+        # World-model sessions: the same routing and relay, the world protocol's error event.
+        Route("/v1/realtime/video/calls", create_call, methods=["POST"]),
+        Route("/v1/realtime/video/calls/{call_id}", call_action, methods=["DELETE"]),
+        WebSocketRoute("/v1/realtime/video", RealtimeRelayEndpoint(world_error)),
     ]
 
 

@@ -9,6 +9,9 @@ client frame is not read before the previous one was handed to the replica's soc
 Closing: whichever side ends first, the other gets the same close code and reason. A replica
 that vanishes (kill -9, crash: no close frame) closes the client with 1012 ``replica_lost``;
 the client reconnects with ``?session_id=&last_event_id=`` and the gateway routes the resume.
+A client that vanishes closes the replica link with 1001 ``client_lost`` (as its own close
+code 1006 would be relayed), however the gateway noticed: a read of its disconnect, or a
+failed send to it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ Send = Callable[[Mapping[str, Any]], Awaitable[None]]
 
 REPLICA_LOST_CODE = 1012  # "service restart": reconnect (and resume) through the gateway
 REPLICA_LOST_REASON = "replica_lost"
+CLIENT_LOST_CODE = 1001  # "going away": the replica detaches the session (resumable), not ends it
+CLIENT_LOST_REASON = "client_lost"
 
 # Request headers that describe this hop, not the request: never forwarded.
 HOP_HEADERS = frozenset(
@@ -162,6 +167,19 @@ def _close_code(code: int | None) -> int:
     return code
 
 
+def _client_close(code: int, reason: str) -> tuple[int, str]:
+    """What the replica is told when the client left with ``code``.
+
+    The client's own code when it sent one; when it sent none (1005: the TCP connection was
+    lost, or an empty close frame; 1006/1015: abnormal) 1001 ``client_lost``, never 1000: the
+    replica must see a drop, as it would without a gateway (a world detaches on a drop and
+    ends on a clean 1000; a voice session waits its grace instead of parking at once).
+    """
+    if code in (1005, 1006, 1015):
+        return CLIENT_LOST_CODE, CLIENT_LOST_REASON
+    return _close_code(code), reason
+
+
 async def relay(receive: Receive, send: Send, upstream: ClientConnection) -> tuple[str, int, str]:
     """Copy frames both ways until one side ends; close the other side to match.
 
@@ -179,8 +197,17 @@ async def relay(receive: Receive, send: Send, upstream: ClientConnection) -> tup
         code, reason = to_replica.result()
         if code is not None:  # the client left: tell the replica (the session detaches there)
             with contextlib.suppress(Exception):
-                await upstream.close(_close_code(code), reason)
+                await upstream.close(*_client_close(code, reason))
             return "client", code, reason
+    if to_client in done and not to_client.cancelled() and to_client.exception() is not None:
+        # A send to the client failed before its disconnect was read (a stream that never
+        # pauses, e.g. a world's chunks, meets a dropped client here first): a drop, so the
+        # replica gets 1001, never the clean 1000 that would end a world instead of detaching it.
+        with contextlib.suppress(Exception):
+            await upstream.close(CLIENT_LOST_CODE, CLIENT_LOST_REASON)
+        with contextlib.suppress(Exception):
+            await send({"type": "websocket.close", "code": CLIENT_LOST_CODE, "reason": CLIENT_LOST_REASON})
+        return "client", 1006, CLIENT_LOST_REASON
     # The replica side ended (or the client side failed writing): close the client to match.
     await _close_upstream_quietly(upstream)
     received = upstream.protocol.close_rcvd

@@ -158,7 +158,17 @@ class ServerMetrics:
             registry=r,
         )
         self.responses = Counter(f"{PREFIX}_responses", "Responses started.", registry=r)
-        self.active_sessions = Gauge(f"{PREFIX}_active_sessions", "Open realtime sessions.", registry=r)
+        # The total stays unlabelled (dashboards and the load generator read it as is); the
+        # split by kind is a second family, so summing either never counts a session twice.
+        self.active_sessions = Gauge(
+            f"{PREFIX}_active_sessions", "Open sessions, voice and world together.", registry=r
+        )
+        self.active_sessions_by_kind = Gauge(
+            f"{PREFIX}_active_sessions_by_kind",
+            "Open sessions by kind: voice (realtime) or world (world-model video).",
+            ["kind"],
+            registry=r,
+        )
         self.conversation_audio_bytes = Gauge(
             f"{PREFIX}_conversation_audio_bytes",
             "Audio held by the conversations of open sessions (input float32 16 kHz, output as sent).",
@@ -187,6 +197,11 @@ class ServerMetrics:
             buckets=LAG_BUCKETS,
             registry=r,
         )
+        self._voice_sessions: Callable[[], int] = lambda: 0
+        self._world_sessions: Callable[[], int] = lambda: 0
+        self.active_sessions.set_function(lambda: float(sum(self.session_counts().values())))
+        self.active_sessions_by_kind.labels(kind="voice").set_function(lambda: float(self._voice_sessions()))
+        self.active_sessions_by_kind.labels(kind="world").set_function(lambda: float(self._world_sessions()))
         self._gc_started: float | None = None
         self._runtime_bound = False
         self._ttfa = self.time_to_first_audio
@@ -205,8 +220,17 @@ class ServerMetrics:
     def bind_sessions(self, sessions: Callable[[], Iterable[Any]]) -> None:
         """Open sessions (live drivers), read at scrape time: their count, and the audio their
         conversations hold (what grows server memory turn after turn)."""
-        self.active_sessions.set_function(lambda: float(sum(1 for _ in sessions())))
+        self._voice_sessions = lambda: sum(1 for _ in sessions())
         self.conversation_audio_bytes.set_function(lambda: float(conversation_audio_bytes(sessions())))
+
+    def bind_worlds(self, count: Callable[[], int]) -> None:
+        """Live world-model sessions (detached ones too: they hold a slot and a runtime
+        request), read at scrape time like the voice ones."""
+        self._world_sessions = count
+
+    def session_counts(self) -> dict[str, int]:
+        """Live sessions by kind: what ``/readyz`` reports and a replica's load counts."""
+        return {"voice": self._voice_sessions(), "world": self._world_sessions()}
 
     # --- DriverObserver --------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ Then the lifespan starts a :class:`ReplicaMembership`:
 
 * **Registration.** A lease in the registry (``session.affinity``) refreshed every
   ``refresh_s`` (2 s) that lapses after ``lease_s`` (5 s): id, advertised URL, capacity
-  (``--max-sessions``), load (live sessions, pushed within ~0.1 s of a change) and state.
+  (``--max-sessions``), load (live sessions, voice and world, pushed within ~0.1 s of a
+  change) and state.
 * **Drain.** SIGTERM (:class:`DrainingServer`) marks the replica ``DRAINING``: pickers skip
   it, :class:`ReplicaGate` refuses new sessions here with 503 ``replica_draining`` (the gateway
   then tries another replica) while resumes of the sessions it holds still pass; once no
@@ -304,13 +305,17 @@ def _membership_of(scope: Scope) -> ReplicaMembership | None:
     return replica if isinstance(replica, ReplicaMembership) else None
 
 
+SESSION_SOCKETS = frozenset({"/v1/realtime", "/v1/realtime/video"})  # voice, world
+SESSION_CALLS = frozenset({"/v1/realtime/calls", "/v1/realtime/video/calls"})
+
+
 def opens_new_session(scope: Scope) -> bool:
-    """A request that would start a session here (a resume of a live one does not)."""
+    """A request that would start a session here, voice or world (a resume of a live one does not)."""
     path = scope.get("path", "")
-    if scope["type"] == "websocket" and path == "/v1/realtime":
+    if scope["type"] == "websocket" and path in SESSION_SOCKETS:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         return not query.get("session_id")
-    return scope["type"] == "http" and scope.get("method") == "POST" and path == "/v1/realtime/calls"
+    return scope["type"] == "http" and scope.get("method") == "POST" and path in SESSION_CALLS
 
 
 def _draining_body() -> tuple[list[tuple[bytes, bytes]], bytes]:

@@ -248,6 +248,12 @@ class VideoService:
         self.calls: dict[str, VideoCall] = {}
         self._call_tasks: set[asyncio.Task[None]] = set()
 
+    def live_sessions(self) -> int:
+        """World sessions live in this process (hosted ones, detached included, and unhosted
+        ones): ``omniduplex_active_sessions``, ``/readyz`` and the replica's load count them."""
+        hosted = len(self.host.sessions) if self.host is not None else 0
+        return hosted + len(self.sessions)
+
     def routes(self) -> list[BaseRoute]:
         return [
             WebSocketRoute("/v1/realtime/video", self.websocket, name="realtime_video"),
