@@ -1,8 +1,17 @@
 """The conversation: ordered items with their stored audio, transcripts and text.
 
-User audio is kept as float32 16 kHz (what pipelines take); assistant audio as the exact
-wire bytes that were sent (so `conversation.item.truncate` positions match what the client
-counted). Items render to GA `ConversationItem` dicts with `to_wire`.
+User audio is kept as PCM16 (int16) 16 kHz, half the size of float32, and handed to
+pipelines as float32 16 kHz (`Item.audio_16k`); assistant audio as the exact wire bytes
+that were sent (so `conversation.item.truncate` positions match what the client counted).
+Items render to GA `ConversationItem` dicts with `to_wire`.
+
+Audio is bounded per conversation (`Conversation.retain_audio`): only the newest items keep
+theirs, up to a number of seconds (the newest item with audio always keeps its own). Older
+items keep transcripts and text; `conversation.item.retrieve` renders them without `audio`
+(the field is optional in the GA schema), as it does for items restored after a failover.
+Pipelines only ever take the audio of the trailing user items (earlier turns go to them as
+transcripts), so the bound changes nothing for them unless the trailing user turns alone
+exceed it: then the older ones of those go as transcripts too.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from media.audio import VAD_RATE, WireFormat, b64encode_audio, resample
+from media.audio import VAD_RATE, WireFormat, b64encode_audio, int16_to_float32, resample
 from session.realtime.errors import INVALID_VALUE, ITEM_NOT_FOUND, UNSUPPORTED_CONTENT, ProtocolError
 
 ItemType = Literal["message", "function_call", "function_call_output"]
@@ -25,17 +34,36 @@ class Content:
     text: str | None = None
     transcript: str | None = None  # client-visible transcript
     heard: str | None = None  # what ASR made of user audio, for history even if not shown
-    input_audio: np.ndarray | None = None  # user audio, float32 16 kHz
+    input_audio: np.ndarray | None = None  # user audio, int16 16 kHz
     output_audio: bytearray | None = None  # assistant audio, wire bytes as sent
     output_format: WireFormat | None = None
     truncated: bool = False  # assistant audio cut by truncate: later audio is not stored
     image_url: str | None = None
     detail: str | None = None
+    dropped_ms: float | None = None  # the audio was dropped (retention); it lasted this long
 
     def output_audio_ms(self) -> float:
+        if self.dropped_ms is not None and self.type == "output_audio":
+            return self.dropped_ms
         if self.output_audio is None or self.output_format is None:
             return 0.0
         return self.output_format.duration_ms(len(self.output_audio))
+
+    def audio_ms(self) -> float:
+        """Duration of the audio this part still holds (0 when none or dropped)."""
+        if self.input_audio is not None:
+            return len(self.input_audio) * 1000.0 / VAD_RATE
+        if self.output_audio is not None and self.output_format is not None:
+            return self.output_format.duration_ms(len(self.output_audio))
+        return 0.0
+
+    def drop_audio(self) -> None:
+        """Forget the audio (retention); keep its duration, transcripts and text."""
+        if self.input_audio is None and self.output_audio is None:
+            return
+        self.dropped_ms = self.audio_ms()
+        self.input_audio = None
+        self.output_audio = None
 
     def text_for_history(self) -> str:
         if self.type in ("input_text", "output_text"):
@@ -57,7 +85,7 @@ class Content:
             if self.type == "output_audio" and self.output_audio is not None:
                 out["audio"] = b64encode_audio(bytes(self.output_audio))
             elif self.type == "input_audio" and self.input_audio is not None and input_format is not None:
-                audio = resample(self.input_audio, VAD_RATE, input_format.rate)
+                audio = resample(int16_to_float32(self.input_audio), VAD_RATE, input_format.rate)
                 out["audio"] = b64encode_audio(input_format.encode(audio))
         return out
 
@@ -77,9 +105,12 @@ class Item:
 
     @property
     def audio_16k(self) -> np.ndarray | None:
-        """User input audio of this item (all its audio parts), float32 16 kHz."""
+        """User input audio of this item (all its audio parts), float32 16 kHz (stored as
+        int16: converted on each call, i.e. when a response or a transcription needs it)."""
         parts = [c.input_audio for c in self.content if c.input_audio is not None]
-        return np.concatenate(parts) if parts else None
+        if not parts:
+            return None
+        return int16_to_float32(parts[0] if len(parts) == 1 else np.concatenate(parts))
 
     def text_for_history(self) -> str:
         return " ".join(t for t in (c.text_for_history() for c in self.content) if t)
@@ -112,6 +143,9 @@ class Conversation:
         # The change journal for the store: ids changed / deleted since `take_changes`.
         self._changed: dict[str, None] = {}
         self._deleted: list[str] = []
+        # At least as many items as may hold audio (retain_audio stops scanning once it has
+        # seen that many): those it kept last time plus every item inserted since.
+        self._audio_holders_bound = 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -160,6 +194,7 @@ class Conversation:
         self._items.insert(index, item)
         self._by_id[item.id] = item
         self._changed[item.id] = None
+        self._audio_holders_bound += 1
         return self._items[index - 1].id if index > 0 else None
 
     def delete(self, item_id: str) -> Item:
@@ -189,6 +224,40 @@ class Conversation:
                     upserts.append((item, self._items[index - 1].id if index > 0 else "root"))
         return deleted, upserts
 
+    def retain_audio(self, limit_s: float) -> int:
+        """Drop the audio of all but the newest items, keeping at most `limit_s` seconds in
+        all (the newest item with audio keeps its own whatever its length); return the number
+        of parts whose audio was dropped. Called once per item or response; it walks back
+        from the newest item only as far as items may still hold audio (not the whole
+        conversation of an hour-long session)."""
+        budget_ms = limit_s * 1000.0
+        kept_ms = 0.0
+        first = True
+        dropped = 0
+        seen = 0  # items met that hold (or may yet get) audio
+        for item in reversed(self._items):
+            if seen >= self._audio_holders_bound:
+                break  # nothing older holds audio
+            if item.status == "in_progress":
+                seen += 1  # a response still streaming into it: never cut under its feet
+                continue
+            ms = sum(part.audio_ms() for part in item.content)
+            if ms <= 0:
+                continue
+            seen += 1
+            if first or kept_ms + ms <= budget_ms:
+                kept_ms += ms
+                first = False
+                continue
+            seen -= 1
+            budget_ms = -1.0  # past the bound: everything older goes too
+            for part in item.content:
+                if part.input_audio is not None or part.output_audio is not None:
+                    part.drop_audio()
+                    dropped += 1
+        self._audio_holders_bound = seen
+        return dropped
+
     def truncate(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
         """Cut assistant audio at `audio_end_ms` and the transcript in proportion."""
         item = self.get(item_id)
@@ -213,6 +282,8 @@ class Conversation:
         if part.output_audio is not None and part.output_format is not None:
             keep = min(len(part.output_audio), part.output_format.bytes_for_ms(audio_end_ms))
             del part.output_audio[keep:]
+        elif part.dropped_ms is not None:
+            part.dropped_ms = min(part.dropped_ms, float(audio_end_ms))
         fraction = 1.0 if total_ms <= 0 else min(1.0, audio_end_ms / total_ms)
         if part.transcript is not None:
             part.transcript = cut_text(part.transcript, fraction)

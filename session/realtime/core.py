@@ -15,18 +15,15 @@ from typing import Any, Literal
 
 import numpy as np
 
-from media.audio import VAD_RATE, AudioFormatError, b64decode_audio
 from session.realtime import errors as E
-from session.realtime.config import SessionConfig, TurnDetection
-from session.realtime.conversation import Content, Conversation, Item
+from session.realtime.config import SessionConfig
+from session.realtime.conversation import Conversation
 from session.realtime.effects import (
     CancelResponse,
     ClearAudioOutput,
     Close,
     CoreOutput,
-    PrepareTranscript,
     StartResponse,
-    TranscribeInput,
 )
 from session.realtime.errors import ProtocolError
 from session.realtime.events import (
@@ -41,10 +38,12 @@ from session.realtime.events import (
     ResponseCancel,
     ResponseCreate,
     SessionUpdate,
+    append_audio,
+    decode_event,
     parse_client_event,
 )
 from session.realtime.ids import IdFactory, random_id
-from session.realtime.input_audio import FRAME, SAMPLES_PER_MS, InputAudio, ms_of
+from session.realtime.input_audio import InputAudio, ms_of
 from session.realtime.prompt import build_submit_params, item_from_client
 from session.realtime.records import StateChanges, config_record, item_from_record, item_to_record
 from session.realtime.response_request import resolve_response_request
@@ -56,9 +55,10 @@ from session.realtime.responses import (
     end_orphaned_responses,
 )
 from session.realtime.server_events import Outbox
-from session.realtime.turns import SpeechDetector, SpeechStarted, SpeechStopped
+from session.realtime.turns import SpeechDetector
+from session.realtime.user_input import MIN_COMMIT_MS, UserInput
 
-MIN_COMMIT_MS = 100
+__all__ = ["MIN_COMMIT_MS", "CoreOptions", "RealtimeSessionCore"]
 
 
 @dataclass(slots=True)
@@ -76,11 +76,16 @@ class CoreOptions:
     # (capped at the silence duration) the turn so far is transcribed ahead of the turn's
     # end (`PrepareTranscript`), hiding ASR time inside the silence. 0: never.
     prepare_transcript_after_ms: int = 64
+    # Seconds of audio the conversation keeps, newest items first (the newest item with audio
+    # always keeps its own): older items keep transcripts and text, and are retrieved without
+    # `audio`. Bounds a session's memory (at most ~0.5 MB at 10 s); pipelines only take the
+    # trailing user turn's audio (see `Conversation.retain_audio`).
+    audio_retention_s: float = 10.0
     session_id: str | None = None
     new_id: IdFactory = random_id
 
 
-class RealtimeSessionCore:
+class RealtimeSessionCore(UserInput):
     def __init__(self, options: CoreOptions | None = None) -> None:
         self.options = opts = options or CoreOptions()
         self._new_id = opts.new_id
@@ -202,39 +207,17 @@ class RealtimeSessionCore:
             return expired
         event_id: str | None = None
         try:
-            event = parse_client_event(raw)
-            event_id = event.event_id
-            self._dispatch(event, now)
+            data = decode_event(raw)
+            audio = append_audio(data)
+            if audio is not None:  # the hot path: no model built (it reads the same errors)
+                event_id = data.get("event_id")
+                self._append(audio)
+            else:
+                event = parse_client_event(data)
+                event_id = event.event_id
+                self._dispatch(event, now)
         except ProtocolError as err:
             self._out.error(err, event_id if event_id is not None else err.event_id)
-        return self._out.drain()
-
-    def feed_input_audio(self, samples: np.ndarray, rate: int, now: float) -> CoreOutput:
-        """Mic audio from a media track (WebRTC), float32 mono at `rate`."""
-        if not self.closed:
-            self._input.append_samples(np.asarray(samples, dtype=np.float32), rate)
-            self._request_vad()
-        return self._out.drain()
-
-    def feed_vad(
-        self, probabilities: Sequence[float], now: float, *, start_sample: int | None = None
-    ) -> CoreOutput:
-        """Speech probabilities for frames handed out by `DetectSpeech`, in order. Pass the
-        effect's `start_sample` so scores that went stale (clear, VAD reconfigured) are dropped."""
-        if self.closed or self.config.turn_detection is None:
-            return self._out.drain()
-        td = self.config.turn_detection
-        starts = self._input.claim_scored(len(probabilities), start_sample)
-        for frame_start, p in zip(starts, probabilities, strict=False):
-            change = self._vad.feed(frame_start, float(p))
-            if isinstance(change, SpeechStarted):
-                self._on_speech_started(change, td, now)
-            elif isinstance(change, SpeechStopped):
-                self._on_speech_stopped(change, td, now)
-            else:
-                self._maybe_prepare_transcript(frame_start + FRAME, td)
-        if not self._vad.speaking:
-            self._input.drop_before(self._input.first_unscored - td.prefix_padding_ms * SAMPLES_PER_MS)
         return self._out.drain()
 
     def on_response_text(self, response_id: str, text: str, now: float | None = None) -> CoreOutput:
@@ -252,59 +235,6 @@ class RealtimeSessionCore:
                 and self._playing is not run
             ):
                 self._playing, self._played_ms = run, 0.0
-        return self._out.drain()
-
-    def on_input_transcript(
-        self, target_id: str, text: str, *, final: bool = True, now: float | None = None
-    ) -> CoreOutput:
-        """Transcript of user audio; `target_id` is an item id (TranscribeInput) or a response
-        id (the pipeline's `Transcript` of the StartResponse audio: goes to its last audio item)."""
-        item_id = target_id
-        if target_id in self._prompt_items:
-            ids = self._prompt_items[target_id]
-            item_id = ids[-1] if ids else ""
-        if item_id not in self.conversation or item_id in self._transcribed:
-            return self._out.drain()
-        item = self.conversation.get(item_id)
-        index = next((k for k, c in enumerate(item.content) if c.type == "input_audio"), None)
-        if index is None:
-            return self._out.drain()
-        part = item.content[index]
-        enabled = self.config.transcription is not None
-        if not final:
-            if enabled and text:
-                self._out.event(
-                    "conversation.item.input_audio_transcription.delta",
-                    item_id=item_id,
-                    content_index=index,
-                    delta=text,
-                )
-            return self._out.drain()
-        self._transcribed.add(item_id)
-        part.heard = text
-        self.conversation.mark_changed(item_id)
-        if enabled:
-            part.transcript = text
-            seconds = 0.0 if part.input_audio is None else len(part.input_audio) / VAD_RATE
-            self._out.event(
-                "conversation.item.input_audio_transcription.completed",
-                item_id=item_id,
-                content_index=index,
-                transcript=text,
-                usage={"type": "duration", "seconds": round(seconds, 3)},
-            )
-        return self._out.drain()
-
-    def on_input_transcript_failed(self, item_id: str, message: str) -> CoreOutput:
-        if item_id in self.conversation and item_id not in self._transcribed:
-            self._transcribed.add(item_id)
-            if self.config.transcription is not None:
-                self._out.event(
-                    "conversation.item.input_audio_transcription.failed",
-                    item_id=item_id,
-                    content_index=0,
-                    error={"type": "transcription_error", "code": "transcription_failed", "message": message},
-                )
         return self._out.drain()
 
     def on_response_done(
@@ -426,7 +356,7 @@ class RealtimeSessionCore:
 
     def _dispatch(self, event: Any, now: float) -> None:
         if isinstance(event, InputAudioBufferAppend):
-            self._append(event)
+            self._append(event.audio)
         elif isinstance(event, SessionUpdate):
             self._session_update(event)
         elif isinstance(event, InputAudioBufferCommit):
@@ -477,54 +407,6 @@ class RealtimeSessionCore:
         else:
             self._vad.configure(td.threshold, td.effective_silence_ms())
 
-    def _append(self, event: InputAudioBufferAppend) -> None:
-        try:
-            self._input.append_wire(b64decode_audio(event.audio))
-        except AudioFormatError as exc:
-            raise ProtocolError(
-                E.INVALID_VALUE, f"Invalid value for 'audio': {exc}.", param="audio"
-            ) from None
-        self._request_vad()
-
-    def _request_vad(self) -> None:
-        frames = self._input.next_frames()
-        if frames is not None:
-            self._out.effect(frames)
-
-    def _manual_commit(self) -> None:
-        self._input.flush()
-        if self._input.duration_ms < MIN_COMMIT_MS:
-            raise ProtocolError(
-                E.COMMIT_EMPTY,
-                f"Error committing input audio buffer: buffer too small. Expected at least {MIN_COMMIT_MS}ms "
-                f"of audio, but buffer only has {self._input.duration_ms}ms of audio.",
-            )
-        item_id = self._speech_item_id or self._new_id("item")
-        self._vad.reset()
-        self._speech_item_id = None
-        audio = self._input.take(self._input.start, self._input.end)
-        self._input.clear()
-        self._commit(item_id, audio, respond=False)
-
-    def _commit(self, item_id: str, audio: np.ndarray, *, respond: bool) -> Item:
-        item = Item(item_id, "message", role="user", content=[Content(type="input_audio", input_audio=audio)])
-        previous = self.conversation.insert(item)
-        self._out.event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous)
-        wire = item.to_wire()
-        self._out.event("conversation.item.added", previous_item_id=previous, item=wire)
-        self._out.event("conversation.item.done", previous_item_id=previous, item=wire)
-        if not (respond and self.options.pipeline_transcribes_input):
-            self._request_transcription(item)
-        return item
-
-    def _request_transcription(self, item: Item) -> None:
-        if self.config.transcription is None or item.id in self._transcribe_requested:
-            return
-        if item.id in self._transcribed or item.audio_16k is None:
-            return
-        self._transcribe_requested.add(item.id)
-        self._out.effect(TranscribeInput(item.id, item.audio_16k))
-
     def _item_create(self, event: ConversationItemCreate) -> None:
         item = item_from_client(
             event.item,
@@ -533,6 +415,7 @@ class RealtimeSessionCore:
             output_format=self.config.output_format,
         )
         previous = self.conversation.insert(item, event.previous_item_id)
+        self.conversation.retain_audio(self.options.audio_retention_s)
         wire = item.to_wire()
         self._out.event("conversation.item.added", previous_item_id=previous, item=wire)
         self._out.event("conversation.item.done", previous_item_id=previous, item=wire)
@@ -547,53 +430,6 @@ class RealtimeSessionCore:
         if self._active is not None:
             self._cancel_active("client_cancelled", now)
         self._stop_playout()
-
-    # --- turns ---------------------------------------------------------------------------
-
-    def _on_speech_started(self, change: SpeechStarted, td: TurnDetection, now: float) -> None:
-        self._idle_deadline = None
-        self._speech_item_id = self._new_id("item")
-        self._speech_start = max(
-            self._input.start, change.start_sample - td.prefix_padding_ms * SAMPLES_PER_MS
-        )
-        self._out.event(
-            "input_audio_buffer.speech_started",
-            item_id=self._speech_item_id,
-            audio_start_ms=ms_of(self._speech_start),
-        )
-        if td.interrupt_response:
-            if self._active is not None:
-                self._cancel_active("turn_detected", now)
-            self._stop_playout()
-
-    def _on_speech_stopped(self, change: SpeechStopped, td: TurnDetection, now: float) -> None:
-        item_id = self._speech_item_id or self._new_id("item")
-        self._speech_item_id = None
-        self._out.event(
-            "input_audio_buffer.speech_stopped", item_id=item_id, audio_end_ms=ms_of(change.end_sample)
-        )
-        respond = td.create_response and self._active is None
-        audio = self._input.take(self._speech_start, change.commit_end)
-        self._commit(item_id, audio, respond=respond)
-        if respond:
-            self._start_response(None, now, transcript_key=(item_id, change.end_sample))
-
-    def _maybe_prepare_transcript(self, frame_end: int, td: TurnDetection) -> None:
-        """A pause long enough that the turn may end here: transcribe it ahead (once)."""
-        pause = self._vad.silence_start
-        item_id = self._speech_item_id
-        after_ms = min(self.options.prepare_transcript_after_ms, td.effective_silence_ms())
-        if (
-            pause is None
-            or item_id is None
-            or after_ms <= 0
-            or not (td.create_response and self.options.pipeline_transcribes_input)
-            or frame_end - pause < after_ms * SAMPLES_PER_MS
-            or self._prepared == (item_id, pause)
-        ):
-            return
-        self._prepared = (item_id, pause)
-        self._out.effect(PrepareTranscript((item_id, pause), self._input.slice(self._speech_start, pause)))
 
     # --- responses -----------------------------------------------------------------------
 
@@ -681,6 +517,7 @@ class RealtimeSessionCore:
             for item_id in self._prompt_items.get(run.id, []):
                 if item_id in self.conversation and item_id not in self._transcribed:
                     self._request_transcription(self.conversation.get(item_id))
+        self.conversation.retain_audio(self.options.audio_retention_s)
         if self.options.audio_out_via_track:
             if run.audio_started_at is None:
                 self._arm_idle_timeout(now, remaining_s=0.0)

@@ -5,6 +5,12 @@ resampled once, in a streaming resampler, to float32 16 kHz and placed on a sess
 timeline; `audio_start_ms` / `audio_end_ms` in events are positions on it. The buffer is
 the uncommitted stretch [start, end) of that timeline. VAD frames (512 samples, 32 ms) are
 cut from it and handed to the driver for scoring.
+
+Appends are resampled in batches, not one call per 40 ms append (the per-call cost of the
+resampler dominated at 25 appends/s per session): wire samples wait as int16 until a VAD
+frame's worth is there (server VAD), or up to 1 s (no VAD), or until anything reads the
+buffer (`end`, `slice`, commit, clear...). The streaming resampler gives the same samples
+whatever the batching, so only the cost changes, never the audio or a position.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from collections import deque
 
 import numpy as np
 
-from media.audio import VAD_RATE, StreamingResampler, WireFormat
+from media.audio import VAD_RATE, StreamingResampler, WireFormat, int16_to_float32
 from session.realtime.effects import DetectSpeech
 
 FRAME = 512  # samples per VAD frame at 16 kHz (32 ms), silero's window
@@ -30,8 +36,10 @@ class InputAudio:
         self._resampler = StreamingResampler(fmt.rate, VAD_RATE)
         self._track_resampler: StreamingResampler | None = None
         self._chunks: deque[np.ndarray] = deque()
+        self._raw: list[np.ndarray] = []  # wire-rate int16 appends not resampled yet
+        self._raw_samples = 0
         self.start = 0  # timeline sample of the first buffered sample
-        self.end = 0  # timeline sample after the last buffered sample
+        self._end = 0  # timeline sample after the last resampled sample
         self.vad_enabled = False
         self._vad_cursor = 0  # next frame to hand out starts here
         self._vad_reset = True
@@ -42,17 +50,35 @@ class InputAudio:
     def set_format(self, fmt: WireFormat) -> None:
         if fmt == self.format:
             return
+        self._settle()
         self._push(self._resampler.flush())
         self.format = fmt
         self._resampler = StreamingResampler(fmt.rate, VAD_RATE)
 
     def append_wire(self, data: bytes) -> None:
-        """Decode wire bytes (raises `AudioFormatError`) and append them."""
-        samples = self.format.decode(data)
-        self._push(self._resampler.process(samples))
+        """Decode wire bytes (raises `AudioFormatError`) and append them (resampled later,
+        in a batch: see the module docstring)."""
+        pcm = self.format.decode_int16(data)
+        if not len(pcm):
+            return
+        self._raw.append(pcm)
+        self._raw_samples += len(pcm)
+        rate = self.format.rate
+        if self._raw_samples >= rate or (self.vad_enabled and self._raw_samples * VAD_RATE >= FRAME * rate):
+            self._settle()
+
+    def _settle(self) -> None:
+        """Resample the appends still waiting as int16 onto the timeline."""
+        if not self._raw:
+            return
+        pcm = self._raw[0] if len(self._raw) == 1 else np.concatenate(self._raw)
+        self._raw.clear()
+        self._raw_samples = 0
+        self._push(self._resampler.process(int16_to_float32(pcm)))
 
     def append_samples(self, samples: np.ndarray, rate: int) -> None:
         """Append float32 mono samples from a media track (any rate)."""
+        self._settle()
         if self._track_resampler is None or self._track_resampler.src_rate != rate:
             if self._track_resampler is not None:
                 self._push(self._track_resampler.flush())
@@ -61,6 +87,7 @@ class InputAudio:
 
     def flush(self) -> None:
         """Drain the resamplers (before a manual commit, so the last few ms are included)."""
+        self._settle()
         self._push(self._resampler.flush())
         if self._track_resampler is not None:
             self._push(self._track_resampler.flush())
@@ -68,9 +95,15 @@ class InputAudio:
     def _push(self, samples: np.ndarray) -> None:
         if len(samples):
             self._chunks.append(samples)
-            self.end += len(samples)
+            self._end += len(samples)
 
     # --- reading -------------------------------------------------------------------------
+
+    @property
+    def end(self) -> int:
+        """Timeline sample after the last buffered sample (resamples pending appends)."""
+        self._settle()
+        return self._end
 
     @property
     def duration_ms(self) -> int:
@@ -79,10 +112,11 @@ class InputAudio:
     def slice(self, a: int, b: int) -> np.ndarray:
         """Timeline samples [a, b) that are still buffered."""
         a, b = max(a, self.start), min(b, self.end)
+        end = self._end
         if b <= a:
             return np.zeros(0, dtype=np.float32)
         out: list[np.ndarray] = []
-        if b - self.start <= self.end - a:
+        if b - self.start <= end - a:
             pos = self.start
             for chunk in self._chunks:
                 lo, hi = pos, pos + len(chunk)
@@ -94,7 +128,7 @@ class InputAudio:
         else:
             # VAD frames are cut from the newest audio while a turn may hold seconds of it:
             # walk from the end so the cost does not grow with the buffered turn.
-            pos = self.end
+            pos = end
             for chunk in reversed(self._chunks):
                 lo, hi = pos - len(chunk), pos
                 if hi > a and lo < b:
@@ -113,6 +147,7 @@ class InputAudio:
 
     def drop_before(self, sample: int) -> None:
         """Forget buffered audio before `sample` (never audio that VAD still has to see)."""
+        end = self.end
         if self.vad_enabled:
             sample = min(sample, self._vad_cursor)
         while self._chunks and self.start + len(self._chunks[0]) <= sample:
@@ -120,13 +155,14 @@ class InputAudio:
         if self._chunks and self.start < sample:
             self._chunks[0] = self._chunks[0][sample - self.start :]
             self.start = sample
-        self.start = max(self.start, min(sample, self.end))
+        self.start = max(self.start, min(sample, end))
 
     def clear(self) -> None:
         """Empty the buffer; frames awaiting scores are forgotten (late scores are ignored)."""
+        self._settle()
         self._chunks.clear()
-        self.start = self.end
-        self._vad_cursor = self.end
+        self.start = self._end
+        self._vad_cursor = self._end
         self._pending.clear()
         self._vad_reset = True
 
@@ -135,8 +171,9 @@ class InputAudio:
     def set_vad(self, enabled: bool) -> None:
         if enabled == self.vad_enabled:
             return
+        self._settle()
         self.vad_enabled = enabled
-        self._vad_cursor = self.end if enabled else 0
+        self._vad_cursor = self._end if enabled else 0
         self._pending.clear()
         self._vad_reset = True
 
@@ -146,10 +183,11 @@ class InputAudio:
         return self._pending[0] if self._pending else self._vad_cursor
 
     def next_frames(self) -> DetectSpeech | None:
-        """The whole frames not yet handed out for scoring, or None."""
+        """The whole frames not yet handed out for scoring, or None. Appends still waiting
+        to be resampled (less than a frame's worth) wait for the next call."""
         if not self.vad_enabled:
             return None
-        n = (self.end - self._vad_cursor) // FRAME
+        n = (self._end - self._vad_cursor) // FRAME
         if n <= 0:
             return None
         start = self._vad_cursor

@@ -1,7 +1,7 @@
 """Client items → stored `Item`s, and the conversation → pipeline submit params.
 
 Submit params follow CONTRACTS.md: the trailing run of user messages is the prompt (their
-audio concatenated as `audio`, float32 16 kHz; or their text joined as `text`); earlier
+audio concatenated as `audio`, float32 16 kHz (stored as int16); or their text joined as `text`); earlier
 user/assistant messages become `history` (`[{"role", "text"}]`, audio represented by its
 transcript); session instructions plus any system messages become `instructions`.
 """
@@ -13,7 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from media.audio import VAD_RATE, AudioFormatError, WireFormat, b64decode_audio, resample
+from media.audio import (
+    VAD_RATE,
+    AudioFormatError,
+    WireFormat,
+    b64decode_audio,
+    float32_to_int16_exact,
+    resample,
+)
 from session.realtime.conversation import Content, Item
 from session.realtime.errors import INVALID_VALUE, ProtocolError
 from session.realtime.events import FunctionCallItemIn, FunctionCallOutputItemIn, MessageItemIn
@@ -72,8 +79,8 @@ def item_from_client(
                 raise ProtocolError(
                     INVALID_VALUE, f"'{where}.audio' is required for 'input_audio'.", param=f"{where}.audio"
                 )
-            part.input_audio = resample(
-                _decode(c.audio, input_format, f"{where}.audio"), input_format.rate, VAD_RATE
+            part.input_audio = float32_to_int16_exact(
+                resample(_decode(c.audio, input_format, f"{where}.audio"), input_format.rate, VAD_RATE)
             )
         if kind == "output_audio":
             part.output_format = output_format

@@ -57,7 +57,7 @@ def item_to_record(item: Item) -> dict[str, Any]:
     for part, wire in zip(item.content, record.get("content", []), strict=False):
         if part.heard and part.heard != part.transcript:
             wire["heard"] = part.heard
-        if part.output_audio is not None:
+        if part.output_audio is not None or (part.type == "output_audio" and part.dropped_ms is not None):
             wire["audio_ms"] = round(part.output_audio_ms())
         if part.truncated:
             wire["truncated"] = True
@@ -76,6 +76,8 @@ def item_from_record(record: dict[str, Any]) -> Item:
             image_url=c.get("image_url"),
             detail=c.get("detail"),
             truncated=bool(c.get("truncated", False)),
+            # the audio is gone, as if dropped by retention; its length still bounds truncate
+            dropped_ms=float(c["audio_ms"]) if isinstance(c.get("audio_ms"), int | float) else None,
         )
         for c in record.get("content", [])
     ]

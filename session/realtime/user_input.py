@@ -1,0 +1,248 @@
+"""The user's side of the session core: input audio, server VAD turns, commits, transcripts.
+
+A mixin of :class:`~session.realtime.core.RealtimeSessionCore` (kept apart so neither file
+grows past a readable size); it shares the core's state, declared below for the type checker.
+`handle_client_event` routes `input_audio_buffer.append` here without building a model
+(`events.append_audio`): at 25 appends a second per session it is the server's hottest path.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from media.audio import AudioFormatError, b64decode_audio, float32_to_int16_exact
+from session.realtime import errors as E
+from session.realtime.config import SessionConfig, TurnDetection
+from session.realtime.conversation import Content, Conversation, Item
+from session.realtime.effects import CoreOutput, PrepareTranscript, TranscribeInput
+from session.realtime.errors import ProtocolError
+from session.realtime.ids import IdFactory
+from session.realtime.input_audio import FRAME, SAMPLES_PER_MS, InputAudio, ms_of
+from session.realtime.responses import CancelReason, ResponseRun
+from session.realtime.server_events import Outbox
+from session.realtime.turns import SpeechDetector, SpeechStarted, SpeechStopped
+
+if TYPE_CHECKING:
+    from session.realtime.core import CoreOptions
+    from session.realtime.events import ResponseCreate
+
+MIN_COMMIT_MS = 100
+
+
+class UserInput:
+    """Input-side entry points and helpers of the session core (see the module docstring)."""
+
+    options: CoreOptions
+    config: SessionConfig
+    conversation: Conversation
+    closed: bool
+    _new_id: IdFactory
+    _out: Outbox
+    _input: InputAudio
+    _vad: SpeechDetector
+    _speech_item_id: str | None
+    _speech_start: int
+    _prepared: tuple[str, int] | None
+    _active: ResponseRun | None
+    _prompt_items: OrderedDict[str, list[str]]
+    _transcribed: set[str]
+    _transcribe_requested: set[str]
+    _idle_deadline: float | None
+
+    # Provided by the core.
+    def _cancel_active(self, reason: CancelReason, now: float) -> None:
+        raise NotImplementedError
+
+    def _stop_playout(self) -> None:
+        raise NotImplementedError
+
+    def _start_response(
+        self,
+        event: ResponseCreate | None,
+        now: float,
+        *,
+        transcript_key: tuple[str, int] | None = None,
+    ) -> None:
+        raise NotImplementedError
+
+    def feed_input_audio(self, samples: np.ndarray, rate: int, now: float) -> CoreOutput:
+        """Mic audio from a media track (WebRTC), float32 mono at `rate`."""
+        if not self.closed:
+            self._input.append_samples(np.asarray(samples, dtype=np.float32), rate)
+            self._request_vad()
+        return self._out.drain()
+
+    def feed_vad(
+        self, probabilities: Sequence[float], now: float, *, start_sample: int | None = None
+    ) -> CoreOutput:
+        """Speech probabilities for frames handed out by `DetectSpeech`, in order. Pass the
+        effect's `start_sample` so scores that went stale (clear, VAD reconfigured) are dropped."""
+        if self.closed or self.config.turn_detection is None:
+            return self._out.drain()
+        td = self.config.turn_detection
+        starts = self._input.claim_scored(len(probabilities), start_sample)
+        for frame_start, p in zip(starts, probabilities, strict=False):
+            change = self._vad.feed(frame_start, float(p))
+            if isinstance(change, SpeechStarted):
+                self._on_speech_started(change, td, now)
+            elif isinstance(change, SpeechStopped):
+                self._on_speech_stopped(change, td, now)
+            else:
+                self._maybe_prepare_transcript(frame_start + FRAME, td)
+        if not self._vad.speaking:
+            self._input.drop_before(self._input.first_unscored - td.prefix_padding_ms * SAMPLES_PER_MS)
+        return self._out.drain()
+
+    def on_input_transcript(
+        self, target_id: str, text: str, *, final: bool = True, now: float | None = None
+    ) -> CoreOutput:
+        """Transcript of user audio; `target_id` is an item id (TranscribeInput) or a response
+        id (the pipeline's `Transcript` of the StartResponse audio: goes to its last audio item)."""
+        item_id = target_id
+        if target_id in self._prompt_items:
+            ids = self._prompt_items[target_id]
+            item_id = ids[-1] if ids else ""
+        if item_id not in self.conversation or item_id in self._transcribed:
+            return self._out.drain()
+        item = self.conversation.get(item_id)
+        index = next((k for k, c in enumerate(item.content) if c.type == "input_audio"), None)
+        if index is None:
+            return self._out.drain()
+        part = item.content[index]
+        enabled = self.config.transcription is not None
+        if not final:
+            if enabled and text:
+                self._out.event(
+                    "conversation.item.input_audio_transcription.delta",
+                    item_id=item_id,
+                    content_index=index,
+                    delta=text,
+                )
+            return self._out.drain()
+        self._transcribed.add(item_id)
+        part.heard = text
+        self.conversation.mark_changed(item_id)
+        if enabled:
+            part.transcript = text
+            seconds = (part.audio_ms() or part.dropped_ms or 0.0) / 1000.0
+            self._out.event(
+                "conversation.item.input_audio_transcription.completed",
+                item_id=item_id,
+                content_index=index,
+                transcript=text,
+                usage={"type": "duration", "seconds": round(seconds, 3)},
+            )
+        return self._out.drain()
+
+    def on_input_transcript_failed(self, item_id: str, message: str) -> CoreOutput:
+        if item_id in self.conversation and item_id not in self._transcribed:
+            self._transcribed.add(item_id)
+            if self.config.transcription is not None:
+                self._out.event(
+                    "conversation.item.input_audio_transcription.failed",
+                    item_id=item_id,
+                    content_index=0,
+                    error={"type": "transcription_error", "code": "transcription_failed", "message": message},
+                )
+        return self._out.drain()
+
+    def _append(self, audio: str) -> None:
+        try:
+            self._input.append_wire(b64decode_audio(audio))
+        except AudioFormatError as exc:
+            raise ProtocolError(
+                E.INVALID_VALUE, f"Invalid value for 'audio': {exc}.", param="audio"
+            ) from None
+        self._request_vad()
+
+    def _request_vad(self) -> None:
+        frames = self._input.next_frames()
+        if frames is not None:
+            self._out.effect(frames)
+
+    def _manual_commit(self) -> None:
+        self._input.flush()
+        if self._input.duration_ms < MIN_COMMIT_MS:
+            raise ProtocolError(
+                E.COMMIT_EMPTY,
+                f"Error committing input audio buffer: buffer too small. Expected at least {MIN_COMMIT_MS}ms "
+                f"of audio, but buffer only has {self._input.duration_ms}ms of audio.",
+            )
+        item_id = self._speech_item_id or self._new_id("item")
+        self._vad.reset()
+        self._speech_item_id = None
+        audio = self._input.take(self._input.start, self._input.end)
+        self._input.clear()
+        self._commit(item_id, audio, respond=False)
+
+    def _commit(self, item_id: str, audio: np.ndarray, *, respond: bool) -> Item:
+        stored = float32_to_int16_exact(audio)  # PCM16: half the memory of float32
+        item = Item(
+            item_id, "message", role="user", content=[Content(type="input_audio", input_audio=stored)]
+        )
+        previous = self.conversation.insert(item)
+        self._out.event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous)
+        wire = item.to_wire()
+        self._out.event("conversation.item.added", previous_item_id=previous, item=wire)
+        self._out.event("conversation.item.done", previous_item_id=previous, item=wire)
+        if not (respond and self.options.pipeline_transcribes_input):
+            self._request_transcription(item)
+        self.conversation.retain_audio(self.options.audio_retention_s)
+        return item
+
+    def _request_transcription(self, item: Item) -> None:
+        if self.config.transcription is None or item.id in self._transcribe_requested:
+            return
+        if item.id in self._transcribed or item.audio_16k is None:
+            return
+        self._transcribe_requested.add(item.id)
+        self._out.effect(TranscribeInput(item.id, item.audio_16k))
+
+    def _on_speech_started(self, change: SpeechStarted, td: TurnDetection, now: float) -> None:
+        self._idle_deadline = None
+        self._speech_item_id = self._new_id("item")
+        self._speech_start = max(
+            self._input.start, change.start_sample - td.prefix_padding_ms * SAMPLES_PER_MS
+        )
+        self._out.event(
+            "input_audio_buffer.speech_started",
+            item_id=self._speech_item_id,
+            audio_start_ms=ms_of(self._speech_start),
+        )
+        if td.interrupt_response:
+            if self._active is not None:
+                self._cancel_active("turn_detected", now)
+            self._stop_playout()
+
+    def _on_speech_stopped(self, change: SpeechStopped, td: TurnDetection, now: float) -> None:
+        item_id = self._speech_item_id or self._new_id("item")
+        self._speech_item_id = None
+        self._out.event(
+            "input_audio_buffer.speech_stopped", item_id=item_id, audio_end_ms=ms_of(change.end_sample)
+        )
+        respond = td.create_response and self._active is None
+        audio = self._input.take(self._speech_start, change.commit_end)
+        self._commit(item_id, audio, respond=respond)
+        if respond:
+            self._start_response(None, now, transcript_key=(item_id, change.end_sample))
+
+    def _maybe_prepare_transcript(self, frame_end: int, td: TurnDetection) -> None:
+        """A pause long enough that the turn may end here: transcribe it ahead (once)."""
+        pause = self._vad.silence_start
+        item_id = self._speech_item_id
+        after_ms = min(self.options.prepare_transcript_after_ms, td.effective_silence_ms())
+        if (
+            pause is None
+            or item_id is None
+            or after_ms <= 0
+            or not (td.create_response and self.options.pipeline_transcribes_input)
+            or frame_end - pause < after_ms * SAMPLES_PER_MS
+            or self._prepared == (item_id, pause)
+        ):
+            return
+        self._prepared = (item_id, pause)
+        self._out.effect(PrepareTranscript((item_id, pause), self._input.slice(self._speech_start, pause)))
