@@ -34,6 +34,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--tenant-max-sessions", type=int, default=None, help="per-tenant slots (default: max)")
     p.add_argument("--admission-queue-s", type=float, default=10.0, help="max wait in the admission queue")
     p.add_argument("--event-log-maxlen", type=int, default=4096, help="events kept per session for replay")
+    p.add_argument(
+        "--audio-retention-s",
+        type=float,
+        default=10.0,
+        help="seconds of item audio a conversation keeps (newest items; older ones keep transcripts)",
+    )
     p.add_argument("--max-generating", type=int, default=None, help="responses at once (default: pipeline)")
     p.add_argument("--turn-queue-s", type=float, default=2.0, help="how long a turn waits for a slot")
     p.add_argument("--stun", action="append", default=[], help="STUN server URL (repeatable)")

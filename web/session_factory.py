@@ -24,6 +24,7 @@ def core_options(
     return CoreOptions(
         config=config,
         max_duration_s=ctx.settings.max_lifetime,
+        audio_retention_s=ctx.settings.audio_retention_s,
         audio_out_via_track=audio_out_via_track,
         pipeline_transcribes_input=ctx.pipeline_transcribes_input,
         session_id=session_id,
