@@ -219,8 +219,9 @@ GLOSSARY = """## What the columns mean
 SERVER_GLOSSARY = """- **server TTFA**: the server's own histogram, response start → first pipeline audio.
 - **CPU ms per session-s**: server CPU time divided by the integral of open sessions over
   time: what one session costs, little affected by other load on the host.
-- **conversation audio**: audio the server holds in open sessions' conversations (peak); it
-  grows with every turn by design (items keep their audio for `conversation.item.retrieve`).
+- **conversation audio**: audio the server holds in open sessions' conversations (peak): the
+  newest items' audio, PCM16, at most `--audio-retention-s` (default 10 s) per conversation;
+  older items keep their transcripts.
 - **loop lag**: how late a 100 ms timer fires on the server's event loop.
 - **host CPU**: every process on the host, in % of one core (the host has `cpus` × 100 %),
   and the 1-minute load average at the start and end of the level; when it is well above
