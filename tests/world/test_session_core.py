@@ -221,10 +221,15 @@ def test_pacer_sends_on_time_and_demands_just_in_time() -> None:
     pacer.observe_latency(0.010)
     assert pacer.demand_at(10.0) == pytest.approx(10.1 - 0.022)
     assert pacer.send_at(10.05) == pytest.approx(10.1)  # early: wait for its slot
-    assert pacer.send_at(10.3) == 10.3  # late: at once, no burst to catch up
+    assert pacer.send_at(10.3) == 10.3  # late: at once
     pacer.sent(10.102, 0.1)  # timer jitter: the timeline holds, the rate does not drift
     assert pacer.next_due == pytest.approx(10.2)
-    pacer.sent(10.35, 0.1)  # a whole chunk late: the timeline moves
-    assert pacer.next_due == pytest.approx(10.45)
+    pacer.sent(10.35, 0.1)  # 150 ms late (a host hiccup): the timeline holds, the stream catches up
+    assert pacer.next_due == pytest.approx(10.3)
+    assert pacer.send_at(10.36) == 10.36  # the next one goes as soon as it is ready
+    pacer.sent(10.36, 0.1)
+    assert pacer.next_due == pytest.approx(10.4)  # back on the timeline
+    pacer.sent(10.75, 0.1)  # 350 ms late (> catch_up_s): a real stall, the timeline moves
+    assert pacer.next_due == pytest.approx(10.85)
     pacer.observe_latency(0.020)
     assert pacer.latency_s == pytest.approx(0.013)
