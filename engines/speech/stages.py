@@ -11,12 +11,17 @@ optional ``"history"``, ``"instructions"``, ``"max_tokens"`` and ``"modalities"`
 * :class:`ResponderEngine` (``speech.responder``): waits for the whole user text (a ``full``
   edge), then streams the reply a few deltas per step → client and downstream ``TextDelta``.
 * :class:`TtsEngine` (``speech.tts``): accumulates streamed text, cuts it into clauses and
-  synthesises one clause per step → client ``AudioChunk`` at the voice's rate (22.05 kHz).
+  synthesises one piece per step → client ``AudioChunk`` at the voice's rate (22.05 kHz).
+  Piper synthesises a whole sentence per call (no streaming inside one), so a long clause is
+  said in pieces sized to the audio already produced ahead of real-time playout: a short
+  first piece, then longer ones as the lead grows (see :meth:`TtsEngine.piece_words`).
   Emits no audio when ``"audio"`` is not in the request's ``modalities``.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +32,15 @@ import numpy as np
 from engines.speech.asr import SAMPLE_RATE as ASR_RATE
 from engines.speech.asr import AsrConfig, WhisperAsr, shared_asr
 from engines.speech.responder import Responder, Turn, make_responder
-from engines.speech.tts import ClauseSplitter, PiperTts, TtsConfig, shared_tts
+from engines.speech.tts import (
+    ClauseSplitter,
+    PiperTts,
+    TtsConfig,
+    ends_clause,
+    head_words,
+    shared_tts,
+    trim_tail,
+)
 from runtime.engine import EdgeChunk, Engine, EngineRequest, StepInput, StepOutput
 from runtime.payloads import AudioChunk, AudioInput, Payload, TextDelta, Transcript
 
@@ -196,13 +209,33 @@ class TtsState:
     splitter: ClauseSplitter
     clauses: deque[str] = field(default_factory=deque)
     text_finished: bool = False
+    first_audio_at: float | None = None  # monotonic time the first chunk was produced
+    audio_s: float = 0.0  # seconds of audio produced so far
+    words_said: int = 0
+
+    def ahead_s(self, now: float) -> float:
+        """Audio produced beyond a real-time playout started at the first chunk."""
+        if self.first_audio_at is None:
+            return 0.0
+        return self.audio_s - (now - self.first_audio_at)
+
+
+# Seconds of speech per word before a reply has produced any (joe-us at length_scale 1: ~0.29).
+_DEFAULT_WORD_S = 0.3
 
 
 class TtsEngine(Engine):
     """``speech.tts``. Options: ``model`` / ``config`` (a Piper voice; default joe-us),
-    ``max_words`` (12: longest clause without punctuation), ``length_scale``, ``noise_scale``
-    and ``noise_w_scale`` (unset: the voice's; both 0: deterministic audio), ``volume``,
-    ``intra_op_threads``."""
+    ``max_words`` (12: longest clause, and longest piece), ``first_words`` (4: longest first
+    piece), ``min_words`` (3: shortest piece a clause is cut to), ``length_scale``,
+    ``noise_scale`` and ``noise_w_scale`` (unset: the voice's; both 0: deterministic audio),
+    ``volume``, ``intra_op_threads``.
+
+    Why pieces: the outbound audio track runs dry when a chunk arrives after the audio before
+    it has played out. A 12-word clause is ~3.5 s of audio and takes 0.3 s to synthesise on an
+    idle core, over 1 s on a loaded one, after a first clause of well under a second. Each
+    piece is at most as long as the audio already ahead of playout (at least ``min_words``),
+    so the lead grows with every step: ~1 s, 2 s, 4 s ahead, then whole clauses."""
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
@@ -216,6 +249,14 @@ class TtsEngine(Engine):
             intra_op_threads=int(self.options.get("intra_op_threads", 0)),
         )
         self.max_words = int(self.options.get("max_words", 12))
+        self.first_words = int(self.options.get("first_words", 4))
+        self.min_words = int(self.options.get("min_words", 3))
+        if not 1 <= self.min_words <= self.max_words or not 1 <= self.first_words <= self.max_words:
+            raise ValueError(
+                "speech.tts needs 1 <= min_words, first_words <= max_words; got "
+                f"min_words={self.min_words} first_words={self.first_words} max_words={self.max_words}"
+            )
+        self.clock = time.monotonic  # the pacing clock (a test may pin it)
         self._tts: PiperTts | None = None
 
     @property
@@ -232,6 +273,30 @@ class TtsEngine(Engine):
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
         return [self._step_one(item) for item in batch]
 
+    def piece_words(self, state: TtsState, now: float) -> int:
+        """Longest piece (in words) to synthesise next: ``first_words`` before any audio, then
+        as many words as the audio ahead of playout lasts, within [min_words, max_words]."""
+        if state.first_audio_at is None:
+            return self.first_words
+        word_s = state.audio_s / state.words_said if state.words_said else _DEFAULT_WORD_S
+        fits = math.floor(state.ahead_s(now) / max(word_s, 1e-3) + 1e-9)
+        return max(self.min_words, min(self.max_words, fits))
+
+    def _next_piece(self, state: TtsState, now: float) -> str | None:
+        limit = self.piece_words(state, now)
+        if not state.clauses and not state.text_finished:
+            # No clause is complete yet: say the words that are, rather than wait for a mark
+            # or max_words of them (a reply streamed without punctuation).
+            early = state.splitter.take_words(limit)
+            if early is not None:
+                state.clauses.append(early)
+        if not state.clauses:
+            return None
+        head, rest = head_words(state.clauses.popleft(), limit)
+        if rest:
+            state.clauses.appendleft(rest)
+        return head
+
     def _step_one(self, item: StepInput) -> StepOutput:
         state: TtsState = item.state
         for text in _texts(item.chunks):
@@ -244,11 +309,18 @@ class TtsEngine(Engine):
         if not state.audio_out:
             state.clauses.clear()
             return StepOutput(done=state.text_finished, wait_for_input=not state.text_finished)
-        if not state.clauses:
+        piece = self._next_piece(state, self.clock())
+        if piece is None:
             return StepOutput(done=state.text_finished, wait_for_input=not state.text_finished)
         tts = _loaded(self._tts, self)
-        client: list[Payload] = [
-            AudioChunk(samples=audio, sample_rate=tts.sample_rate)
-            for audio in tts.synthesize(state.clauses.popleft())
-        ]
+        audios = list(tts.synthesize(piece))
+        if audios and not ends_clause(piece):
+            audios[-1] = trim_tail(audios[-1], tts.sample_rate)
+        client: list[Payload] = [AudioChunk(samples=audio, sample_rate=tts.sample_rate) for audio in audios]
+        samples = sum(chunk.samples.size for chunk in client if isinstance(chunk, AudioChunk))
+        if samples:
+            if state.first_audio_at is None:
+                state.first_audio_at = self.clock()
+            state.audio_s += samples / tts.sample_rate
+            state.words_said += len(piece.split())
         return StepOutput(client=client, done=state.text_finished and not state.clauses)

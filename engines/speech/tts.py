@@ -8,7 +8,10 @@ cannot ship GPL code leaves the extra out and uses another TTS engine. The defau
 Piper already synthesises one chunk per sentence; we cut finer, at clause punctuation
 (``. ! ? ; : ,``) and after ``max_words`` words without any, because the time to first audio
 is the time to synthesise the first clause, and text from a streaming responder arrives a few
-words at a time. :class:`ClauseSplitter` does the cutting incrementally.
+words at a time. :class:`ClauseSplitter` does the cutting incrementally. Piper has no
+streaming inside a sentence, so the TTS stage says a long clause in shorter pieces
+(:func:`head_words`, :meth:`ClauseSplitter.take_words`) while little audio is ahead of
+playout; see :class:`engines.speech.stages.TtsEngine`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,21 @@ class ClauseSplitter:
             clauses.append(rest)
         return clauses
 
+    def take_words(self, count: int) -> str | None:
+        """Cut the first ``count`` complete words off the pending text, as a clause without a
+        mark, once that many are complete (each followed by whitespace); else ``None``.
+
+        For a reply that streams without punctuation: the engine says the words it has rather
+        than wait for ``max_words`` of them or a mark.
+        """
+        words = list(_WORD.finditer(self._buffer))
+        complete = [w for w in words if w.end() < len(self._buffer)]
+        if count < 1 or len(complete) < count:
+            return None
+        cut = complete[count - 1].end()
+        clause, self._buffer = self._buffer[:cut].strip(), self._buffer[cut:]
+        return clause if _ALNUM.search(clause) else None
+
     def _drain(self, *, final: bool) -> list[str]:
         clauses: list[str] = []
         while True:
@@ -100,6 +118,56 @@ class ClauseSplitter:
         if len(words) <= self.max_words:
             return None
         return words[self.max_words - 1].end()
+
+
+# A cut inside a clause goes before one of these if one is near: it is where a speaker would
+# breathe ("the fox ran | and the dog"), so the seam Piper leaves sounds like a phrase break.
+_CONJUNCTIONS = frozenset(
+    {"and", "but", "or", "so", "because", "that", "which", "who", "when", "while", "if"}
+)
+_PREPOSITIONS = frozenset({"then", "than", "to", "of", "in", "on", "at", "with", "for", "from", "as"})
+_PHRASE_STARTS = _CONJUNCTIONS | _PREPOSITIONS
+
+
+def head_words(clause: str, limit: int) -> tuple[str, str]:
+    """Split ``clause`` at a word boundary into a head of at most ``limit`` words and the rest.
+
+    The head is the first of ``ceil(n / limit)`` near-equal pieces (9 words at limit 4: 3, not
+    4 + 4 + 1, so no piece is a stub), moved back one word where that puts the cut before a
+    conjunction or preposition. A clause of at most ``limit`` words comes back whole.
+    """
+    words = list(_WORD.finditer(clause))
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    if len(words) <= limit:
+        return clause, ""
+    pieces = -(-len(words) // limit)
+    size = -(-len(words) // pieces)
+    for take in (size, size - 1):
+        if take >= 2 and words[take].group().lower().strip("\"'(") in _PHRASE_STARTS:
+            size = take
+            break
+    cut = words[size - 1].end()
+    return clause[:cut].strip(), clause[cut:].strip()
+
+
+def ends_clause(text: str) -> bool:
+    """Whether ``text`` ends at a clause mark (else it was cut inside a clause)."""
+    return bool(_BOUNDARY.search(text.rstrip()[-4:]))
+
+
+def trim_tail(
+    audio: np.ndarray, sample_rate: int, keep_s: float = 0.06, threshold: float = 0.005
+) -> np.ndarray:
+    """``audio`` without trailing near-silence beyond ``keep_s``.
+
+    Piper ends every call with ~0.15 s of silence, a sentence pause. Between pieces cut inside
+    a clause that pause is heard as a stumble; kept to ``keep_s`` (plus the next piece's
+    ~0.04 s lead-in) it sounds like a short breath.
+    """
+    loud = np.flatnonzero(np.abs(audio) > threshold)
+    end = (int(loud[-1]) + 1 if loud.size else 0) + int(keep_s * sample_rate)
+    return audio[:end] if end < audio.size else audio
 
 
 def split_clauses(text: str, max_words: int = 12) -> list[str]:

@@ -105,7 +105,9 @@ def test_tts_engine_streams_clauses(tts_engine: TtsEngine) -> None:
     ]
     steps = run_engine(tts_engine, {}, text_chunks(deltas))
     audio_steps = [(n, out) for n, out in steps if out.client]
-    assert len(audio_steps) == 2  # "You said:" and the rest
+    # "You said:", then the rest in pieces (one delta per step keeps the lead short: see
+    # test_tts_pacing.py for how the pieces grow).
+    assert len(audio_steps) >= 2
     first_delivered = audio_steps[0][0]
     assert first_delivered == 2  # first audio as soon as "said:" arrived, long before the end
     chunks = _collect(steps, AudioChunk)
