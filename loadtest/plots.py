@@ -6,7 +6,7 @@ saved data, so ``python -m loadtest report results.json`` can redraw them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,18 @@ def _ttfas(level: dict[str, Any]) -> list[float]:
     return [t["ttfa_ms"] for t in level["turns"] if t.get("ttfa_ms") is not None]
 
 
+def _by_label(levels: list[dict[str, Any]]) -> Iterator[tuple[str, list[dict[str, Any]], list[int]]]:
+    """Each configuration's levels in order of concurrency, with those concurrencies (x)."""
+    for label in _labels(levels):
+        mine = sorted((lv for lv in levels if lv["label"] == label), key=lambda lv: lv["sessions"])
+        yield label, mine, [lv["sessions"] for lv in mine]
+
+
+def _nan(values: Iterable[float | None]) -> list[float]:
+    """Missing values as NaN, which matplotlib leaves out of a line."""
+    return [np.nan if v is None else v for v in values]
+
+
 def _pick(levels: list[dict[str, Any]], limit: int = 6) -> list[dict[str, Any]]:
     """At most ``limit`` levels per label for line plots (smallest, largest, spread between)."""
     out: list[dict[str, Any]] = []
@@ -44,59 +56,95 @@ def _pick(levels: list[dict[str, Any]], limit: int = 6) -> list[dict[str, Any]]:
     return out
 
 
-def ttfa_cdf(results: dict[str, Any], path: Path) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for lv in _pick(results["levels"]):
-        x, y = ecdf(_ttfas(lv))
-        if x.size:
-            ax.step(x, y, where="post", label=f"{lv['label']} N={lv['sessions']}")
-    ax.set_xlabel("end of speech → first audio (ms)")
-    ax.set_ylabel("fraction of turns")
-    ax.set_title("Time to first audio (client-measured)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+def _save(plt: Any, fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _finish(
+    plt: Any, fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str, **grid: Any
+) -> None:
+    """Label, grid and legend a one-axes figure the same way for every plot, then save it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, **grid)
+    ax.legend(fontsize=8)
+    _save(plt, fig, path)
+
+
+def _ecdf_plot(
+    results: dict[str, Any],
+    path: Path,
+    samples: Callable[[dict[str, Any]], list[float]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+) -> None:
+    """One empirical CDF per (picked) level, from its raw samples."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for lv in _pick(results["levels"]):
+        x, y = ecdf(samples(lv))
+        if x.size:
+            ax.step(x, y, where="post", label=f"{lv['label']} N={lv['sessions']}")
+    _finish(plt, fig, ax, path, xlabel, ylabel, title)
+
+
+def _quantile_plot(
+    results: dict[str, Any],
+    path: Path,
+    quantiles: Callable[[dict[str, Any]], list[float]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    *,
+    zero_line: bool = False,
+) -> None:
+    """One CDF per (picked) level, from its saved percentiles 0..100."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for lv in _pick(results["levels"]):
+        q = quantiles(lv)
+        if q:
+            ax.plot(q, np.arange(len(q)) / 100.0, label=f"{lv['label']} N={lv['sessions']}")
+    if zero_line:
+        ax.axvline(0.0, color="gray", lw=0.8)
+    _finish(plt, fig, ax, path, xlabel, ylabel, title)
+
+
+def ttfa_cdf(results: dict[str, Any], path: Path) -> None:
+    _ecdf_plot(
+        results,
+        path,
+        _ttfas,
+        "end of speech → first audio (ms)",
+        "fraction of turns",
+        "Time to first audio (client-measured)",
+    )
 
 
 def delta_gap_cdf(results: dict[str, Any], path: Path) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for lv in _pick(results["levels"]):
-        q = lv["summary"].get("delta_gap_quantiles_ms") or []
-        if q:
-            ax.plot(q, np.arange(len(q)) / 100.0, label=f"{lv['label']} N={lv['sessions']}")
-    ax.set_xlabel("interval between output audio deltas (ms)")
-    ax.set_ylabel("fraction of intervals")
-    ax.set_title("Output delta intervals")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _quantile_plot(
+        results,
+        path,
+        lambda lv: lv["summary"].get("delta_gap_quantiles_ms") or [],
+        "interval between output audio deltas (ms)",
+        "fraction of intervals",
+        "Output delta intervals",
+    )
 
 
 def ttfa_vs_concurrency(results: dict[str, Any], path: Path) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label in _labels(results["levels"]):
-        mine = sorted((lv for lv in results["levels"] if lv["label"] == label), key=lambda lv: lv["sessions"])
-        n = [lv["sessions"] for lv in mine]
+    for label, mine, n in _by_label(results["levels"]):
         for q, style in (("p50", "-o"), ("p95", "--s")):
-            y = [lv["summary"]["ttfa_ms"].get(q) for lv in mine]
-            y_plot = [np.nan if v is None else v for v in y]
-            ax.plot(n, y_plot, style, label=f"{label} {q}")
+            ax.plot(n, _nan([lv["summary"]["ttfa_ms"].get(q) for lv in mine]), style, label=f"{label} {q}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent sessions")
-    ax.set_ylabel("time to first audio (ms)")
-    ax.set_title("Time to first audio against concurrency")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    xlabel, ylabel = "concurrent sessions", "time to first audio (ms)"
+    _finish(plt, fig, ax, path, xlabel, ylabel, "Time to first audio against concurrency", which="both")
 
 
 def compare_bars(results: dict[str, Any], path: Path) -> None:
@@ -118,9 +166,7 @@ def compare_bars(results: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3, axis="y")
     axes[0].set_ylabel("ms")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def server_timeline(results: dict[str, Any], path: Path) -> None:
@@ -146,9 +192,7 @@ def server_timeline(results: dict[str, Any], path: Path) -> None:
     ax_cpu.legend(fontsize=8)
     ax_cpu.grid(alpha=0.3)
     ax_rss.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def capacity_probes(results: dict[str, Any], path: Path) -> None:
@@ -166,14 +210,7 @@ def capacity_probes(results: dict[str, Any], path: Path) -> None:
         ax.axhline(limit, color="tab:red", ls="--", label=f"SLO p95 ≤ {limit:g} ms")
     if cap.get("capacity"):
         ax.axvline(cap["capacity"], color="tab:green", ls=":", label=f"capacity = {cap['capacity']}")
-    ax.set_xlabel("concurrent sessions (green: SLO met)")
-    ax.set_ylabel("TTFA p95 (ms)")
-    ax.set_title("Capacity search")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, path, "concurrent sessions (green: SLO met)", "TTFA p95 (ms)", "Capacity search")
 
 
 def _world(level: dict[str, Any]) -> dict[str, Any]:
@@ -182,60 +219,41 @@ def _world(level: dict[str, Any]) -> dict[str, Any]:
 
 
 def frame_jitter_cdf(results: dict[str, Any], path: Path) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for lv in _pick(results["levels"]):
-        q = _world(lv).get("frame_jitter_quantiles_ms") or []
-        if q:
-            ax.plot(q, np.arange(len(q)) / 100.0, label=f"{lv['label']} N={lv['sessions']}")
-    ax.axvline(0.0, color="gray", lw=0.8)
-    ax.set_xlabel("chunk arrival interval − chunk play time (ms; > 0: late)")
-    ax.set_ylabel("fraction of chunks")
-    ax.set_title("World sessions: frame-interval jitter")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _quantile_plot(
+        results,
+        path,
+        lambda lv: _world(lv).get("frame_jitter_quantiles_ms") or [],
+        "chunk arrival interval − chunk play time (ms; > 0: late)",
+        "fraction of chunks",
+        "World sessions: frame-interval jitter",
+        zero_line=True,
+    )
 
 
 def action_latency_cdf(results: dict[str, Any], path: Path) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for lv in _pick(results["levels"]):
-        x, y = ecdf(_world(lv).get("action_samples_ms") or [])
-        if x.size:
-            ax.step(x, y, where="post", label=f"{lv['label']} N={lv['sessions']}")
-    ax.set_xlabel("key event sent → first chunk it shaped received (ms)")
-    ax.set_ylabel("fraction of actions")
-    ax.set_title("World sessions: action latency")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _ecdf_plot(
+        results,
+        path,
+        lambda lv: _world(lv).get("action_samples_ms") or [],
+        "key event sent → first chunk it shaped received (ms)",
+        "fraction of actions",
+        "World sessions: action latency",
+    )
 
 
 def fps_vs_concurrency(results: dict[str, Any], path: Path) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label in _labels(results["levels"]):
-        mine = sorted((lv for lv in results["levels"] if lv["label"] == label), key=lambda lv: lv["sessions"])
-        n = [lv["sessions"] for lv in mine]
+    for label, mine, n in _by_label(results["levels"]):
         for q, style in (("min", "--s"), ("mean", "-o")):
             y = [(_world(lv).get("fps") or {}).get(q) for lv in mine]
-            ax.plot(n, [np.nan if v is None else v for v in y], style, label=f"{label} fps {q}")
+            ax.plot(n, _nan(y), style, label=f"{label} fps {q}")
         asked = [_world(lv).get("fps_requested") for lv in mine]
-        ax.plot(n, [np.nan if v is None else v for v in asked], ":", color="gray", label=f"{label} asked")
+        ax.plot(n, _nan(asked), ":", color="gray", label=f"{label} asked")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent sessions")
-    ax.set_ylabel("frames per second per session")
-    ax.set_title("World sessions: delivered fps against concurrency")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    xlabel, ylabel = "concurrent sessions", "frames per second per session"
+    title = "World sessions: delivered fps against concurrency"
+    _finish(plt, fig, ax, path, xlabel, ylabel, title, which="both")
 
 
 def draw_all(results: dict[str, Any], plots_dir: Path, name: str) -> list[Path]:

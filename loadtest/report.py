@@ -17,6 +17,13 @@ def _codes(counts: dict[str, int]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "0"
 
 
+def _admissions(summary: dict[str, Any]) -> str:
+    """The "admitted / refused" cell (every outcome but ``admitted`` is a refusal)."""
+    adm = summary.get("admissions", {})
+    refused = sum(n for k, n in adm.items() if k != "admitted")
+    return f"{adm.get('admitted', 0)} / {refused}"
+
+
 LEVEL_HEADER = (
     "| config | N | turns | TTFA p50 | TTFA p95 | TTFA p99 | first→last p50 | RTF p50 | delta gap p99 / max "
     "| underruns | barge-in stop p50 | errors | admitted / refused |\n"
@@ -33,8 +40,6 @@ SERVER_HEADER = (
 
 def level_row(lv: dict[str, Any]) -> str:
     s = lv["summary"]
-    adm = s.get("admissions", {})
-    refused = sum(n for k, n in adm.items() if k != "admitted")
     ttfa, gap = s["ttfa_ms"], s["delta_gap_ms"]
     silent = f" ({s['silent_frames']} silent frames)" if s.get("silent_frames") else ""
     return (
@@ -42,7 +47,7 @@ def level_row(lv: dict[str, Any]) -> str:
         f"| {_f(ttfa['p99'])} | {_f(s['stream_ms']['p50'])} | {_f(s['rtf']['p50'], 2)} "
         f"| {_f(gap['p99'])} / {_f(gap['max'])} | {s['underruns']}{silent} "
         f"| {_f(s['barge_in_stop_ms']['p50'])} "
-        f"| {_codes(s['errors_by_code'])} | {adm.get('admitted', 0)} / {refused} |\n"
+        f"| {_codes(s['errors_by_code'])} | {_admissions(s)} |\n"
     )
 
 
@@ -88,8 +93,6 @@ WORLD_HEADER = (
 def world_row(lv: dict[str, Any]) -> str:
     s = lv["summary"]
     w = s.get("world") or {}
-    adm = s.get("admissions", {})
-    refused = sum(n for k, n in adm.items() if k != "admitted")
     fps, jit = w.get("fps") or {}, w.get("frame_jitter_ms") or {}
     act, qa = w.get("action_ms") or {}, w.get("queued_to_applied_ms") or {}
     srv = w.get("server_action_ms") or {}
@@ -102,7 +105,7 @@ def world_row(lv: dict[str, Any]) -> str:
         f"| {_f(qa.get('p50'))} / {_f(qa.get('p95'))} | {_f(srv.get('p50'))} "
         f"| {w.get('actions_sent', 0)} / {w.get('actions_applied', 0)} "
         f"({w.get('applied_later_than_declared', 0)}) "
-        f"| {_codes(s['errors_by_code'])} | {adm.get('admitted', 0)} / {refused} |\n"
+        f"| {_codes(s['errors_by_code'])} | {_admissions(s)} |\n"
     )
 
 

@@ -26,25 +26,22 @@ import asyncio
 import base64
 import contextlib
 import json
-import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import av
 import httpx
 import numpy as np
 from aiortc import RTCSessionDescription
-from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from aiortc.mediastreams import MediaStreamTrack
 
-from loadtest.playout import PlayoutBuffer
 from loadtest.speech import RATE, SpeechBank
 from loadtest.turns import TurnRecord
-from loadtest.voice_ws import LiveCounters, SessionResult, reset_response, session_update
+from loadtest.voice_common import LiveCounters, SessionResult, VoiceSession, session_update
 from loadtest.workload import Workload
 from media.audio import OPUS_RATE, resample
 from media.tracks import frame_to_mono
-from media.webrtc_client import RealtimeCallClient
+from media.webrtc_client import RealtimeCallClient, audio_frames
 
 AUDIBLE = 0.02  # first audio: a decoded peak above this (full scale 1.0)
 # A frame whose decoded peak is below this is digital silence: Opus decodes zeros to exact
@@ -145,13 +142,7 @@ class CallClient(RealtimeCallClient):
         return tapped
 
     async def _listen(self, track: MediaStreamTrack) -> None:
-        while True:
-            try:
-                frame = await track.recv()
-            except MediaStreamError:
-                return
-            if not isinstance(frame, av.AudioFrame):
-                continue
+        async for frame in audio_frames(track):
             at = self.arrivals.pop(frame.pts, None) if frame.pts is not None else None
             if at is None:
                 self.unmatched += 1
@@ -160,7 +151,7 @@ class CallClient(RealtimeCallClient):
             self.on_frame(at, float(np.abs(samples).max()) if len(samples) else 0.0)
 
 
-class VoiceRtcSession:
+class VoiceRtcSession(VoiceSession[np.ndarray]):
     def __init__(
         self,
         index: int,
@@ -172,32 +163,19 @@ class VoiceRtcSession:
         clock: Callable[[], float] = time.monotonic,
         api_key: str | None = None,
     ) -> None:
-        self.index = index
+        super().__init__(index, workload, bank, counters, clock)
         self.base_url = base_url
-        self.w = workload
-        self.bank = bank
         self.speech = rtc_speech(bank)
-        self.counters = counters
-        self.clock = clock
         self.api_key = api_key
-        self.result = SessionResult(index)
-        self._rng = random.Random(workload.seed * 100_003 + index)
         self._client: CallClient | None = None
         self._mic = _Mic(clock)
-        self._awaiting: list[TurnRecord] = []  # spoken turns waiting for response.created
-        self._by_response: dict[str, TurnRecord] = {}
         self._current: TurnRecord | None = None  # the turn whose answer arriving frames belong to
-        self._receiving: TurnRecord | None = None  # the turn whose response runs (for errors)
         self._audio_started: set[str] = set()
         self._audio_ended: set[str] = set()  # output_audio_buffer.stopped or .cleared
-        self._changed = asyncio.Event()
-        self._barge_watch: TurnRecord | None = None
         self._silent_since: float | None = None  # after a barge-in: first frame of the silence
         self._silent_run = 0  # silent frames since the current reply's last audible one
         self._cleared_at: dict[str, float] = {}  # output_audio_buffer.cleared arrival
-        self._closed = False
         self._closing = False
-        self._updated = False
         self._said = 0
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -210,19 +188,12 @@ class VoiceRtcSession:
         try:
             refusal = await client.open()
         except (OSError, TimeoutError, httpx.HTTPError) as exc:
-            self.result.admission = "connect_failed"
-            self._count_error(f"connect_failed:{type(exc).__name__}")
-            self.counters.refused += 1
             await client.close()
-            return self.result
+            return self._connect_failed(exc)
         if refusal is not None:
-            self.result.admission = refusal
-            self.counters.refused += 1
             await client.close()
-            return self.result
-        self.result.admission = "admitted"
-        self.counters.admitted += 1
-        self.counters.live += 1
+            return self._refused(refusal)
+        self._admitted()
         try:
             await self._conversation(end_at)
         finally:
@@ -243,25 +214,26 @@ class VoiceRtcSession:
             self._count_error("connection_closed")
             self._changed.set()
 
-    def _count_error(self, code: str, turn: TurnRecord | None = None) -> None:
-        target = turn.errors if turn is not None else self.result.errors
-        target[code] = target.get(code, 0) + 1
-        self.counters.errors += 1
-
-    def _send(self, event: dict[str, Any]) -> None:
+    async def _send_event(self, event: dict[str, Any]) -> None:
         assert self._client is not None
         self._client.send(event)
 
+    def _session_update(self) -> dict[str, Any]:
+        event = session_update(self.w)
+        audio = event["session"]["audio"]
+        audio["input"].pop("format"), audio["output"].pop("format")  # the track's codec decides
+        return event
+
     # --- microphone ----------------------------------------------------------------------
 
-    def _speak(self, samples: np.ndarray) -> asyncio.Future[float]:
+    def _speak(self, speech: np.ndarray) -> asyncio.Future[float]:
         """Queue an utterance on the mic track; the future gets its end-of-speech time."""
         assert self._client is not None
         self._said += 1
         name = f"utt-{self._said}"
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._mic.ended[name] = fut
-        self._client.mic.play(name, samples, OPUS_RATE)
+        self._client.mic.play(name, speech, OPUS_RATE)
         self._client.mic.finish(name)
         return fut
 
@@ -295,60 +267,18 @@ class VoiceRtcSession:
     def _on_event(self, event: dict[str, Any], now: float) -> None:
         kind = event.get("type")
         rid = str(event.get("response_id", ""))
-        if kind == "response.created":
-            rid = str(event["response"]["id"])
-            turn = self._awaiting.pop(0) if self._awaiting else None
-            if turn is None:
-                self._count_error("unexpected_response")
-                return
-            turn.response_id, turn.created_at = rid, now
-            self._by_response[rid] = turn
-            self._receiving = turn
-        elif kind == "response.done":
-            self._on_done(event["response"], now)
-        elif kind == "output_audio_buffer.started":
+        if kind == "output_audio_buffer.started":
             self._audio_started.add(rid)
         elif kind in ("output_audio_buffer.stopped", "output_audio_buffer.cleared"):
             self._audio_ended.add(rid)
             if kind.endswith("cleared"):
                 self._cleared_at[rid] = now
-        elif kind == "error":
-            code = str((event.get("error") or {}).get("code"))
-            self._count_error(code, self._receiving)
-        elif kind == "session.updated":
-            self._updated = True
         else:
+            self._on_response_event(kind, event, now)
             return
         self._changed.set()
 
-    def _on_done(self, response: dict[str, Any], now: float) -> None:
-        rid = str(response.get("id"))
-        turn = self._by_response.get(rid)
-        if turn is None:
-            return
-        if self._receiving is turn:
-            self._receiving = None
-        status = str(response.get("status"))
-        if status == "cancelled" and turn.barge_in_at is None:
-            # Server VAD heard a pause inside our utterance (see voice_ws): wait for the next reply.
-            self._by_response.pop(rid, None)
-            self.result.vad_splits += 1
-            self._awaiting.insert(0, reset_response(turn))
-            return
-        turn.status, turn.done_at = status, now
-
     # --- turns ---------------------------------------------------------------------------
-
-    async def _wait(self, predicate: Callable[[], bool], deadline: float) -> bool:
-        while not predicate():
-            remaining = deadline - self.clock()
-            if remaining <= 0 or self._closed:
-                return predicate()
-            self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await self._changed.wait()
-        return True
 
     def _played_out(self, turn: TurnRecord) -> bool:
         """The reply is done and its audio has left the server's track (or it had none)."""
@@ -357,83 +287,31 @@ class VoiceRtcSession:
         rid = turn.response_id
         return rid in self._audio_ended or rid not in self._audio_started
 
+    def _reply_over(self, turn: TurnRecord) -> bool:
+        return self._played_out(turn)
+
     def _new_turn(self, number: int) -> tuple[TurnRecord, np.ndarray]:
         k = self._rng.randrange(len(self.speech))
-        samples = self.speech[k]
-        speech_ms = self.bank.utterances[k].speech_ms
-        turn = TurnRecord(self.index, number, spoke_at=self.clock(), speech_ms=speech_ms)
-        turn.playout = PlayoutBuffer(float(self.w.prebuffer_ms))
-        return turn, samples
+        return self._turn_record(number, self.bank.utterances[k].speech_ms), self.speech[k]
 
-    async def _conversation(self, end_at: float) -> None:
-        event = session_update(self.w)
-        audio = event["session"]["audio"]
-        audio["input"].pop("format"), audio["output"].pop("format")  # the track's codec decides
-        self._send(event)
-        if not await self._wait(lambda: self._updated, self.clock() + 30):
-            self._count_error("no_session_updated")
-            return
-        manual = self.w.turn_detection == "manual"
-        carried: tuple[TurnRecord, asyncio.Future[float]] | None = None
-        number = 0
-        while not self._closed:
-            if carried is None:
-                if self.clock() >= end_at or (self.w.max_turns and number >= self.w.max_turns):
-                    break
-                if manual:
-                    self._send({"type": "input_audio_buffer.clear"})
-                turn, samples = self._new_turn(number)
-                carried = (turn, self._speak(samples))
-            turn, spoken = carried
-            carried = None
-            self._awaiting.append(turn)
-            turn.speech_end = await spoken
-            self._current, self._silent_run = turn, 0
-            if manual:
-                self._send({"type": "input_audio_buffer.commit"})
-                create: dict[str, Any] = {"type": "response.create"}
-                if self.w.max_output_tokens:
-                    create["response"] = {"max_output_tokens": self.w.max_output_tokens}
-                self._send(create)
-                turn.speech_end = self.clock()
-            number += 1
-            if self._rng.random() < self.w.barge_in:
-                carried = await self._barge_in(turn, number)
-            deadline = turn.speech_end + self.w.response_timeout_s
-            await self._wait(lambda t=turn: self._played_out(t), deadline)  # type: ignore[misc]
-            if turn.barge_in_at is not None:  # the silent frames follow the cleared event
-                await self._wait(lambda: self._silent_since is not None, self.clock() + 0.5)
-            self._close_turn(turn)
-            if carried is None:
-                await asyncio.sleep(self.w.pause_s)
+    def _on_spoken(self, turn: TurnRecord) -> None:
+        self._current, self._silent_run = turn, 0
 
-    async def _barge_in(
-        self, turn: TurnRecord, number: int
-    ) -> tuple[TurnRecord, asyncio.Future[float]] | None:
-        """Interrupt ``turn``'s reply once ``barge_in_after_ms`` of it has arrived."""
-        deadline = (turn.speech_end or self.clock()) + self.w.response_timeout_s
-        enough = self.w.barge_in_after_ms
+    async def _await_reply(self, turn: TurnRecord) -> None:
+        """Until the reply has left the server's track (and, after a barge-in, its silence)."""
+        assert turn.speech_end is not None
+        deadline = turn.speech_end + self.w.response_timeout_s
+        await self._wait(lambda: self._played_out(turn), deadline)
+        if turn.barge_in_at is not None:  # the silent frames follow the cleared event
+            await self._wait(lambda: self._silent_since is not None, self.clock() + 0.5)
 
-        def ready() -> bool:
-            return self._played_out(turn) or turn.audio_ms >= enough
-
-        self._barge_watch = turn
-        try:
-            await self._wait(ready, deadline)
-        finally:
-            self._barge_watch = None
-        if self._played_out(turn) or turn.audio_ms < enough or turn.response_id is None:
-            return None
-        turn.barge_in_at = self.clock()
+    def _on_barge_in(self, turn: TurnRecord) -> None:
         self._silent_since = None
-        if self.w.turn_detection == "manual":
-            if turn.done_at is None:
-                self._send({"type": "response.cancel"})
-            self._send({"type": "output_audio_buffer.clear"})
-            return None
-        # Server VAD: speaking *is* the interruption, and it starts the next turn.
-        nxt, samples = self._new_turn(number)
-        return nxt, self._speak(samples)
+
+    async def _interrupt_manual(self, turn: TurnRecord) -> None:
+        if turn.done_at is None:
+            await self._send_event({"type": "response.cancel"})
+        await self._send_event({"type": "output_audio_buffer.clear"})
 
     def _close_turn(self, turn: TurnRecord) -> None:
         if turn.barge_in_at is not None and turn.response_id in self._cleared_at:
@@ -441,18 +319,10 @@ class VoiceRtcSession:
             # (the server's `cleared` event when frames did not show it, e.g. a late turn).
             cleared = self._cleared_at.pop(turn.response_id)
             turn.barge_in_done_at = self._silent_since if self._silent_since is not None else cleared
-        if turn.done_at is None:
-            turn.status = "timeout" if turn.response_id is not None else "no_response"
-            self._count_error(turn.status, turn)
-            with contextlib.suppress(ValueError):
-                self._awaiting.remove(turn)
-            if self._receiving is turn:
-                self._receiving = None
-        elif not self._played_out(turn):
+        if not self._expire_turn(turn) and not self._played_out(turn):
             self._count_error("playout_timeout", turn)
         if turn.response_id is not None:
             self._by_response.pop(turn.response_id, None)
             self._audio_started.discard(turn.response_id)
             self._audio_ended.discard(turn.response_id)
-        self.result.turns.append(turn)
-        self.counters.turns += 1
+        self._record_turn(turn)

@@ -34,7 +34,14 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from loadtest.stats import summarize
-from loadtest.voice_ws import LiveCounters, SessionResult, refusal_code
+from loadtest.voice_common import (
+    LiveCounters,
+    SessionResult,
+    book_connect_failure,
+    book_refusal,
+    count_error,
+)
+from loadtest.voice_ws import refusal_code
 from loadtest.workload import Workload
 
 DEFAULT_MODEL = "tiny-jepa"
@@ -182,14 +189,9 @@ class WorldSession:
                 self.url, compression=None, max_size=2**24, open_timeout=30, additional_headers=self.headers
             )
         except InvalidStatus as exc:
-            self.result.admission = refusal_code(exc)
-            self.counters.refused += 1
-            return self.result
+            return book_refusal(self.result, self.counters, refusal_code(exc))
         except (OSError, TimeoutError) as exc:
-            self.result.admission = "connect_failed"
-            self._count_error(f"connect_failed:{type(exc).__name__}")
-            self.counters.refused += 1
-            return self.result
+            return book_connect_failure(self.result, self.counters, exc)
         self.counters.live += 1
         try:
             await self._session(end_at)
@@ -337,8 +339,7 @@ class WorldSession:
         self._count_error("connection_closed")
 
     def _count_error(self, code: str) -> None:
-        self.result.errors[code] = self.result.errors.get(code, 0) + 1
-        self.counters.errors += 1
+        count_error(self.result, self.counters, code)
 
 
 async def warm_up(

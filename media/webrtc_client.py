@@ -14,7 +14,7 @@ import contextlib
 import json
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,17 @@ from media.tracks import OutboundAudioTrack, frame_to_mono
 from media.webrtc import EVENTS_CHANNEL
 
 Clock = Callable[[], float]
+
+
+async def audio_frames(track: MediaStreamTrack) -> AsyncIterator[av.AudioFrame]:
+    """The track's audio frames as they are received, until it ends (other frames skipped)."""
+    while True:
+        try:
+            frame = await track.recv()
+        except MediaStreamError:
+            return
+        if isinstance(frame, av.AudioFrame):
+            yield frame
 
 
 @dataclass(slots=True)
@@ -255,13 +266,7 @@ class RealtimeCallClient:
         return tapped
 
     async def _listen(self, track: MediaStreamTrack) -> None:
-        while True:
-            try:
-                frame = await track.recv()
-            except MediaStreamError:
-                return
-            if not isinstance(frame, av.AudioFrame):
-                continue
+        async for frame in audio_frames(track):
             samples = frame_to_mono(frame)
             rms = float(np.sqrt(np.mean(samples**2))) if len(samples) else 0.0
             self.heard.append(HeardFrame(self.clock(), rms, samples if self.keep_audio else None))

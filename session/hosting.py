@@ -46,6 +46,7 @@ from typing import Any
 from session.admission import AdmissionController
 from session.affinity import Binding, SessionBinding
 from session.driver import RealtimeDriver, SessionLog
+from session.host_common import SlotReleases, cancel_tasks, expiry_message, spawn, sweep_forever
 from session.hosting_resume import AdmissionRefused, ResumeHosting, SessionElsewhere
 from session.identity import secret_digest
 from session.link import LinkEnd, Transport, TransportLink
@@ -55,7 +56,6 @@ from session.realtime.records import config_record
 from session.resume import connection_event
 from session.retention import RetentionPolicy, RetentionTimer, Verdict
 from session.store import SessionRecord, SessionStore, SessionWriter
-from session.store.aio import cancel_and_wait, wait_event
 from session.store.errors import (
     SessionGone,
     StaleEpoch,
@@ -148,7 +148,7 @@ class SessionHost(ResumeHosting):
         self._drivers = registry if registry is not None else {}  # id → driver, for metrics
         self._restoring: dict[str, asyncio.Task[HostedSession]] = {}
         self._ending: dict[str, asyncio.Event] = {}
-        self._unreleased: set[str] = set()  # admission releases to retry (Redis was down)
+        self._releases = SlotReleases(admission)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._wake = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
@@ -178,7 +178,8 @@ class SessionHost(ResumeHosting):
             await self.store.load_scripts()
             await self.admission.load_scripts()
         await self.admission.start()
-        self._sweeper = asyncio.create_task(self._sweep_loop(), name="session-host:sweeper")
+        sweeper = sweep_forever(self._wake, lambda: self.settings.sweep_s, self.sweep, log, "session")
+        self._sweeper = asyncio.create_task(sweeper, name="session-host:sweeper")
 
     async def close(self) -> None:
         """Shutdown: admit nobody, let in-flight responses finish (bounded), then park every
@@ -192,17 +193,13 @@ class SessionHost(ResumeHosting):
                 *(self._end(hs, "shutdown", delete=False, close=RESTART_CLOSE) for hs in live),
                 return_exceptions=True,
             )
-        await cancel_and_wait(self._sweeper)
+        await cancel_tasks(self._sweeper, *self._tasks)
         self._sweeper = None
-        for task in list(self._tasks):
-            await cancel_and_wait(task)
-        await self._retry_releases()
+        await self._releases.retry(self.sessions)
         await self.admission.close()
 
     def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        spawn(self._tasks, coro, name)
 
     # --- open --------------------------------------------------------------------------------
 
@@ -276,17 +273,6 @@ class SessionHost(ResumeHosting):
 
     # --- retention ---------------------------------------------------------------------------
 
-    async def _sweep_loop(self) -> None:
-        while True:
-            await wait_event(self._wake, self.settings.sweep_s)
-            self._wake.clear()
-            try:
-                await self.sweep()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("session sweep failed")
-
     async def sweep(self) -> None:
         """One pass of retention over the live sessions (and retries of failed releases)."""
         wall, mono = self._wall(), self._clock()
@@ -305,17 +291,13 @@ class SessionHost(ResumeHosting):
                 actions.append(self._grace_over(hs))
         if actions:
             await asyncio.gather(*actions, return_exceptions=True)
-        await self._retry_releases()
+        await self._releases.retry(self.sessions)
 
     async def _expire(self, hs: HostedSession, verdict: Verdict) -> None:
         async with hs.lock:
             if hs.ending:
                 return
-            if verdict is Verdict.LIFETIME_EXPIRED:
-                minutes = round(self.policy.max_lifetime_s / 60)
-                message = f"Your session hit the maximum duration of {minutes} minutes."
-            else:
-                message = f"Your session was idle for {round(self.policy.idle_ttl_s)} seconds."
+            message = expiry_message(self.policy, verdict)
             hs.driver.apply(hs.driver.core.expire(self._clock(), message))
         await self._end(hs, verdict.value, delete=True)
 
@@ -432,16 +414,7 @@ class SessionHost(ResumeHosting):
         return fenced
 
     async def _release(self, session_id: str) -> None:
-        try:
-            await self.admission.release(session_id)
-            self._unreleased.discard(session_id)
-        except StoreError:
-            self._unreleased.add(session_id)
-
-    async def _retry_releases(self) -> None:
-        for sid in list(self._unreleased):
-            if sid not in self.sessions:
-                await self._release(sid)
+        await self._releases.release(session_id)
 
     # --- construction ------------------------------------------------------------------------
 
@@ -481,6 +454,6 @@ class SessionHost(ResumeHosting):
             "drivers": len(self._drivers),
             "restoring": len(self._restoring),
             "ending": len(self._ending),
-            "unreleased": len(self._unreleased),
+            "unreleased": len(self._releases),
             "tasks": len(self._tasks),
         }

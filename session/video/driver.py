@@ -176,36 +176,26 @@ class VideoSessionDriver:
         outputs = self.core.on_ended(code, reason, error)
         attached = self._attached.is_set() and not self._dead
         self._dead = True
-        for out in outputs:
-            if isinstance(out, CancelGeneration):
-                await self._cancel(out.request_id)
-        media, self._media = self._media, None
-        if media is not None:
-            media.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await media
+        await self._stop_generating(outputs)
         if attached:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(self._limits.close_grace_s), self._send_lock:
-                    for out in outputs:
-                        if isinstance(out, ServerEvent):
-                            await self._transport.send_text(out.to_json())
-                        elif isinstance(out, CloseConnection):
-                            await self._transport.close(out.code, out.reason)
+            await self._send_last(outputs, self._send_lock)
         self._closed.set()
 
     async def close(self) -> None:
         """The transport is gone (or the server shuts down): stop generating, end the media loop."""
         self._dead = True
-        for out in self.core.on_closed():
-            if isinstance(out, CancelGeneration):
-                await self._cancel(out.request_id)
+        await self._stop_generating(self.core.on_closed())
+        self._closed.set()
+
+    async def _stop_generating(self, outputs: list[Output]) -> None:
+        """Cancel the runtime requests that ``outputs`` name, then stop the media loop: what
+        both ways a session ends (:meth:`end`, :meth:`close`) do alike."""
+        await self._cancel_requests(outputs)
         media, self._media = self._media, None
         if media is not None:
             media.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await media
-        self._closed.set()
 
     # -- effects ------------------------------------------------------------------------------
 
@@ -231,6 +221,25 @@ class VideoSessionDriver:
         self._media = asyncio.create_task(
             self._media_loop(start, self._media), name=f"video-media-{start.request_id}"
         )
+
+    async def _cancel_requests(self, outputs: list[Output]) -> None:
+        for out in outputs:
+            if isinstance(out, CancelGeneration):
+                await self._cancel(out.request_id)
+
+    async def _send_last(
+        self, outputs: list[Output], lock: contextlib.AbstractAsyncContextManager[Any]
+    ) -> None:
+        """The last events and the close frame of ``outputs``, best effort: the socket may never
+        drain, so they get the close grace and then give up. ``lock``: held while sending
+        (:meth:`end` takes the send lock; a stall does not wait for it)."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self._limits.close_grace_s), lock:
+                for out in outputs:
+                    if isinstance(out, ServerEvent):
+                        await self._transport.send_text(out.to_json())
+                    elif isinstance(out, CloseConnection):
+                        await self._transport.close(out.code, out.reason)
 
     async def _cancel(self, request_id: str) -> None:
         if self._runtime is not None:
@@ -301,17 +310,8 @@ class VideoSessionDriver:
             "video session %s: %s", self.core.session_id, f"client stopped reading for {waited_s:.1f} s"
         )
         outputs = self.core.on_stalled(waited_s)
-        for out in outputs:
-            if isinstance(out, CancelGeneration):
-                await self._cancel(out.request_id)
-        # Best effort: the socket may never drain, so the error and close frame get a grace period.
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(self._limits.close_grace_s):
-                for out in outputs:
-                    if isinstance(out, ServerEvent):
-                        await self._transport.send_text(out.to_json())
-                    elif isinstance(out, CloseConnection):
-                        await self._transport.close(out.code, out.reason)
+        await self._cancel_requests(outputs)
+        await self._send_last(outputs, contextlib.nullcontext())
         self._closed.set()
         media = self._media
         if media is not None and media is not asyncio.current_task():

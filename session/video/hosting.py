@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from session.admission import Rejected
+from session.host_common import SlotReleases, cancel_tasks, expiry_message, spawn, sweep_forever
 from session.hosting import AdmissionRefused, SessionElsewhere
 from session.identity import new_session_id, resume_token_matches, secret_digest
 from session.retention import RetentionTimer, Verdict
 from session.store import SessionRecord, SessionWriter
-from session.store.aio import cancel_and_wait, wait_event
 from session.store.errors import (
     ResumeTokenInvalid,
     SessionGone,
@@ -109,7 +109,7 @@ class WorldHost:
         self._clock = clock
         self.sessions: dict[str, WorldSession] = {}
         self.counts: Counter[str] = Counter()
-        self._unreleased: set[str] = set()
+        self._releases = SlotReleases(sessions.admission)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._wake = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
@@ -117,7 +117,10 @@ class WorldHost:
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._sweeper = asyncio.create_task(self._sweep_loop(), name="world-host:sweeper")
+        sweeper = sweep_forever(
+            self._wake, lambda: self.voice.settings.sweep_s, self.sweep, log, "world session"
+        )
+        self._sweeper = asyncio.create_task(sweeper, name="world-host:sweeper")
 
     async def close(self) -> None:
         """Shutdown: every world ends (a world cannot outlive its process); slots go back."""
@@ -126,11 +129,9 @@ class WorldHost:
             *(self._end(ws, "shutdown", close=(EXPIRED_CLOSE, "server shutting down")) for ws in live),
             return_exceptions=True,
         )
-        await cancel_and_wait(self._sweeper)
+        await cancel_tasks(self._sweeper, *self._tasks)
         self._sweeper = None
-        for task in list(self._tasks):
-            await cancel_and_wait(task)
-        await self._retry_releases()
+        await self._releases.retry(self.sessions)
 
     # --- open --------------------------------------------------------------------------------
 
@@ -275,17 +276,6 @@ class WorldHost:
 
     # --- retention ---------------------------------------------------------------------------
 
-    async def _sweep_loop(self) -> None:
-        while True:
-            await wait_event(self._wake, self.voice.settings.sweep_s)
-            self._wake.clear()
-            try:
-                await self.sweep()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("world session sweep failed")
-
     async def sweep(self) -> None:
         """One pass of retention over the live worlds (and retries of failed releases)."""
         wall, mono = self._wall(), self._clock()
@@ -303,19 +293,14 @@ class WorldHost:
             self._record_generation(ws)
             verdict = ws.timer.check(wall)
             if verdict is Verdict.LIFETIME_EXPIRED or verdict is Verdict.IDLE_EXPIRED:
-                if verdict is Verdict.LIFETIME_EXPIRED:
-                    minutes = round(self.policy.max_lifetime_s / 60)
-                    message = f"Your session hit the maximum duration of {minutes} minutes."
-                else:
-                    message = f"Your session was idle for {round(self.policy.idle_ttl_s)} seconds."
                 close = (EXPIRED_CLOSE, "session expired")
-                error = (ErrorCode.SESSION_EXPIRED, message)
+                error = (ErrorCode.SESSION_EXPIRED, expiry_message(self.policy, verdict))
                 actions.append(self._end(ws, verdict.value, close=close, error=error))
             elif verdict is Verdict.GRACE_EXPIRED and not ws.connected:
                 actions.append(self._end(ws, "grace_expired"))
         if actions:
             await asyncio.gather(*actions, return_exceptions=True)
-        await self._retry_releases()
+        await self._releases.retry(self.sessions)
 
     def _record_generation(self, ws: WorldSession) -> None:
         """A new generation started: its config (model, format, size, fps, prompt) into the
@@ -414,27 +399,16 @@ class WorldHost:
             close = (EXPIRED_CLOSE, "session ended")
         else:
             close = (1011, "session store error")
-        task = asyncio.create_task(self._end(ws, "fenced", close=close), name=f"world-fenced:{session_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        spawn(self._tasks, self._end(ws, "fenced", close=close), f"world-fenced:{session_id}")
 
     async def _release(self, session_id: str) -> None:
-        try:
-            await self.admission.release(session_id)
-            self._unreleased.discard(session_id)
-        except StoreError:
-            self._unreleased.add(session_id)
-
-    async def _retry_releases(self) -> None:
-        for sid in list(self._unreleased):
-            if sid not in self.sessions:
-                await self._release(sid)
+        await self._releases.release(session_id)
 
     def stats(self) -> dict[str, int]:
         """Live counters (back to zero once every world is gone)."""
         return {
             "live": len(self.sessions),
             "connected": sum(1 for ws in self.sessions.values() if ws.connected),
-            "unreleased": len(self._unreleased),
+            "unreleased": len(self._releases),
             "tasks": len(self._tasks),
         }
