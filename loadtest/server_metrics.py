@@ -122,7 +122,9 @@ class MetricsSampler:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=5.0)
         try:
-            reply = await self._client.get(f"{self.base_url}/metrics")
+            # scope=all: under `serve --workers N` the summed metrics of every worker
+            # (web/worker_forward.py); a single process ignores the parameter.
+            reply = await self._client.get(f"{self.base_url}/metrics", params={"scope": "all"})
             reply.raise_for_status()
         except httpx.HTTPError:
             self.failures += 1

@@ -168,9 +168,14 @@ def create_app(settings: ServerSettings) -> Starlette:
                 await video.close()
                 await pool.close()
 
+    middleware = [Middleware(ReplicaGate)]  # refuses new sessions while the replica drains
+    if settings.worker:  # `serve --workers N`: a sibling's session goes to that sibling
+        from web.worker_forward import WorkerForward
+
+        middleware.insert(0, Middleware(WorkerForward))
     # The video routes come first: they include a static mount for /world.
     return Starlette(
         routes=video.routes() + routes() + webrtc.routes() + replica_routes(),
-        middleware=[Middleware(ReplicaGate)],  # refuses new sessions while the replica drains
+        middleware=middleware,
         lifespan=lifespan,
     )

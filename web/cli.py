@@ -25,6 +25,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--replica-refresh-s", type=float, default=2.0, help="registry heartbeat interval")
     p.add_argument("--drain-timeout-s", type=float, default=600.0, help="SIGTERM: max wait for sessions")
     p.add_argument("--max-sessions", type=int, default=64)
+    # worker processes on one port (web/workers.py)
+    p.add_argument("--workers", type=int, default=1, help="worker processes sharing the port (SO_REUSEPORT)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the parent
     # sessions (session/hosting.py)
     p.add_argument("--idle-ttl-s", type=float, default=600.0, help="session idle TTL (deleted after)")
     p.add_argument("--max-lifetime-s", type=float, default=3600.0, help="session maximum lifetime")
@@ -95,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return loadtest_main(args_list[1:])
     args = build_parser().parse_args(args_list)
+    args.argv = args_list  # `serve --workers N` starts its workers with these arguments
     if args.command == "serve":
         from web.serve import serve
 

@@ -52,7 +52,21 @@ def serve(args: argparse.Namespace) -> int:
         log.warning(
             "no API keys configured: the server is OPEN to anyone who can reach %s (loopback)", settings.host
         )
+    workers = int(getattr(args, "workers", 1) or 1)
+    if workers < 1:
+        print(f"omniduplex: --workers must be at least 1, got {workers}", file=sys.stderr)
+        return 2
+    if workers > 1 and not settings.worker:
+        from web.workers import run_workers
+
+        return run_workers(args, settings)
     # DrainingServer: a replica's first SIGTERM drains its sessions first (web/replica.py);
     # standalone it is plain uvicorn.
-    DrainingServer(uvicorn_config(settings, log_level=str(args.log_level))).run()
+    server = DrainingServer(uvicorn_config(settings, log_level=str(args.log_level)))
+    if settings.worker:  # one of `--workers N`: the shared public port + its private one
+        from web.workers import worker_sockets
+
+        server.run(sockets=worker_sockets(settings))
+    else:
+        server.run()
     return 0

@@ -24,6 +24,7 @@ class ServerSettings:
     replica_lease_s: float = 5.0
     replica_refresh_s: float = 2.0
     drain_timeout_s: float = 600.0
+    worker: bool = False  # one of `serve --workers N`'s processes (web/workers.py)
     max_sessions: int = 64
     max_message_bytes: int = 2 * 1024 * 1024  # a frame over this closes with 1009
     session_max_duration_s: float = 3600.0  # kept for compatibility; see `max_lifetime`
@@ -72,6 +73,7 @@ class ServerSettings:
             replica_lease_s=float(get("replica_lease_s", 5.0) or 5.0),
             replica_refresh_s=float(get("replica_refresh_s", 2.0) or 2.0),
             drain_timeout_s=float(get("drain_timeout_s", 600.0) or 600.0),
+            worker=bool(get("worker", False)),
             max_sessions=get("max_sessions", 64),
             idle_ttl_s=float(get("idle_ttl_s", 600.0) or 600.0),
             max_lifetime_s=float(get("max_lifetime_s", 3600.0) or 3600.0),
