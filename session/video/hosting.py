@@ -217,7 +217,19 @@ class WorldHost:
             raise SessionNotFound(session_id)
         bound = await self.voice.binding.get(session_id)
         if bound is not None and bound.replica_id != self.voice.replica_id:
-            raise SessionElsewhere(bound)
+            if self.voice.claim is None:
+                raise SessionElsewhere(bound)
+            # Scale-out: `claim` binds it here only when its owner's lease has lapsed. A world
+            # dies with its process (its rolling context was there), so a dead owner's world is
+            # gone: give back its slot and record, and answer 404 as the gateway does.
+            claimed = await self.voice.claim(session_id)
+            if claimed.replica_id != self.voice.replica_id:
+                raise SessionElsewhere(claimed)
+            await self._release(session_id)
+            try:
+                await self.store.delete_session(session_id)
+            except StoreError:  # its keys expire by their TTL
+                log.warning("world session %s: could not delete it from Redis", session_id)
         raise SessionNotFound(session_id)  # its world ran in a process that is gone
 
     async def resume(self, ws: WorldSession, transport: VideoTransport) -> bool:

@@ -1,7 +1,8 @@
 """World sessions scaled out: two replica processes on one redis-server (tests/scaleout's
 helpers). A world is bound to the replica that opened it, like a voice session: its state
 answers with that owner everywhere, and a resume on another replica is refused with 409
-``session_elsewhere`` (the world's rolling context lives only on its owner)."""
+``session_elsewhere`` while the owner lives (the world's rolling context lives only there);
+once the owner is dead, 404 and its slot is given back."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from redis.asyncio import Redis
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -20,8 +22,18 @@ from tests.scaleout.cluster import Proc, replica_id_of, start_replica, wait_read
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
-    redis: RedisServerProcess = start_tcp_redis(tmp_path_factory.mktemp("redis"))
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServerProcess]:
+    server = start_tcp_redis(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(
+    redis: RedisServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Proc, Proc]]:
     tmp = tmp_path_factory.mktemp("replicas")
     started: list[Proc] = []
     try:
@@ -31,7 +43,9 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, P
     finally:
         for proc in started:
             proc.stop()
-        redis.stop()
+
+
+HOLDERS = "omni:{adm}:holder"  # session/admission.py: admitted session id → tenant, replica
 
 
 def ws_url(replica: Proc, query: str = "") -> str:
@@ -66,3 +80,47 @@ async def test_world_is_bound_to_its_replica(replicas: tuple[Proc, Proc]) -> Non
             await asyncio.sleep(0.05)
         else:
             raise AssertionError("the world outlived its clean close")
+
+
+async def test_resume_after_the_owner_died_is_404_and_frees_the_slot(
+    redis: RedisServerProcess, replicas: tuple[Proc, Proc], tmp_path: Path
+) -> None:
+    _, other = replicas
+    owner = start_replica(redis.url, tmp_path, extra=["--max-sessions", "1"])
+    try:
+        wait_ready([owner], path="/readyz")
+        async with connect(ws_url(owner)) as ws:
+            resumable = json.loads(await ws.recv())
+            session_id, token = resumable["session_id"], resumable["resume_token"]
+            client = Redis.from_url(redis.url)
+            try:
+                assert await client.hexists(HOLDERS, session_id)  # it holds a slot
+            finally:
+                await client.aclose()
+            owner.kill9()  # the world dies with its process; its binding and slot stay in Redis
+        resume = ws_url(other, f"?session_id={session_id}")
+        headers = {"X-Omni-Resume-Token": token}
+        for _ in range(100):  # while the dead owner's lease runs: 409, it may still be alive
+            try:
+                await connect(resume, additional_headers=headers)
+                raise AssertionError("a resume of a dead world was accepted")
+            except InvalidStatus as exc:
+                body = json.loads(exc.response.body)
+                if exc.response.status_code == 404:
+                    assert body["error"]["code"] == "session_not_found"
+                    break
+                assert exc.response.status_code == 409 and body["error"]["code"] == "session_elsewhere"
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("still 409 long after the owner's lease lapsed")
+        async with httpx.AsyncClient(trust_env=False) as http:
+            assert (await http.get(f"{other.url}/v1/sessions/{session_id}")).status_code == 404
+        # Its admission slot is given back at once (not only when the dead holder's 6 s slot
+        # lease lapses): the 404 came ~1.5 s after the kill.
+        client = Redis.from_url(redis.url)
+        try:
+            assert not await client.hexists(HOLDERS, session_id)
+        finally:
+            await client.aclose()
+    finally:
+        owner.stop()
