@@ -17,6 +17,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -232,6 +233,12 @@ class ProcessWorker(Worker):
         self._reap()
 
     def _died(self, proc: BaseProcess) -> str:
+        # The loop's sentinel reader and the step thread may both join the dead process: the
+        # one whose waitpid loses the race sees no exit code until the winner has stored it,
+        # microseconds later. Wait that out (bounded; only ever after a death).
+        deadline = time.monotonic() + 0.1
+        while proc.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.001)
         return f"stage {self.stage} worker process died (exit code {proc.exitcode})"
 
     # -- on the loop --------------------------------------------------------------------------
