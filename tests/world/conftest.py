@@ -16,6 +16,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from session.video.config import VideoConfig, VideoLimits
 from session.video.runtimes import OrchestratorPool
+from tests.conftest_redis import redis_server  # noqa: F401  (a shared redis-server fixture)
 from web.video import VideoService
 
 

@@ -17,27 +17,18 @@ from redis.asyncio import Redis
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from tests.conftest_redis import RedisServerProcess, start_tcp_redis
+from tests.conftest_redis import RedisServerProcess
 from tests.scaleout.cluster import Proc, replica_id_of, start_replica, wait_ready
 
 
 @pytest.fixture(scope="module")
-def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServerProcess]:
-    server = start_tcp_redis(tmp_path_factory.mktemp("redis"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
 def replicas(
-    redis: RedisServerProcess, tmp_path_factory: pytest.TempPathFactory
+    redis_server: RedisServerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Proc, Proc]]:
     tmp = tmp_path_factory.mktemp("replicas")
     started: list[Proc] = []
     try:
-        started = [start_replica(redis.url, Path(tmp)) for _ in range(2)]
+        started = [start_replica(redis_server.url, Path(tmp)) for _ in range(2)]
         wait_ready(started, path="/readyz")
         yield started[0], started[1]
     finally:
@@ -83,16 +74,16 @@ async def test_world_is_bound_to_its_replica(replicas: tuple[Proc, Proc]) -> Non
 
 
 async def test_resume_after_the_owner_died_is_404_and_frees_the_slot(
-    redis: RedisServerProcess, replicas: tuple[Proc, Proc], tmp_path: Path
+    redis_server: RedisServerProcess, replicas: tuple[Proc, Proc], tmp_path: Path
 ) -> None:
     _, other = replicas
-    owner = start_replica(redis.url, tmp_path, extra=["--max-sessions", "1"])
+    owner = start_replica(redis_server.url, tmp_path, extra=["--max-sessions", "1"])
     try:
         wait_ready([owner], path="/readyz")
         async with connect(ws_url(owner)) as ws:
             resumable = json.loads(await ws.recv())
             session_id, token = resumable["session_id"], resumable["resume_token"]
-            client = Redis.from_url(redis.url)
+            client = Redis.from_url(redis_server.url)
             try:
                 assert await client.hexists(HOLDERS, session_id)  # it holds a slot
             finally:
@@ -117,7 +108,7 @@ async def test_resume_after_the_owner_died_is_404_and_frees_the_slot(
             assert (await http.get(f"{other.url}/v1/sessions/{session_id}")).status_code == 404
         # Its admission slot is given back at once (not only when the dead holder's 6 s slot
         # lease lapses): the 404 came ~1.5 s after the kill.
-        client = Redis.from_url(redis.url)
+        client = Redis.from_url(redis_server.url)
         try:
             assert not await client.hexists(HOLDERS, session_id)
         finally:
