@@ -1,9 +1,11 @@
 """The input audio buffer on one continuous 16 kHz timeline, and the VAD frame queue.
 
 Every input sample (base64 appends in any wire format, or samples from a media track) is
-resampled once, in a streaming resampler, to float32 16 kHz and placed on a session-wide
-timeline; `audio_start_ms` / `audio_end_ms` in events are positions on it. The buffer is
-the uncommitted stretch [start, end) of that timeline. VAD frames (512 samples, 32 ms) are
+resampled once, in a streaming resampler, to 16 kHz and placed on a session-wide timeline,
+stored as PCM16 (half the memory of float32: a full-duplex client streams audio all the time,
+so an uncommitted buffer can hold seconds of it in every session; readers get float32 back).
+`audio_start_ms` / `audio_end_ms` in events are positions on the timeline. The buffer is the
+uncommitted stretch [start, end) of that timeline. VAD frames (512 samples, 32 ms) are
 cut from it and handed to the driver for scoring.
 
 Appends are resampled in batches, not one call per 40 ms append (the per-call cost of the
@@ -19,7 +21,7 @@ from collections import deque
 
 import numpy as np
 
-from media.audio import VAD_RATE, StreamingResampler, WireFormat, int16_to_float32
+from media.audio import VAD_RATE, StreamingResampler, WireFormat, float32_to_int16_exact, int16_to_float32
 from session.realtime.effects import DetectSpeech
 
 FRAME = 512  # samples per VAD frame at 16 kHz (32 ms), silero's window
@@ -35,7 +37,7 @@ class InputAudio:
         self.format = fmt
         self._resampler = StreamingResampler(fmt.rate, VAD_RATE)
         self._track_resampler: StreamingResampler | None = None
-        self._chunks: deque[np.ndarray] = deque()
+        self._chunks: deque[np.ndarray] = deque()  # int16 16 kHz
         self._raw: list[np.ndarray] = []  # wire-rate int16 appends not resampled yet
         self._raw_samples = 0
         self.start = 0  # timeline sample of the first buffered sample
@@ -94,7 +96,7 @@ class InputAudio:
 
     def _push(self, samples: np.ndarray) -> None:
         if len(samples):
-            self._chunks.append(samples)
+            self._chunks.append(float32_to_int16_exact(samples))
             self._end += len(samples)
 
     # --- reading -------------------------------------------------------------------------
@@ -110,7 +112,7 @@ class InputAudio:
         return ms_of(self.end - self.start)
 
     def slice(self, a: int, b: int) -> np.ndarray:
-        """Timeline samples [a, b) that are still buffered."""
+        """Timeline samples [a, b) that are still buffered, as float32."""
         a, b = max(a, self.start), min(b, self.end)
         end = self._end
         if b <= a:
@@ -137,7 +139,9 @@ class InputAudio:
                 if pos <= a:
                     break
             out.reverse()
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+        if not out:
+            return np.zeros(0, dtype=np.float32)
+        return int16_to_float32(out[0] if len(out) == 1 else np.concatenate(out))
 
     def take(self, a: int, b: int) -> np.ndarray:
         """Remove and return [a, b) as committed audio: the buffer then starts at `b`."""
