@@ -55,6 +55,10 @@ class StepOutput:
     client: list[Payload] = field(default_factory=list)  # client-visible output
     done: bool = False  # this stage has finished the request
     wait_for_input: bool = False  # do not step again until new chunks/inputs/updates arrive
+    # Do not step again before this `time.monotonic()` unless new chunks/inputs/updates arrive:
+    # a paced engine (real-time audio, a video frame rate) says when it next has work, so a
+    # stage steps only the requests that are due instead of polling every live one.
+    not_before: float | None = None
 
 
 class Engine(ABC):

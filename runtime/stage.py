@@ -1,9 +1,11 @@
 """A stage: one engine, a resource budget and a pool of replicas, each with its own scheduler.
 
 A replica's scheduler is one task on the event loop. It picks runnable requests (new chunks,
-inputs or updates, or not waiting), up to ``max_batch``, packs them with pending starts and
-finishes into one :class:`~runtime.worker.WorkCall`, runs it on the replica's worker (thread or
-process; never the loop) and hands each request's result to the orchestrator (the *sink*).
+inputs or updates, or not waiting and not paced to a later time by the engine's
+``not_before``), up to ``max_batch``, packs them with pending starts and finishes into one
+:class:`~runtime.worker.WorkCall`, runs it on the replica's worker (thread or process; never
+the loop) and hands each request's result to the orchestrator (the *sink*). A timer wakes the
+scheduler when the earliest paced request falls due.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Slot:
     inputs: list[Payload] = field(default_factory=list)
     updates: list[Conditioning] = field(default_factory=list)
     finished_edges: int = 0
+    not_before: float | None = None  # the engine's pacing hint (StepOutput.not_before)
     start_sent: bool = False
     in_flight: bool = False
     closed: bool = False
@@ -94,6 +97,8 @@ class Replica:
         self._inflight: set[asyncio.Task[None]] = set()
         self._inflight_ids: set[str] = set()
         self._wake = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None  # wakes the loop at the next paced step
+        self._timer_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._restart_task: asyncio.Task[None] | None = None
         self.ready = False
@@ -113,6 +118,8 @@ class Replica:
 
     async def close(self) -> None:
         self.ready = False
+        if self._timer is not None:
+            self._timer.cancel()
         tasks = [t for t in (self._task, self._restart_task, *self._inflight) if t is not None]
         for task in tasks:
             task.cancel()
@@ -210,6 +217,8 @@ class Replica:
         slots: list[Slot] = []
         runnable = 0
         max_batch = self.spec.budget.max_batch
+        now = self._clock()
+        paced_until: float | None = None  # the earliest not_before still in the future
         for slot in self._slots.values():
             if slot.closed or slot.in_flight:
                 continue
@@ -217,7 +226,13 @@ class Replica:
             needs_start = not slot.start_sent and (slot.prewarm or has_work)
             if not (slot.start_sent or needs_start):
                 continue
-            wants_step = (has_work or not slot.waiting) and self._sink.can_step(self.name, slot.request_id)
+            paced = slot.not_before
+            due = paced is None or has_work or paced <= now
+            if paced is not None and not due and (paced_until is None or paced < paced_until):
+                paced_until = paced
+            wants_step = (
+                (has_work or (not slot.waiting and due)) and self._sink.can_step(self.name, slot.request_id)
+            )
             if wants_step:
                 runnable += 1
                 if len(call.items) >= max_batch:
@@ -235,9 +250,21 @@ class Replica:
             for item in call.items:
                 self._slots.move_to_end(item.request_id)
         self._metrics.queue(self.name, self.index, max(0, runnable - len(call.items)), len(self._slots))
+        if paced_until is not None:
+            self._wake_at(paced_until, now)
         if not (call.finishes or call.starts or call.items):
             return None
         return call, slots
+
+    def _wake_at(self, when: float, now: float) -> None:
+        """Have the scheduler look again at `when` (the earliest paced request's time)."""
+        timer = self._timer
+        if timer is not None and not timer.cancelled() and self._timer_at <= when and self._timer_at > now:
+            return  # an earlier (or equal) wake-up is already set
+        if timer is not None:
+            timer.cancel()
+        self._timer_at = when
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, when - now), self._wake.set)
 
     def _take_item(self, slot: Slot) -> WorkItem:
         item = WorkItem(
@@ -297,6 +324,7 @@ class Replica:
         if produced and timing.first_output_ms is None:
             timing.first_output_ms = (now - slot.admitted_at) * 1e3
         slot.waiting = item.wait_for_input
+        slot.not_before = item.not_before
         if item.done:
             self._slots.pop(slot.request_id, None)
             self._close_slot(slot, "completed", finish=False)

@@ -67,6 +67,7 @@ class ItemResult:
     done: bool = False
     wait_for_input: bool = False
     error: str | None = None
+    not_before: float | None = None  # StepOutput.not_before (time.monotonic)
 
 
 @dataclass(slots=True)
@@ -215,7 +216,9 @@ class EngineHost:
         client: list[Any] = list(output.client)
         if self._client_kind is not None:
             client = [self._put(request_id, p, self._client_kind, 1) for p in client]
-        return ItemResult(request_id, downstream, client, output.done, output.wait_for_input)
+        return ItemResult(
+            request_id, downstream, client, output.done, output.wait_for_input, not_before=output.not_before
+        )
 
     def _put(self, request_id: str, payload: Payload, kind: str, refs: int) -> Handle:
         return self._store(request_id, f"{self._key_prefix}.{next(self._keys)}", payload, kind, refs)

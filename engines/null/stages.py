@@ -52,19 +52,18 @@ class NullAudioEngine(Engine):
     Per request, ``delay_ms`` (200) after admission it emits ``Transcript(transcript)`` and
     ``TextDelta(reply)``, then ``audio_ms`` (2000) of a 440 Hz tone at ``sample_rate``
     (24000) as ``AudioChunk``s of ``chunk_ms`` (100), one chunk per step; with
-    ``realtime: true`` chunk *i* is not released before ``delay + i * chunk_ms``.
-    ``modalities`` without ``"audio"`` skips the tone.
+    ``realtime: true`` chunk *i* is not released before ``delay + i * chunk_ms``, and a step
+    releases every chunk already due (a late step catches up). ``modalities`` without
+    ``"audio"`` skips the tone.
 
-    The delay never holds a worker: a step before the due time returns at once with nothing.
-    Only when no request of the batch is due does the step nap, for at most ``idle_sleep_ms``
-    (2) or until the earliest due time, so a lone waiting request does not spin a core.
-    Option ``clock`` (a callable, for tests) replaces ``time.monotonic``.
-
-    ``tick_ms`` (0: off) spaces step starts at least that far apart. Every step visits every
-    live request, so with hundreds of paced requests, of which only a few are due at any
-    moment, unspaced steps spent most of the server's time polling; a 10 ms tick delays a
-    release by at most 10 ms. With ``realtime``, a step releases every chunk already due (a
-    late step catches up) instead of one.
+    Nothing here sleeps or polls: every output carries ``not_before``, the time of the
+    request's next release, so the stage steps a request only when it is due (a step before
+    then returns nothing and the same hint). ``tick_ms`` (0: off) puts those times on a shared
+    grid (rounded up), so requests due within one tick are stepped together: with hundreds of
+    paced requests, a 10 ms tick means ~100 batched steps a second instead of one per chunk.
+    The grid delays a release by less than a tick but by the same amount for every chunk of a
+    request (``chunk_ms`` a multiple of ``tick_ms``), so the spacing of its chunks is exact.
+    Option ``clock`` (a callable, for tests) replaces ``time.monotonic``, the runtime's clock.
     """
 
     batchable = True
@@ -76,14 +75,11 @@ class NullAudioEngine(Engine):
         self.chunk_ms = max(1, int(self.options.get("chunk_ms", 100)))
         self.sample_rate = int(self.options.get("sample_rate", 24000))
         self.realtime = bool(self.options.get("realtime", False))
-        self.idle_sleep_s = float(self.options.get("idle_sleep_ms", 2)) / 1000
         self.tick_s = float(self.options.get("tick_ms", 0)) / 1000
-        self._next_tick = 0.0
         self.transcript = str(self.options.get("transcript", NULL_TRANSCRIPT))
         self.reply = str(self.options.get("reply", NULL_REPLY))
         clock = self.options.get("clock")
         self._clock: Clock = clock if callable(clock) else time.monotonic
-        self._sleep: Callable[[float], None] = self.options.get("sleep") or time.sleep
         self._chunks = self._make_chunks()
 
     def _make_chunks(self) -> list[np.ndarray]:
@@ -99,25 +95,17 @@ class NullAudioEngine(Engine):
         due = state.started_at + self.delay_s
         if self.realtime and state.replied:
             due += state.next_chunk * self.chunk_ms / 1000
+        if self.tick_s > 0:
+            due = math.ceil(due / self.tick_s - 1e-6) * self.tick_s
         return due
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
-        if self.tick_s > 0:
-            wait = self._next_tick - self._clock()
-            if wait > 0:
-                self._sleep(wait)
-            self._next_tick = self._clock() + self.tick_s
-        now = self._clock()
-        outputs = [self._step_one(item.state, now) for item in batch]
-        if batch and all(not (o.client or o.done) for o in outputs):
-            wait = min(self._due_at(item.state) for item in batch) - now
-            if wait > 0:
-                self._sleep(min(wait, self.idle_sleep_s))
-        return outputs
+        now = self._clock() + _EPSILON_S
+        return [self._step_one(item.state, now) for item in batch]
 
     def _step_one(self, state: NullState, now: float) -> StepOutput:
         if now < self._due_at(state):
-            return StepOutput()
+            return StepOutput(not_before=self._due_at(state))
         out = StepOutput()
         if not state.replied:
             state.replied = True
@@ -131,7 +119,12 @@ class NullAudioEngine(Engine):
             if not self.realtime:
                 break  # one chunk per step
         out.done = state.next_chunk >= total
+        if not out.done:
+            out.not_before = self._due_at(state)
         return out
+
+
+_EPSILON_S = 1e-6  # a step at the due time (up to float rounding of the grid) releases
 
 
 @dataclass(slots=True)
