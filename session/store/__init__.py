@@ -14,13 +14,14 @@ from session.store.errors import (
     StoreError,
     StoreUnavailable,
 )
-from session.store.event_log import SessionWriter
-from session.store.redis_store import SessionRecord, SessionSnapshot, SessionStore
+from session.store.event_log import SessionWriter, WriterHub
+from session.store.redis_store import SessionBatch, SessionRecord, SessionSnapshot, SessionStore
 
 __all__ = [
     "EmbeddedRedis",
     "ReplayUnavailable",
     "ResumeTokenInvalid",
+    "SessionBatch",
     "SessionExists",
     "SessionGone",
     "SessionNotFound",
@@ -31,6 +32,7 @@ __all__ = [
     "StaleEpoch",
     "StoreError",
     "StoreUnavailable",
+    "WriterHub",
     "find_redis_server",
     "redis_connection",
 ]

@@ -2,44 +2,63 @@
 
 Hot path: :meth:`SessionWriter.append` is synchronous and does no I/O. It stamps the event's
 ``event_id`` (see :mod:`session.store.event_ids`), queues it and returns the stamped copy for
-the driver to send at once. A background task owned by the writer flushes the queue with
-:meth:`SessionStore.apply_batch`, i.e. **one EVALSHA round trip per flush** whatever the
-number of events, when any of these happens first:
+the driver to send at once. A started writer is flushed by its store's :class:`WriterHub`, one
+per store per process: one task that writes every due writer's ops with
+:meth:`SessionStore.apply_batches`, i.e. **one pipelined round trip per tick for all the
+sessions of the process** (an EVALSHA each inside it), not one per session. A writer is due,
+whichever comes first:
 
-* ``flush_interval_s`` (default 25 ms) after the first unflushed event: audio deltas at 50/s
-  cost ~2 round trips per 100 ms per session, not 5;
+* ``flush_interval_s`` (default 25 ms) after its first unflushed event: audio deltas at 50/s
+  cost ~2 writes per 100 ms per session, and the hub's tick carries every dirty writer, so 200
+  such sessions cost ~40 round trips/s rather than ~8,000;
 * ``max_batch_events`` (default 128) events are queued;
 * a state change (:meth:`put_item`, :meth:`delete_item`, :meth:`set_state`,
-  :meth:`set_config`): flushed at once, in order after the events queued before it, so a
+  :meth:`set_config`): the hub wakes at once, in order after the events queued before it, so a
   committed item is durable as soon as Redis answers;
-* :meth:`flush` or :meth:`close` is awaited (close flushes what is left).
+* :meth:`flush` or :meth:`close` is awaited (close flushes what is left); these write just
+  this session, with :meth:`SessionStore.apply_batch`.
 
+The hub ticks on the earliest deadline and takes every writer with something queued along.
 No Redis call per input audio frame: those never reach the writer. Activity without events
 (:meth:`mark_activity`) refreshes the TTLs at most every ``touch_interval_s``.
 
-Redis down: the live session keeps working; ops stay queued and flushes retry with backoff
-(up to 2 s). The queue is bounded (``max_pending``): past it the oldest *events* are dropped
-(never items or state); a later replay across them raises ``ReplayUnavailable("gap")`` and the
-client is resynced from the snapshot. A flush that hits a stale epoch or a vanished session is
-fatal: the writer stops and calls ``on_fatal`` (the driver ends the session locally).
+Redis down: the live session keeps working; ops stay queued and the hub retries with backoff
+(0.05 s doubling to 2 s). The queue is bounded (``max_pending``): past it the oldest *events*
+are dropped (never items or state); a later replay across them raises
+``ReplayUnavailable("gap")`` and the client is resynced from the snapshot. A flush that hits a
+stale epoch or a vanished session is fatal for that writer alone: it stops and calls
+``on_fatal`` (the driver ends the session locally); the other sessions go on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
+import math
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from session.store.aio import cancel_and_wait, wait_event
 from session.store.errors import SessionGone, StaleEpoch, StoreError, StoreUnavailable
 from session.store.event_ids import StampedEvent, format_event_id, session_tag
-from session.store.redis_store import MAX_OPS_PER_CALL, BatchOp, SessionRecord, SessionStore
+from session.store.redis_store import MAX_OPS_PER_CALL, BatchOp, SessionBatch, SessionRecord, SessionStore
 
 log = logging.getLogger(__name__)
+
+MIN_BACKOFF_S = 0.05
+MAX_BACKOFF_S = 2.0
+
+
+class _Taken(NamedTuple):
+    """What a flush took from the writer, put back if the write fails."""
+
+    ops: list[BatchOp]
+    urgent: bool
+    due: float | None
+    activity: bool
 
 
 class SessionWriter:
@@ -56,6 +75,7 @@ class SessionWriter:
         max_pending: int = 8192,
         touch_interval_s: float | None = None,
         on_fatal: Callable[[StoreError], None] | None = None,
+        hub: WriterHub | None = None,
     ) -> None:
         self.store = store
         self.session_id = record.session_id
@@ -71,16 +91,28 @@ class SessionWriter:
         self._on_fatal = on_fatal
         self._pending: deque[BatchOp] = deque()
         self._pending_events = 0
-        self._dirty = asyncio.Event()
-        self._urgent = asyncio.Event()
-        self._lock = asyncio.Lock()
         self._activity = False
+        # Hub scheduling (meaningful once started): when the hub must write us next.
+        self._hub_choice = hub
+        self._hub: WriterHub | None = None
+        self._due: float | None = None  # flush_interval_s after the first unflushed op
+        self._urgent = False  # a state change or a full batch: the hub's next tick, now
+        self._last_write = 0.0
+        self._retry_at = 0.0  # after an error reply for this session alone
+        self._backoff = MIN_BACKOFF_S
+        # One flush at a time, by the hub or by flush(): ``_flushing`` marks the one in flight
+        # (the hub skips such a writer this tick), ``_lock`` queues direct flush() callers.
+        self._lock = asyncio.Lock()
         self._flushing = False
-        self._task: asyncio.Task[None] | None = None
+        self._flush_done = asyncio.Event()
+        self._flush_done.set()
+        self._taken: _Taken | None = None
         self.fatal: StoreError | None = None
         self.dropped_events = 0
         self.flushes = 0
-        self.round_trips = 0  # apply_batch calls (one EVALSHA each)
+        # Round trips this writer took part in: a direct flush counts its EVALSHA calls, a hub
+        # tick counts one (its pipeline is shared with the other sessions of the tick).
+        self.round_trips = 0
 
     # --- hot path (sync, no I/O) --------------------------------------------------------------
 
@@ -92,15 +124,17 @@ class SessionWriter:
         stamped["event_id"] = format_event_id(self._tag, self.epoch, seq)
         if self.fatal is None:
             stamped.wire = json.dumps(stamped, separators=(",", ":"))  # logged, and sent as is
-            self._queue(("e", str(seq), stamped["event_id"], stamped.wire))
             self._pending_events += 1
-            if self._pending_events >= self._max_batch:
-                self._urgent.set()
+            op = ("e", str(seq), stamped["event_id"], stamped.wire)
+            self._queue(op, urgent=self._pending_events >= self._max_batch)
         return stamped
 
     def mark_activity(self) -> None:
         """Client activity with no logged event (e.g. audio in); keeps the TTL fresh."""
-        self._activity = True
+        if not self._activity:  # called per input frame: only the first one since a write counts
+            self._activity = True
+            if self._hub is not None and not self._pending:
+                self._hub.schedule(self._last_write + self._touch_interval)
 
     # --- state changes (flushed at once, in order) ----------------------------------------------
 
@@ -127,9 +161,14 @@ class SessionWriter:
         self._pending.append(op)
         if len(self._pending) > self._max_pending and not self._flushing:
             self._drop_oldest_event()
-        self._dirty.set()
-        if urgent:
-            self._urgent.set()
+        hub = self._hub
+        if urgent and not self._urgent:
+            self._urgent = True
+            if hub is not None:
+                hub.wake()
+        if self._due is None and hub is not None:
+            self._due = hub.clock() + self._interval
+            hub.schedule(self._due)
 
     def _drop_oldest_event(self) -> None:
         for i, op in enumerate(self._pending):
@@ -146,31 +185,26 @@ class SessionWriter:
         return len(self._pending)
 
     async def flush(self) -> int:
-        """Write everything queued so far; returns the number of ops written."""
+        """Write everything queued so far (after a hub write in flight); returns the ops written."""
         async with self._lock:
+            while self._flushing:  # the hub has our ops in its pipeline: let it answer first
+                await self._flush_done.wait()
             if self.fatal is not None:
                 raise self.fatal
-            ops = list(self._pending)
-            if not ops and not self._activity:
+            ops = self._take()
+            if ops is None:
                 return 0
-            self._activity = False
-            self._flushing = True
             try:
-                calls = max(1, -(-len(ops) // MAX_OPS_PER_CALL))
-                self.durable_seq = await self.store.apply_batch(
+                seq = await self.store.apply_batch(
                     self.session_id, ops, epoch=self.epoch, expires_at=self.expires_at
                 )
-                self.round_trips += calls
             except (StaleEpoch, SessionGone) as exc:
-                self.fatal = exc
-                self._pending.clear()
+                self._settle_fatal(exc)
                 raise
-            finally:
-                self._flushing = False
-            for _ in range(len(ops)):
-                if self._pending.popleft()[0] == "e":
-                    self._pending_events -= 1
-            self.flushes += 1
+            except BaseException:
+                self._settle_failed(retry_later=False)
+                raise
+            self._settle_ok(seq, round_trips=max(1, -(-len(ops) // MAX_OPS_PER_CALL)))
             return len(ops)
 
     async def events_after(self, last_event_id: str | None) -> list[dict[str, Any]]:
@@ -179,37 +213,269 @@ class SessionWriter:
         return await self.store.events_after(self.session_id, last_event_id)
 
     async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"session-writer:{self.session_id}")
+        """Hand the writer to its hub (the store's unless one was given), which flushes it."""
+        if self._hub is not None:
+            return
+        hub = self._hub_choice or WriterHub.for_store(self.store)
+        self._hub = hub
+        self._last_write = hub.clock()
+        if self._pending and self._due is None:
+            self._due = hub.clock()  # queued before start: due now
+        hub.register(self)
 
     async def close(self, *, flush: bool = True) -> None:
-        """Stop the flush task; flush what is left (best effort when Redis is down)."""
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        """Leave the hub; flush what is left (best effort when Redis is down)."""
+        hub, self._hub = self._hub, None
+        if hub is not None:
+            await hub.unregister(self)
         if flush and self.fatal is None:
-            with contextlib.suppress(StoreError):
-                await self.flush()
-
-    async def _run(self) -> None:
-        backoff = 0.05
-        while True:
-            await wait_event(self._dirty, self._touch_interval)
-            if not self._dirty.is_set() and not self._activity:
-                continue
-            if not self._urgent.is_set():
-                await wait_event(self._urgent, self._interval)
-            self._dirty.clear()
-            self._urgent.clear()
             try:
                 await self.flush()
-                backoff = 0.05
-            except StoreUnavailable as exc:
-                log.warning("session %s: flush failed, retrying in %.2fs: %s", self.session_id, backoff, exc)
-                self._dirty.set()
-                await asyncio.sleep(backoff)
-                backoff = min(2.0, backoff * 2)
             except StoreError as exc:
-                log.warning("session %s: writer stopped: %s", self.session_id, exc)
-                if self._on_fatal is not None:
-                    self._on_fatal(exc)
+                log.debug("session %s: final flush failed: %s", self.session_id, exc)
+
+    # --- the flush protocol, shared by flush() and the hub -----------------------------------
+
+    def _flush_due(self) -> float | None:
+        """When the hub must write this writer next; ``None``: nothing to write, or not now."""
+        if self.fatal is not None or self._flushing:
+            return None
+        if self._pending:
+            due = -math.inf if self._urgent or self._due is None else self._due
+        elif self._activity:
+            due = self._last_write + self._touch_interval
+        else:
+            return None
+        return max(due, self._retry_at)
+
+    def _take(self) -> list[BatchOp] | None:
+        """Start a flush: the ops to write (possibly none: a TTL touch), or None if idle."""
+        if not self._pending and not self._activity:
+            return None
+        ops = list(self._pending)  # stay queued until Redis answers: a failure loses nothing
+        self._taken = _Taken(ops, self._urgent, self._due, self._activity)
+        self._urgent, self._due, self._activity = False, None, False
+        self._flushing = True
+        self._flush_done.clear()
+        return ops
+
+    def _settle_ok(self, durable_seq: int, *, round_trips: int) -> None:
+        taken = self._end_flight()
+        for _ in range(len(taken.ops)):
+            if self._pending.popleft()[0] == "e":
+                self._pending_events -= 1
+        self.durable_seq = durable_seq
+        self.flushes += 1
+        self.round_trips += round_trips
+        self._backoff, self._retry_at = MIN_BACKOFF_S, 0.0
+        if self._hub is not None:
+            self._last_write = self._hub.clock()
+        self._wake_hub_if_dirty()
+
+    def _settle_failed(self, *, retry_later: bool) -> None:
+        """Put the flush back: its ops are still queued; the due time and flags come back."""
+        taken = self._end_flight()
+        self._urgent = self._urgent or taken.urgent
+        self._activity = self._activity or taken.activity
+        if taken.due is not None:
+            self._due = taken.due if self._due is None else min(self._due, taken.due)
+        hub = self._hub
+        if hub is not None:
+            now = hub.clock()
+            if self._pending and self._due is None:
+                self._due = now
+            if retry_later:  # an error reply for this session alone: back off this writer
+                self._retry_at = now + self._backoff
+                self._backoff = min(MAX_BACKOFF_S, self._backoff * 2)
+        self._wake_hub_if_dirty()
+
+    def _settle_fatal(self, exc: StoreError) -> None:
+        self._end_flight()
+        self.fatal = exc
+        self._pending.clear()
+        self._pending_events = 0
+        if self._hub is not None:
+            self._hub.discard(self)
+
+    def _end_flight(self) -> _Taken:
+        taken, self._taken = self._taken, None
+        assert taken is not None, "settled a flush that was not taken"
+        self._flushing = False
+        self._flush_done.set()
+        return taken
+
+    def _wake_hub_if_dirty(self) -> None:
+        if self._hub is not None and (self._pending or self._activity):
+            self._hub.wake()  # it may have skipped us while we were in flight
+
+    def _report_fatal(self, exc: StoreError) -> None:
+        log.warning("session %s: writer stopped: %s", self.session_id, exc)
+        if self._on_fatal is not None:
+            try:
+                self._on_fatal(exc)
+            except Exception:  # one session's callback must not stop the hub for all others
+                log.exception("session %s: on_fatal failed", self.session_id)
+
+
+class WriterHub:
+    """Flushes every started writer of one store in one process, one pipeline per tick.
+
+    Its task runs while at least one writer is registered: :meth:`register` starts it, the
+    last :meth:`unregister` stops it (and waits for it), :meth:`aclose` stops it at shutdown.
+    ``round_trips`` counts its :meth:`SessionStore.apply_batches` calls that got answers.
+    """
+
+    def __init__(self, store: SessionStore, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.clock = clock
+        self._writers: dict[SessionWriter, None] = {}  # insertion-ordered set
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._target = -math.inf  # when the sleeping task looks next; -inf: not asleep
+        self.round_trips = 0
+        self.failures = 0
+
+    @classmethod
+    def for_store(cls, store: SessionStore) -> WriterHub:
+        """The store's hub in this process, made on first use (kept on the store)."""
+        if store.writer_hub is None:
+            store.writer_hub = cls(store)
+        return store.writer_hub
+
+    @property
+    def writers(self) -> int:
+        return len(self._writers)
+
+    # --- registration ------------------------------------------------------------------------
+
+    def register(self, writer: SessionWriter) -> None:
+        self._writers[writer] = None
+        if self._task is None or self._task.done():
+            self._start_task()
+        self.wake()
+
+    def discard(self, writer: SessionWriter) -> None:
+        """Stop flushing ``writer`` (a task with nothing left to flush then ends by itself)."""
+        if writer in self._writers:
+            del self._writers[writer]
+            self.wake()
+
+    async def unregister(self, writer: SessionWriter) -> None:
+        """Stop flushing ``writer``; the last one out waits for the hub's task to end."""
+        self.discard(writer)
+        if not self._writers:
+            await self.aclose()
+            if self._writers and self._task is None:  # one registered while the task stopped
+                self._start_task()
+
+    async def aclose(self) -> None:
+        """Stop the task now (shutdown); a write in flight goes back to its writers' queues.
+
+        Writers still registered are flushed again once a writer registers (or by their own
+        ``flush()``/``close()``).
+        """
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
+
+    def _start_task(self) -> None:
+        self._wake = asyncio.Event()  # bound to the loop the task runs on
+        self._task = asyncio.create_task(self._run(), name=f"writer-hub:{self.store.prefix}")
+
+    # --- signals from writers (sync, cheap) -----------------------------------------------------
+
+    def wake(self) -> None:
+        """Look at the writers now (a state change, a full batch, a writer back from a flush)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    def schedule(self, due: float) -> None:
+        """A writer needs a write at ``due``: wake only if that is before the current target."""
+        if due < self._target and self._wake is not None:
+            self._wake.set()
+
+    # --- the task ------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = MIN_BACKOFF_S
+        try:
+            while self._writers:
+                await self._until_due()
+                now = self.clock()
+                batch = [w for w in self._writers if self._takes(w, now)]
+                if not batch:
+                    continue
+                try:
+                    await self._flush(batch)
+                except Exception as exc:  # StoreUnavailable, or a bug: never end every session's log
+                    self.failures += 1
+                    level = logging.WARNING if isinstance(exc, StoreUnavailable) else logging.ERROR
+                    log.log(
+                        level,
+                        "writer hub: flush of %d sessions failed, retrying in %.2fs: %r",
+                        len(batch),
+                        backoff,
+                        exc,
+                    )
+                    await asyncio.sleep(backoff)
+                    backoff = min(MAX_BACKOFF_S, backoff * 2)
+                else:
+                    backoff = MIN_BACKOFF_S
+        finally:
+            self._target = -math.inf
+            if self._task is asyncio.current_task():
+                self._task = None
+
+    @staticmethod
+    def _takes(writer: SessionWriter, now: float) -> bool:
+        """Due now, or anything queued at all (ride along on this tick's round trip)."""
+        due = writer._flush_due()
+        if due is None:
+            return False
+        return due <= now or (bool(writer._pending) and writer._retry_at <= now)
+
+    async def _until_due(self) -> None:
+        """Sleep until the earliest writer deadline, waking early for an earlier one."""
+        wake = self._wake
+        assert wake is not None
+        while self._writers:
+            wake.clear()  # cleared before the scan: a signal after it is not lost
+            target = min((d for w in self._writers if (d := w._flush_due()) is not None), default=math.inf)
+            delay = target - self.clock()
+            if delay <= 0:
                 return
+            self._target = target
+            try:
+                if math.isinf(delay):
+                    await wake.wait()
+                elif not await wait_event(wake, delay):
+                    return
+            finally:
+                self._target = -math.inf
+
+    async def _flush(self, batch: list[SessionWriter]) -> None:
+        claimed = [(w, ops) for w in batch if (ops := w._take()) is not None]
+        try:
+            results = await self.store.apply_batches(
+                [SessionBatch(w.session_id, ops, w.epoch, w.expires_at) for w, ops in claimed]
+            )
+        except BaseException:
+            for w, _ in claimed:
+                w._settle_failed(retry_later=False)
+            raise
+        self.round_trips += 1
+        for (w, _), result in zip(claimed, results, strict=True):
+            if isinstance(result, int):
+                w._settle_ok(result, round_trips=1)
+            elif isinstance(result, StaleEpoch | SessionGone):
+                registered = w in self._writers  # not if close() began meanwhile: it gets the error
+                w._settle_fatal(result)
+                if registered:
+                    w._report_fatal(result)
+            else:
+                w._settle_failed(retry_later=True)
+                log.warning(
+                    "session %s: flush failed, retrying in %.2fs: %s",
+                    w.session_id,
+                    w._retry_at - self.clock(),
+                    result,
+                )

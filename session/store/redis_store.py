@@ -18,8 +18,10 @@ Every key carries a PEXPIRE of ``min(idle TTL, time left to expires_at)``, refre
 writer flush, so Redis itself deletes an abandoned session.
 
 All mutations of a live session go through :meth:`SessionStore.apply_batch`: one Lua script,
-one round trip, atomic, idempotent on retry and fenced by the binding epoch. The buffering
-policy on top of it is :class:`session.store.event_log.SessionWriter`.
+one round trip, atomic, idempotent on retry and fenced by the binding epoch.
+:meth:`SessionStore.apply_batches` pipelines that script for many sessions in one round trip.
+The buffering policy on top of it is :class:`session.store.event_log.SessionWriter`, flushed by
+one :class:`session.store.event_log.WriterHub` per process.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from session.identity import new_resume_token, new_session_id, resume_token_matches, secret_digest
@@ -45,15 +47,29 @@ from session.store.errors import (
     SessionGone,
     SessionNotFound,
     StaleEpoch,
+    StoreError,
     StoreUnavailable,
 )
 from session.store.event_ids import parse_event_id, session_tag, split_events
 from session.store.keys import DEFAULT_PREFIX, SessionKeys, session_keys
 
+if TYPE_CHECKING:
+    from session.store.event_log import WriterHub
+
 # (op, a, b, c): ("e", seq, event_id, event_json) | ("i", item_id, item_json, after) |
 # ("d", item_id, "", "") | ("m", field, value, "")  — ``after``: "" append, "^" first, else an item id
 BatchOp = tuple[str, str, str, str]
 MAX_OPS_PER_CALL = 1024
+
+
+class SessionBatch(NamedTuple):
+    """One session's ops for :meth:`SessionStore.apply_batches` (a writer's flush)."""
+
+    session_id: str
+    ops: Sequence[BatchOp]
+    epoch: int
+    expires_at: float
+
 
 _CREATE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -215,6 +231,8 @@ class SessionStore:
         self._create = redis.register_script(_CREATE_LUA)
         self._apply = redis.register_script(_APPLY_LUA)
         self._replay_script = redis.register_script(_REPLAY_LUA)
+        # The process's flusher of this store's writers (``WriterHub.for_store`` makes it).
+        self.writer_hub: WriterHub | None = None
 
     def keys(self, session_id: str) -> SessionKeys:
         return session_keys(session_id, self.prefix)
@@ -362,6 +380,32 @@ class SessionStore:
 
     # --- write / end ------------------------------------------------------------------------
 
+    def _apply_calls(
+        self, session_id: str, ops: Sequence[BatchOp], epoch: int, expires_at: float, now: float
+    ) -> list[tuple[list[str], list[str | int]]]:
+        """The EVALSHA calls (keys, args) that apply ``ops``: one per :data:`MAX_OPS_PER_CALL`."""
+        ttl_ms = self.policy.key_ttl_ms(now, expires_at)
+        keys = list(self.keys(session_id).all())
+        calls: list[tuple[list[str], list[str | int]]] = []
+        for start in range(0, max(1, len(ops)), MAX_OPS_PER_CALL):
+            chunk = ops[start : start + MAX_OPS_PER_CALL]
+            args: list[str | int] = [epoch, repr(now), ttl_ms, self.stream_maxlen, len(chunk)]
+            for op in chunk:
+                args.extend(op)
+            calls.append((keys, args))
+        return calls
+
+    @staticmethod
+    def _fence_error(session_id: str, epoch: int, exc: ResponseError) -> StaleEpoch | SessionGone | None:
+        """The apply script's refusals as store errors; ``None`` for any other error reply."""
+        msg = str(exc)
+        if msg.startswith("STALE_EPOCH"):
+            current = msg.split(" ", 1)[1] if " " in msg else "None"
+            return StaleEpoch(session_id, epoch, int(current) if current.isdigit() else None)
+        if msg.startswith("SESSION_GONE"):
+            return SessionGone(f"{session_id}: {msg}")
+        return None
+
     async def apply_batch(
         self, session_id: str, ops: Sequence[BatchOp], *, epoch: int = 0, expires_at: float
     ) -> int:
@@ -370,30 +414,75 @@ class SessionStore:
         One EVALSHA per :data:`MAX_OPS_PER_CALL` ops; refreshes every key's TTL and
         ``last_active``. Idempotent: a retried batch skips events already stored.
         """
-        now = self.clock()
-        ttl_ms = self.policy.key_ttl_ms(now, expires_at)
-        k = self.keys(session_id)
         top = 0
-        start = 0
-        while True:
-            chunk = ops[start : start + MAX_OPS_PER_CALL]
-            args: list[str | int] = [epoch, repr(now), ttl_ms, self.stream_maxlen, len(chunk)]
-            for op in chunk:
-                args.extend(op)
+        for keys, args in self._apply_calls(session_id, ops, epoch, expires_at, self.clock()):
             try:
                 async with redis_errors():
-                    top = int(await self._apply(keys=list(k.all()), args=args))
+                    top = int(await self._apply(keys=keys, args=args))
             except ResponseError as exc:
-                msg = str(exc)
-                if msg.startswith("STALE_EPOCH"):
-                    current = msg.split(" ", 1)[1] if " " in msg else "None"
-                    raise StaleEpoch(session_id, epoch, int(current) if current.isdigit() else None) from exc
-                if msg.startswith("SESSION_GONE"):
-                    raise SessionGone(f"{session_id}: {msg}") from exc
-                raise
-            start += MAX_OPS_PER_CALL
-            if start >= len(ops):
-                return top
+                fenced = self._fence_error(session_id, epoch, exc)
+                if fenced is None:
+                    raise
+                raise fenced from exc
+        return top
+
+    async def apply_batches(self, batches: Sequence[SessionBatch]) -> list[int | StoreError]:
+        """:meth:`apply_batch` for many sessions in ONE pipelined round trip (the writer hub's tick).
+
+        Results are in the order of ``batches``: the session's durable event seq, or the
+        error for that session alone: :class:`StaleEpoch` / :class:`SessionGone` (fatal for
+        its writer), or :class:`StoreUnavailable` for any other error reply (OOM, READONLY,
+        BUSY...: the ops stay queued and are retried). Other sessions in the call are
+        unaffected: each EVALSHA is atomic on its own and the pipeline is not a transaction.
+        A transport failure raises :class:`StoreUnavailable` for the whole call; every batch
+        is then safe to retry (the script is idempotent).
+
+        Scripts are called by SHA without redis-py's per-pipeline ``SCRIPT EXISTS`` (which
+        would double the round trips): a NOSCRIPT reply (Redis restarted or flushed its
+        scripts) loads the script and re-runs just the calls that bounced, in their order.
+        When a session needs several chunks their order matters (events are skipped below
+        the stored seq), so such a pipeline starts with a ``SCRIPT LOAD``: a NOSCRIPT can
+        then only come from a flush in mid-pipeline, which bounces a suffix of the chunks.
+        """
+        if not batches:
+            return []
+        now = self.clock()
+        per_batch = [self._apply_calls(b.session_id, b.ops, b.epoch, b.expires_at, now) for b in batches]
+        calls = [call for batch_calls in per_batch for call in batch_calls]
+        async with redis_errors():
+            replies = await self._evalsha_pipeline(calls, load_first=len(calls) > len(batches))
+            bounced = [j for j, r in enumerate(replies) if isinstance(r, NoScriptError)]
+            if bounced:
+                self._apply.sha = await self.redis.script_load(self._apply.script)
+                again = await self._evalsha_pipeline([calls[j] for j in bounced], load_first=False)
+                for j, reply in zip(bounced, again, strict=True):
+                    replies[j] = reply
+        results: list[int | StoreError] = []
+        first = 0
+        for b, batch_calls in zip(batches, per_batch, strict=True):
+            result: int | StoreError = 0
+            for reply in replies[first : first + len(batch_calls)]:
+                if isinstance(reply, ResponseError):  # the session's first failing chunk says why
+                    result = self._fence_error(b.session_id, b.epoch, reply) or StoreUnavailable(
+                        f"{b.session_id}: {reply}"
+                    )
+                    break
+                result = int(reply)
+            first += len(batch_calls)
+            results.append(result)
+        return results
+
+    async def _evalsha_pipeline(
+        self, calls: Sequence[tuple[list[str], list[str | int]]], *, load_first: bool
+    ) -> list[Any]:
+        """One round trip: every call as an EVALSHA of the apply script; error replies in place."""
+        pipe = self.redis.pipeline(transaction=False)
+        if load_first:
+            pipe.script_load(self._apply.script)
+        for keys, args in calls:
+            pipe.evalsha(self._apply.sha, len(keys), *keys, *args)
+        replies = list(await pipe.execute(raise_on_error=False))
+        return replies[1:] if load_first else replies
 
     async def touch(self, session_id: str, *, epoch: int = 0, expires_at: float) -> int:
         return await self.apply_batch(session_id, (), epoch=epoch, expires_at=expires_at)
