@@ -310,19 +310,23 @@ class RealtimeDriver:
 
     async def shutdown(self, *, drain_s: float = 2.0) -> None:
         """End the session here: cancel responses, close the link (after up to `drain_s` of
-        delivering what the core said last, e.g. session_expired, when closing), stop tasks."""
-        for resp in list(self._responses.values()):
-            await self._cancel_request(resp)
-        link, self.link = self.link, None
-        if link is not None:
-            if self._closing is not None:
-                code, reason = self._closing
-                await link.aclose(code, reason, drain_s=drain_s)
-            else:
-                await link.aclose()
-        for task in list(self._tasks):
-            await cancel_and_wait(task)
-        self._tasks.clear()
+        delivering what the core said last, e.g. session_expired, when closing), stop tasks,
+        discard the conversation's spilled audio (a later resume rebuilds it from Redis)."""
+        try:
+            for resp in list(self._responses.values()):
+                await self._cancel_request(resp)
+            link, self.link = self.link, None
+            if link is not None:
+                if self._closing is not None:
+                    code, reason = self._closing
+                    await link.aclose(code, reason, drain_s=drain_s)
+                else:
+                    await link.aclose()
+            for task in list(self._tasks):
+                await cancel_and_wait(task)
+            self._tasks.clear()
+        finally:
+            self.core.release_audio()
 
     @property
     def active_responses(self) -> int:

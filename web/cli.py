@@ -43,6 +43,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=10.0,
         help="seconds of item audio a conversation keeps (newest items; older ones keep transcripts)",
     )
+    p.add_argument(
+        "--audio-spool",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep retained audio that no prompt needs in files under --data-dir, not in memory",
+    )
     p.add_argument("--max-generating", type=int, default=None, help="responses at once (default: pipeline)")
     p.add_argument("--turn-queue-s", type=float, default=2.0, help="how long a turn waits for a slot")
     p.add_argument("--stun", action="append", default=[], help="STUN server URL (repeatable)")

@@ -171,7 +171,13 @@ class ServerMetrics:
         )
         self.conversation_audio_bytes = Gauge(
             f"{PREFIX}_conversation_audio_bytes",
-            "Audio held by the conversations of open sessions (input float32 16 kHz, output as sent).",
+            "Audio the conversations of open sessions hold in process memory (input PCM16 16 kHz, "
+            "output as sent; audio spooled to disk is not counted).",
+            registry=r,
+        )
+        self.conversation_audio_spooled_bytes = Gauge(
+            f"{PREFIX}_conversation_audio_spooled_bytes",
+            "Conversation audio this process keeps in its disk spool (off the heap).",
             registry=r,
         )
         self.admissions = Counter(
@@ -222,6 +228,10 @@ class ServerMetrics:
         conversations hold (what grows server memory turn after turn)."""
         self._voice_sessions = lambda: sum(1 for _ in sessions())
         self.conversation_audio_bytes.set_function(lambda: float(conversation_audio_bytes(sessions())))
+
+    def bind_audio_spool(self, spooled_bytes: Callable[[], int]) -> None:
+        """The process's audio spool: bytes in its files, read at scrape time."""
+        self.conversation_audio_spooled_bytes.set_function(lambda: float(spooled_bytes()))
 
     def bind_worlds(self, count: Callable[[], int]) -> None:
         """Live world-model sessions (detached ones too: they hold a slot and a runtime
@@ -282,7 +292,8 @@ class ServerMetrics:
 
 
 def conversation_audio_bytes(drivers: Iterable[Any]) -> int:
-    """Bytes of audio stored in the conversation items of realtime drivers (others count 0)."""
+    """Bytes of audio the conversation items of realtime drivers hold in memory (others count
+    0): spilled audio counts only while its write to the spool is pending (or failed)."""
     total = 0
     for driver in list(drivers):
         conversation = getattr(getattr(driver, "core", None), "conversation", None)
@@ -292,6 +303,9 @@ def conversation_audio_bytes(drivers: Iterable[Any]) -> int:
                     total += part.input_audio.nbytes
                 if part.output_audio is not None:
                     total += len(part.output_audio)
+                spilled = getattr(part, "spilled", None)
+                if spilled is not None:
+                    total += spilled.resident_bytes
     return total
 
 

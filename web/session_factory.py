@@ -25,6 +25,7 @@ def core_options(
         config=config,
         max_duration_s=ctx.settings.max_lifetime,
         audio_retention_s=ctx.settings.audio_retention_s,
+        audio_store=getattr(ctx, "audio_spool", None),  # contexts built by hand may lack one
         audio_out_via_track=audio_out_via_track,
         pipeline_transcribes_input=ctx.pipeline_transcribes_input,
         session_id=session_id,

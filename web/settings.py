@@ -37,6 +37,7 @@ class ServerSettings:
     admission_queue_max: int = 64  # waiters per replica; beyond it, 429 at once
     event_log_maxlen: int = 4096  # events kept per session for replay (XADD MAXLEN ~)
     audio_retention_s: float = 10.0  # item audio a conversation keeps (newest items; older: transcripts)
+    audio_spool: bool = True  # retained audio no prompt needs goes to files under data_dir, off the heap
     # turns (session/turn_gate.py): responses generating at once, and a short queue beyond
     max_generating: int | None = None  # None: the pipeline's capacity
     turn_queue_s: float = 2.0  # a turn waits this long for a slot, then fails
@@ -82,6 +83,7 @@ class ServerSettings:
             admission_queue_s=float(get("admission_queue_s", 10.0) or 10.0),
             event_log_maxlen=int(get("event_log_maxlen", 4096) or 4096),
             audio_retention_s=float(get("audio_retention_s", 10.0)),
+            audio_spool=bool(get("audio_spool", True)),
             max_generating=get("max_generating"),
             turn_queue_s=float(get("turn_queue_s", 2.0)),
             stun=list(get("stun", []) or []),

@@ -12,16 +12,24 @@ items keep transcripts and text; `conversation.item.retrieve` renders them witho
 Pipelines only ever take the audio of the trailing user items (earlier turns go to them as
 transcripts), so the bound changes nothing for them unless the trailing user turns alone
 exceed it: then the older ones of those go as transcripts too.
+
+Retained audio that no prompt can need any more leaves the heap when the conversation has an
+:class:`~session.realtime.audio_store.AudioStore` (the server's spools it to disk): see
+`Conversation.retain_audio` for when. A spilled part keeps its length (`spilled_len`), so
+durations, truncation and the stored records never read it back; only retrieve (and a
+`response.create` whose `input` names an older audio item) does.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from media.audio import VAD_RATE, WireFormat, b64encode_audio, int16_to_float32, resample
+from session.realtime.audio_store import AudioHandle, AudioStore
 from session.realtime.errors import INVALID_VALUE, ITEM_NOT_FOUND, UNSUPPORTED_CONTENT, ProtocolError
 
 ItemType = Literal["message", "function_call", "function_call_output"]
@@ -41,13 +49,22 @@ class Content:
     image_url: str | None = None
     detail: str | None = None
     dropped_ms: float | None = None  # the audio was dropped (retention); it lasted this long
+    # The audio was spilled to an AudioStore (`input_audio` / `output_audio` are then None):
+    # its first `spilled_len` bytes are the part's (truncate shortens it without a rewrite).
+    spilled: AudioHandle | None = None
+    spilled_len: int = 0
+
+    @property
+    def has_audio(self) -> bool:
+        """The part still holds audio, in memory or spilled."""
+        return self.input_audio is not None or self.output_audio is not None or self.spilled is not None
 
     def output_audio_ms(self) -> float:
         if self.dropped_ms is not None and self.type == "output_audio":
             return self.dropped_ms
-        if self.output_audio is None or self.output_format is None:
+        if self.type != "output_audio":
             return 0.0
-        return self.output_format.duration_ms(len(self.output_audio))
+        return self.audio_ms()
 
     def audio_ms(self) -> float:
         """Duration of the audio this part still holds (0 when none or dropped)."""
@@ -55,15 +72,62 @@ class Content:
             return len(self.input_audio) * 1000.0 / VAD_RATE
         if self.output_audio is not None and self.output_format is not None:
             return self.output_format.duration_ms(len(self.output_audio))
+        if self.spilled is not None:
+            if self.type == "input_audio":
+                return self.spilled_len // 2 * 1000.0 / VAD_RATE
+            if self.output_format is not None:
+                return self.output_format.duration_ms(self.spilled_len)
         return 0.0
+
+    def pcm16(self) -> np.ndarray | None:
+        """User audio of this part, int16 16 kHz (read back from its store when spilled)."""
+        if self.input_audio is not None:
+            return self.input_audio
+        if self.type != "input_audio":
+            return None
+        data = self._read_spilled()
+        return None if data is None else np.frombuffer(data, dtype=np.int16)
+
+    def output_bytes(self) -> bytes | None:
+        """Assistant audio of this part, wire bytes as sent (read back when spilled)."""
+        if self.output_audio is not None:
+            return bytes(self.output_audio)
+        return self._read_spilled() if self.type == "output_audio" else None
+
+    def spill(self, store: AudioStore) -> bool:
+        """Move the audio held in memory to `store` (True if there was any to move)."""
+        if self.input_audio is not None:
+            data = self.input_audio.tobytes()
+        elif self.output_audio is not None:
+            data = bytes(self.output_audio)
+        else:
+            return False
+        if not data:
+            return False  # nothing to gain
+        self.spilled, self.spilled_len = store.put(data), len(data)
+        self.input_audio = None
+        self.output_audio = None
+        return True
 
     def drop_audio(self) -> None:
         """Forget the audio (retention); keep its duration, transcripts and text."""
-        if self.input_audio is None and self.output_audio is None:
+        if not self.has_audio:
             return
         self.dropped_ms = self.audio_ms()
+        if self.spilled is not None:
+            self.spilled.discard()
         self.input_audio = None
         self.output_audio = None
+        self.spilled, self.spilled_len = None, 0
+
+    def _read_spilled(self) -> bytes | None:
+        if self.spilled is None:
+            return None
+        data = self.spilled.read()
+        if data is None:  # its store lost it (or was closed): as if retention had dropped it
+            self.drop_audio()
+            return None
+        return data[: self.spilled_len]
 
     def text_for_history(self) -> str:
         if self.type in ("input_text", "output_text"):
@@ -82,10 +146,13 @@ class Content:
             return out
         out = {"type": self.type, "transcript": self.transcript}
         if with_audio:
-            if self.type == "output_audio" and self.output_audio is not None:
-                out["audio"] = b64encode_audio(bytes(self.output_audio))
-            elif self.type == "input_audio" and self.input_audio is not None and input_format is not None:
-                audio = resample(int16_to_float32(self.input_audio), VAD_RATE, input_format.rate)
+            if self.type == "output_audio" and (data := self.output_bytes()) is not None:
+                out["audio"] = b64encode_audio(data)
+            elif self.type == "input_audio" and input_format is not None:
+                pcm = self.pcm16()
+                if pcm is None:
+                    return out
+                audio = resample(int16_to_float32(pcm), VAD_RATE, input_format.rate)
                 out["audio"] = b64encode_audio(input_format.encode(audio))
         return out
 
@@ -106,8 +173,9 @@ class Item:
     @property
     def audio_16k(self) -> np.ndarray | None:
         """User input audio of this item (all its audio parts), float32 16 kHz (stored as
-        int16: converted on each call, i.e. when a response or a transcription needs it)."""
-        parts = [c.input_audio for c in self.content if c.input_audio is not None]
+        int16: converted on each call, i.e. when a response or a transcription needs it; read
+        back from the store if it was spilled)."""
+        parts = [a for a in (c.pcm16() for c in self.content if c.has_audio) if a is not None]
         if not parts:
             return None
         return int16_to_float32(parts[0] if len(parts) == 1 else np.concatenate(parts))
@@ -135,9 +203,10 @@ class Item:
 
 
 class Conversation:
-    """Items in order, with `previous_item_id` placement."""
+    """Items in order, with `previous_item_id` placement. With an `audio_store`, audio that
+    no prompt needs any more is spilled to it (`retain_audio`); `close` discards it all."""
 
-    def __init__(self) -> None:
+    def __init__(self, audio_store: AudioStore | None = None) -> None:
         self._items: list[Item] = []
         self._by_id: dict[str, Item] = {}
         # The change journal for the store: ids changed / deleted since `take_changes`.
@@ -146,6 +215,19 @@ class Conversation:
         # At least as many items as may hold audio (retain_audio stops scanning once it has
         # seen that many): those it kept last time plus every item inserted since.
         self._audio_holders_bound = 0
+        self._store = audio_store
+        # Spilled audio goes with the conversation even if nobody calls `close` (the finalizer
+        # holds the item list, not the conversation).
+        self._release = weakref.finalize(self, _discard_spilled, self._items) if audio_store else None
+        if self._release is not None:
+            self._release.atexit = False  # the spool's own close removes its files at exit
+
+    def close(self) -> None:
+        """The session ended: discard all spilled audio (idempotent). Audio still in memory
+        stays; nothing is spilled from now on."""
+        self._store = None
+        if self._release is not None:
+            self._release()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -203,6 +285,9 @@ class Conversation:
         del self._by_id[item_id]
         self._changed.pop(item_id, None)
         self._deleted.append(item_id)
+        for part in item.content:
+            if part.spilled is not None:
+                part.drop_audio()  # nothing can retrieve it any more
         return item
 
     def mark_changed(self, item_id: str) -> None:
@@ -229,15 +314,23 @@ class Conversation:
         all (the newest item with audio keeps its own whatever its length); return the number
         of parts whose audio was dropped. Called once per item or response; it walks back
         from the newest item only as far as items may still hold audio (not the whole
-        conversation of an hour-long session)."""
+        conversation of an hour-long session).
+
+        With an audio store, the kept audio of every item but the trailing user messages (a
+        prompt's audio) and items still in progress (a response streaming into one) is
+        spilled to it. So a user turn leaves memory once something follows it (in practice
+        when its response ends: the core calls this then) and an assistant turn when its
+        response ends; what stays in memory is the turn being answered and the answer."""
         budget_ms = limit_s * 1000.0
         kept_ms = 0.0
         first = True
         dropped = 0
         seen = 0  # items met that hold (or may yet get) audio
+        trailing = True  # in the run of user messages at the end (a prompt may need them)
         for item in reversed(self._items):
             if seen >= self._audio_holders_bound:
                 break  # nothing older holds audio
+            trailing = trailing and item.type == "message" and item.role == "user"
             if item.status == "in_progress":
                 seen += 1  # a response still streaming into it: never cut under its feet
                 continue
@@ -248,11 +341,14 @@ class Conversation:
             if first or kept_ms + ms <= budget_ms:
                 kept_ms += ms
                 first = False
+                if not trailing and self._store is not None:
+                    for part in item.content:
+                        part.spill(self._store)
                 continue
             seen -= 1
             budget_ms = -1.0  # past the bound: everything older goes too
             for part in item.content:
-                if part.input_audio is not None or part.output_audio is not None:
+                if part.has_audio:
                     part.drop_audio()
                     dropped += 1
         self._audio_holders_bound = seen
@@ -282,6 +378,8 @@ class Conversation:
         if part.output_audio is not None and part.output_format is not None:
             keep = min(len(part.output_audio), part.output_format.bytes_for_ms(audio_end_ms))
             del part.output_audio[keep:]
+        elif part.spilled is not None and part.output_format is not None:
+            part.spilled_len = min(part.spilled_len, part.output_format.bytes_for_ms(audio_end_ms))
         elif part.dropped_ms is not None:
             part.dropped_ms = min(part.dropped_ms, float(audio_end_ms))
         fraction = 1.0 if total_ms <= 0 else min(1.0, audio_end_ms / total_ms)
@@ -304,3 +402,10 @@ def cut_text(text: str, fraction: float) -> str:
         space = text.rfind(" ", 0, cut)
         cut = space if space > 0 else 0
     return text[:cut].rstrip()
+
+
+def _discard_spilled(items: list[Item]) -> None:
+    for item in items:
+        for part in item.content:
+            if part.spilled is not None:
+                part.drop_audio()

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import numpy as np
 
 from session.realtime import errors as E
+from session.realtime.audio_store import AudioStore
 from session.realtime.config import SessionConfig
 from session.realtime.conversation import Conversation
 from session.realtime.effects import (
@@ -78,9 +79,13 @@ class CoreOptions:
     prepare_transcript_after_ms: int = 64
     # Seconds of audio the conversation keeps, newest items first (the newest item with audio
     # always keeps its own): older items keep transcripts and text, and are retrieved without
-    # `audio`. Bounds a session's memory (at most ~0.5 MB at 10 s); pipelines only take the
-    # trailing user turn's audio (see `Conversation.retain_audio`).
+    # `audio`. Bounds a session's memory (at most ~0.5 MB at 10 s; far less with an
+    # `audio_store`); pipelines only take the trailing user turn's audio (see
+    # `Conversation.retain_audio`).
     audio_retention_s: float = 10.0
+    # Where retained audio that no prompt needs any more goes (the server's: a disk spool
+    # shared by its sessions). None: it stays in memory.
+    audio_store: AudioStore | None = None
     session_id: str | None = None
     new_id: IdFactory = random_id
 
@@ -92,7 +97,7 @@ class RealtimeSessionCore(UserInput):
         self.session_id = opts.session_id or self._new_id("sess")
         self.conversation_id = self._new_id("conv")
         self.config = opts.config.copy()
-        self.conversation = Conversation()
+        self.conversation = Conversation(opts.audio_store)
         self._out = Outbox(self._new_id)
         self._input = InputAudio(self.config.input_format)
         self._vad = SpeechDetector()
@@ -141,6 +146,11 @@ class RealtimeSessionCore(UserInput):
         core._started_at = now - (options.max_duration_s - (expires_at - epoch))
         core._expires_at_epoch = int(expires_at)
         return core
+
+    def release_audio(self) -> None:
+        """The session is over in this process: discard its spilled audio (the conversation's
+        finalizer would, later)."""
+        self.conversation.close()
 
     # --- properties ----------------------------------------------------------------------
 

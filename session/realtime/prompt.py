@@ -114,15 +114,15 @@ def build_submit_params(
     history = [h for h in (_history_entry(i) for i in earlier) if h is not None]
     system = [i.text_for_history() for i in items if i.type == "message" and i.role == "system"]
     stats = PromptStats()
-    audio_items = [i for i in trailing if i.audio_16k is not None and len(i.audio_16k)]
+    # Each item's audio once: a spilled item (one named in `response.create` input) is read back.
+    with_audio = [(i, a) for i in trailing if (a := i.audio_16k) is not None and len(a)]
     params: dict[str, Any] = {}
-    if audio_items:
+    if with_audio:
+        audio_items = [i for i, _ in with_audio]
         for i in trailing:
             if i not in audio_items and (text := i.text_for_history()):
                 history.append({"role": "user", "text": text})
-        audio = np.concatenate([i.audio_16k for i in audio_items if i.audio_16k is not None]).astype(
-            np.float32
-        )
+        audio = np.concatenate([a for _, a in with_audio]).astype(np.float32)
         params["audio"] = audio
         stats.audio_s = len(audio) / VAD_RATE
         stats.audio_item_ids = [i.id for i in audio_items]

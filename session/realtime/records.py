@@ -57,7 +57,7 @@ def item_to_record(item: Item) -> dict[str, Any]:
     for part, wire in zip(item.content, record.get("content", []), strict=False):
         if part.heard and part.heard != part.transcript:
             wire["heard"] = part.heard
-        if part.output_audio is not None or (part.type == "output_audio" and part.dropped_ms is not None):
+        if part.type == "output_audio" and (part.has_audio or part.dropped_ms is not None):
             wire["audio_ms"] = round(part.output_audio_ms())
         if part.truncated:
             wire["truncated"] = True

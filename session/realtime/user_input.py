@@ -197,10 +197,13 @@ class UserInput:
     def _request_transcription(self, item: Item) -> None:
         if self.config.transcription is None or item.id in self._transcribe_requested:
             return
-        if item.id in self._transcribed or item.audio_16k is None:
+        if item.id in self._transcribed:
+            return
+        audio = item.audio_16k  # once: a spilled item's is read back
+        if audio is None:
             return
         self._transcribe_requested.add(item.id)
-        self._out.effect(TranscribeInput(item.id, item.audio_16k))
+        self._out.effect(TranscribeInput(item.id, audio))
 
     def _on_speech_started(self, change: SpeechStarted, td: TurnDetection, now: float) -> None:
         self._idle_deadline = None
