@@ -120,6 +120,7 @@ class Replica:
         self.ready = False
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
         tasks = [t for t in (self._task, self._restart_task, *self._inflight) if t is not None]
         for task in tasks:
             task.cancel()
@@ -258,13 +259,18 @@ class Replica:
 
     def _wake_at(self, when: float, now: float) -> None:
         """Have the scheduler look again at `when` (the earliest paced request's time)."""
-        timer = self._timer
-        if timer is not None and not timer.cancelled() and self._timer_at <= when and self._timer_at > now:
-            return  # an earlier (or equal) wake-up is already set
-        if timer is not None:
-            timer.cancel()
+        if self._timer is not None:
+            if self._timer_at <= when:
+                return  # an earlier (or equal) wake-up is still to come
+            self._timer.cancel()
         self._timer_at = when
-        self._timer = asyncio.get_running_loop().call_later(max(0.0, when - now), self._wake.set)
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, when - now), self._on_timer)
+
+    def _on_timer(self) -> None:
+        # The loop's timers may fire up to a millisecond early: the next build then finds the
+        # request not yet due and sets a new timer, which it can only do once this one is gone.
+        self._timer = None
+        self._wake.set()
 
     def _take_item(self, slot: Slot) -> WorkItem:
         item = WorkItem(
