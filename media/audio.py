@@ -150,6 +150,9 @@ def resample(samples: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
+RESAMPLE_SLICE = 2048  # input samples per soxr call (bounds the stream's memory; see process)
+
+
 class StreamingResampler:
     """Resamples a continuous float32 mono stream chunk by chunk.
 
@@ -178,7 +181,15 @@ class StreamingResampler:
             self._stream = soxr.ResampleStream(
                 self.src_rate, self.dst_rate, 1, dtype="float32", quality=self._quality
             )
-        return np.asarray(self._stream.resample_chunk(samples), dtype=np.float32)
+        if len(samples) <= RESAMPLE_SLICE:
+            return np.asarray(self._stream.resample_chunk(samples), dtype=np.float32)
+        # soxr grows its buffers to the largest chunk it was given and keeps them: 1 s of
+        # 24 kHz at once left ~280 KB in every session's input stream, slices of 2048 ~70 KB.
+        parts = [
+            self._stream.resample_chunk(samples[i : i + RESAMPLE_SLICE])
+            for i in range(0, len(samples), RESAMPLE_SLICE)
+        ]
+        return np.concatenate(parts).astype(np.float32, copy=False)
 
     def flush(self) -> np.ndarray:
         """End the stream: return the samples still held in the filter."""

@@ -271,3 +271,4 @@ def test_uncommitted_buffer_is_stored_as_pcm16() -> None:
     assert held == pytest.approx(2 * 2.0 * VAD_RATE, rel=0.01)
     out = buffered.slice(buffered.start, buffered.end)
     assert out.dtype == np.float32 and len(out) * 2 == held
+
