@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,7 +103,7 @@ def reset_response(turn: TurnRecord) -> TurnRecord:
     return turn
 
 
-class VoiceSession(Generic[Speech]):
+class VoiceSession(ABC, Generic[Speech]):
     """One voice session's conversation and reply book-keeping, over an abstract transport.
 
     Subclasses provide ``run`` (connect, call :meth:`_conversation`, close) and the hooks
@@ -134,18 +135,21 @@ class VoiceSession(Generic[Speech]):
 
     # --- transport hooks -----------------------------------------------------------------
 
+    @abstractmethod
     async def _send_event(self, event: dict[str, Any]) -> None:
-        raise NotImplementedError
+        ...
 
     def _session_update(self) -> dict[str, Any]:
         return session_update(self.w)
 
+    @abstractmethod
     def _new_turn(self, number: int) -> tuple[TurnRecord, Speech]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _speak(self, speech: Speech) -> asyncio.Future[float]:
         """Queue an utterance; the future gets its end-of-speech time once it has been sent."""
-        raise NotImplementedError
+        ...
 
     def _on_spoken(self, turn: TurnRecord) -> None:
         """The turn's utterance has been spoken (its reply may start now)."""
@@ -154,9 +158,10 @@ class VoiceSession(Generic[Speech]):
         """Nothing more will arrive for the turn's reply (a barge-in would come too late)."""
         return turn.done_at is not None
 
+    @abstractmethod
     async def _await_reply(self, turn: TurnRecord) -> None:
         """Wait until the turn's reply is over, or it timed out."""
-        raise NotImplementedError
+        ...
 
     async def _pause(self, turn: TurnRecord) -> None:
         """The pause between a reply and the next utterance."""
@@ -165,12 +170,14 @@ class VoiceSession(Generic[Speech]):
     def _on_barge_in(self, turn: TurnRecord) -> None:
         """The interruption of ``turn``'s reply starts now (``turn.barge_in_at``)."""
 
+    @abstractmethod
     async def _interrupt_manual(self, turn: TurnRecord) -> None:
         """Interrupt a reply in manual turn mode (speaking interrupts with server VAD)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _close_turn(self, turn: TurnRecord) -> None:
-        raise NotImplementedError
+        ...
 
     # --- admission -----------------------------------------------------------------------
 

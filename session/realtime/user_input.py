@@ -8,6 +8,7 @@ grows past a readable size); it shares the core's state, declared below for the 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 MIN_COMMIT_MS = 100
 
 
-class UserInput:
+class UserInput(ABC):
     """Input-side entry points and helpers of the session core (see the module docstring)."""
 
     options: CoreOptions
@@ -54,12 +55,15 @@ class UserInput:
     _idle_deadline: float | None
 
     # Provided by the core.
+    @abstractmethod
     def _cancel_active(self, reason: CancelReason, now: float) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _stop_playout(self) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _start_response(
         self,
         event: ResponseCreate | None,
@@ -67,7 +71,7 @@ class UserInput:
         *,
         transcript_key: tuple[str, int] | None = None,
     ) -> None:
-        raise NotImplementedError
+        ...
 
     def feed_input_audio(self, samples: np.ndarray, rate: int, now: float) -> CoreOutput:
         """Mic audio from a media track (WebRTC), float32 mono at `rate`."""
