@@ -111,6 +111,8 @@ class SessionLog(Protocol):
 
     def set_config(self, config: Mapping[str, Any]) -> None: ...
 
+    def set_open_response(self, response: Mapping[str, Any] | None) -> None: ...
+
     def mark_activity(self) -> None: ...
 
 
@@ -399,6 +401,8 @@ class RealtimeDriver:
                     log.put_item(record, previous)
                 if changes.config is not None:
                     log.set_config(changes.config)
+                if changes.open_response_changed:
+                    log.set_open_response(changes.open_response)
         for effect in out.effects:
             if isinstance(effect, DetectSpeech):
                 self._vad_queue.put_nowait(effect)

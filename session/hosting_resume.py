@@ -155,6 +155,7 @@ class ResumeHosting:
             now=now,
             epoch=self._wall(),
             expires_at=record.expires_at,
+            open_response=record.open_response,
         )
         hs = await self._host(record, core, epoch=bound.epoch)
         hs.migrated_from = bound.previous_replica  # set when it moved here from a lost replica

@@ -115,6 +115,8 @@ class RealtimeSessionCore(UserInput):
         self._started_at: float | None = None
         self._expires_at_epoch = 0
         self._config_changed = False
+        self._stored_response: str | None = None  # the open response id the store has
+        self._orphan_response: dict[str, Any] | None = None  # restored: a dead process's
         self.closed = False
         self._apply_turn_detection()
 
@@ -128,6 +130,7 @@ class RealtimeSessionCore(UserInput):
         now: float,
         epoch: float,
         expires_at: float,
+        open_response: dict[str, Any] | None = None,
     ) -> RealtimeSessionCore:
         """A started core rebuilt from stored state (`options.config`, item records from
         `records.item_to_record`) after its process went away: no `session.created`, the same
@@ -143,6 +146,9 @@ class RealtimeSessionCore(UserInput):
             if item.role == "assistant" and any(c.type == "output_audio" for c in item.content):
                 core._voice_locked = True
         core.conversation.take_changes()  # already stored
+        if open_response and open_response.get("id"):
+            core._orphan_response = dict(open_response)
+            core._stored_response = str(open_response["id"])
         core._started_at = now - (options.max_duration_s - (expires_at - epoch))
         core._expires_at_epoch = int(expires_at)
         return core
@@ -192,9 +198,16 @@ class RealtimeSessionCore(UserInput):
         """What to persist since the last call (item boundaries and config updates only, so
         deltas cost nothing); None when nothing changed. O(1) when nothing did."""
         items = self.conversation.take_changes()
-        if items is None and not self._config_changed:
+        run = self._active
+        open_id = run.id if run is not None and run.active else None
+        if items is None and not self._config_changed and open_id == self._stored_response:
             return None
         changes = StateChanges()
+        if open_id != self._stored_response:
+            self._stored_response = open_id
+            changes.open_response_changed = True
+            if run is not None and open_id is not None:
+                changes.open_response = {"id": open_id, "audio": run.settings.audio}
         if items is not None:
             changes.deletes = items[0]
             changes.upserts = [(item_to_record(item), previous) for item, previous in items[1]]
@@ -316,6 +329,7 @@ class RealtimeSessionCore(UserInput):
                 "error_code": "replica_lost",
                 "message": f"The replica serving this response ({lost_replica}) was lost; ask again.",
             }
+        orphan, self._orphan_response = self._orphan_response, None
         end_orphaned_responses(
             self.conversation,
             lambda audio: ResponseSettings(
@@ -329,6 +343,7 @@ class RealtimeSessionCore(UserInput):
             outbox=self._out,
             conversation_id=self.conversation_id,
             now=now,
+            open_response=orphan,
             **failure,
         )
         return self._out.drain()

@@ -28,6 +28,11 @@ class StateChanges:
     # (item record, previous item id: "root" for first) in conversation order
     upserts: list[tuple[dict[str, Any], str]] = field(default_factory=list)
     config: dict[str, Any] | None = None  # `config_record(...)` when the config changed
+    # The response in progress ({"id", "audio"}; None: none) when that changed. Stored at
+    # `response.created`, before the response has an output item, so a process that dies
+    # before the first output still leaves a trace: the restored session ends it.
+    open_response: dict[str, Any] | None = None
+    open_response_changed: bool = False
 
 
 def config_record(

@@ -10,7 +10,7 @@ response cancelled before any output has `output: []`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -337,11 +337,17 @@ def end_orphaned_responses(
     now: float,
     error_code: str = "pipeline_failed",
     message: str = "The server restarted during this response.",
+    open_response: Mapping[str, Any] | None = None,
 ) -> None:
     """End, with `response.done` failed, every response whose output item a dead process left
-    in progress (`settings_for(audio)` gives the settings to close it with). Scale-out
-    failover passes `error_code="replica_lost"`."""
+    in progress (`settings_for(audio)` gives the settings to close it with), and
+    `open_response` (the response the store had as in progress: `{"id", "audio"}`) if it had
+    no output item yet (the process died before its first output). Scale-out failover passes
+    `error_code="replica_lost"`."""
+    ended: set[str] = set()
     for item in conversation.items:
+        if item.response_id is not None:
+            ended.add(item.response_id)  # ended now, or already had its response.done
         if item.status != "in_progress" or item.role != "assistant" or item.response_id is None:
             continue
         audio = any(c.type == "output_audio" for c in item.content)
@@ -351,6 +357,18 @@ def end_orphaned_responses(
             outbox=outbox,
             conversation=conversation,
             conversation_id=conversation_id,
+        )
+        run.finish("failed", now=now, error=message, error_code=error_code)
+    response_id = str((open_response or {}).get("id") or "")
+    if response_id and response_id not in ended:
+        run = ResponseRun(
+            response_id,
+            settings_for(bool(open_response and open_response.get("audio"))),
+            outbox=outbox,
+            conversation=conversation,
+            item_id="",  # never opened: the response ends with no output
+            conversation_id=conversation_id,
+            prompt=PromptStats(),
         )
         run.finish("failed", now=now, error=message, error_code=error_code)
 

@@ -155,6 +155,12 @@ class SessionWriter:
     def set_config(self, config: Mapping[str, Any]) -> None:
         self._queue(("m", "config", json.dumps(config, separators=(",", ":")), ""), urgent=True)
 
+    def set_open_response(self, response: Mapping[str, Any] | None) -> None:
+        """The response in progress (``{"id", "audio"}``), or None once it ended: a restore
+        after this process dies ends it for the client even if it had no output yet."""
+        value = json.dumps(response, separators=(",", ":")) if response else ""
+        self._queue(("m", "response", value, ""), urgent=True)
+
     def _queue(self, op: BatchOp, *, urgent: bool = False) -> None:
         if self.fatal is not None:
             return

@@ -170,6 +170,7 @@ class SessionRecord:
     last_active: float
     expires_at: float
     event_seq: int  # last durable event seq (the writer continues at event_seq + 1)
+    open_response: dict[str, Any] | None = None  # SessionWriter.set_open_response
 
     @classmethod
     def from_hash(cls, session_id: str, h: dict[str, str]) -> SessionRecord:
@@ -182,6 +183,7 @@ class SessionRecord:
             last_active=float(h.get("last_active") or h["created_at"]),
             expires_at=float(h["expires_at"]),
             event_seq=int(h.get("event_seq") or 0),
+            open_response=json.loads(h["response"]) if h.get("response") else None,
         )
 
 

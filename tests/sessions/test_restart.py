@@ -4,6 +4,7 @@ conversation continues with its history."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -129,3 +130,47 @@ async def test_kill9_restart_resume_and_continue_with_history(tmp_path: Path, da
     # A clean stop (SIGTERM) also stops the embedded redis-server it adopted.
     pidfile = data_dir / "redis.pid"
     assert not pidfile.exists() or not pid_alive(int(pidfile.read_text()))
+
+
+async def test_response_cut_before_its_first_output_is_ended_after_restart(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """The crash comes after `response.created` but before any output: there is no output
+    item to find in progress, so the store's record of the open response is what ends it."""
+    pipeline = pipeline_file(tmp_path / "pipeline", delay_ms=30_000)
+    first = ServerProcess(data_dir, pipeline)
+    first.start()
+    try:
+        async with opened(first.base) as conn:
+            await turn(conn, "a slow one", wait=False)
+            created = await conn.events.wait_for("response.created", within_s=10)
+            await asyncio.sleep(0.3)  # the open response is flushed at once; give it time
+            first.kill9()
+            await conn.events.close_code(within_s=10)
+        seen = logged(conn.events.log)
+    finally:
+        first.stop()
+    cut = created.raw["response"]["id"]
+    assert not [e for e in seen if e["type"] == "response.output_item.added"]
+
+    second = ServerProcess(data_dir, pipeline)
+    second.start()
+    try:
+        async with resumed(second.base, conn.session_id, conn.resume_token, conn.last_event_id) as again:
+            ended = (await again.events.wait_for("response.done", within_s=10)).raw["response"]
+            assert ended["id"] == cut and ended["status"] == "failed" and ended["output"] == []
+            await asyncio.sleep(0.3)  # its end is flushed at once too
+            second.kill9()
+            await again.events.close_code(within_s=10)
+    finally:
+        second.stop()
+    # Ended once: the store no longer has it open, so the next restore does not end it again.
+    third = ServerProcess(data_dir, pipeline)
+    third.start()
+    try:
+        async with resumed(third.base, conn.session_id, conn.resume_token, again.last_event_id) as last:
+            assert last.events.log[0].type == "omni.session.resumed"
+            await asyncio.sleep(0.5)
+            assert not [r for r in last.events.log if r.type == "response.done"]
+    finally:
+        third.stop()

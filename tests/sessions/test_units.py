@@ -198,3 +198,40 @@ def test_split_events_keeps_each_stored_text() -> None:
     events = split_events("[" + ",".join(texts) + "]")
     assert [e.wire for e in events] == texts
     assert events[1]["n"] == [1, {"k": "]"}] and split_events("[]") == []
+
+
+def test_the_open_response_is_a_state_change_from_created_to_done() -> None:
+    core = started_core()
+    core.take_state_changes()
+    core.handle_client_event(text_item("hi"), 1.0)
+    core.take_state_changes()
+    out = core.handle_client_event({"type": "response.create"}, 1.1)
+    start = next(e for e in out.effects if isinstance(e, StartResponse))
+    opened = core.take_state_changes()  # before any output: no item yet, but the response
+    assert opened is not None and opened.open_response_changed and not opened.upserts
+    assert opened.open_response == {"id": start.response_id, "audio": True}
+    core.on_response_text(start.response_id, "hello", 1.2)
+    assert not core.take_state_changes().open_response_changed  # type: ignore[union-attr]
+    core.on_response_done(start.response_id, "completed", now=1.3)
+    done = core.take_state_changes()
+    assert done is not None and done.open_response_changed and done.open_response is None
+
+
+def test_a_restored_open_response_without_output_is_ended_once() -> None:
+    restored = RealtimeSessionCore.restore(
+        CoreOptions(session_id="sess_unit", new_id=SequentialIds(), max_duration_s=60),
+        [],
+        conversation_id="conv_1",
+        now=100.0,
+        epoch=1_800_000_010.0,
+        expires_at=1_800_000_040.0,
+        open_response={"id": "resp_lost", "audio": True},
+    )
+    ended = restored.close_orphaned_responses(100.0, lost_replica="r1")
+    done = [e for e in ended.events if e["type"] == "response.done"]
+    assert len(done) == 1 and done[0]["response"]["id"] == "resp_lost"
+    assert done[0]["response"]["status"] == "failed" and done[0]["response"]["output"] == []
+    assert done[0]["response"]["status_details"]["error"]["code"] == "replica_lost"
+    cleared = restored.take_state_changes()
+    assert cleared is not None and cleared.open_response_changed and cleared.open_response is None
+    assert restored.close_orphaned_responses(101.0).events == []
