@@ -215,38 +215,89 @@ async def session_rest(request: Request) -> Response:
 async def create_call(request: Request) -> Response:
     """`POST /v1/realtime/calls` (voice) or `POST /v1/realtime/video/calls` (world): the offer
     to a picked replica; media then goes direct. A resuming call (``?session_id=``) goes to
-    the session's owner, like a WebSocket resume."""
+    the session's owner, like a WebSocket resume (an unreachable owner's lease is waited out)."""
     gw = gateway_of(request)
     if not await gw.authorized(request.headers.get("authorization"), []):
         return error_response(401, "invalid_api_key", "Missing or invalid API key.")
     body = await request.body()
-    tried: set[str] = set()
-    last: Response | None = None
     resuming = request.query_params.get("session_id")
     try:
-        for _ in range(RETRIES):
-            if resuming:
-                replica = (await gw.router.session(resuming, exclude=tried)).replica
-            else:
-                replica = await gw.router.new_session(exclude=tried)
-            answer = await _forward_to(gw, request, body, replica)
-            tried.add(replica.replica_id)
-            if answer is None:
-                continue
-            if answer.status_code == 503:  # draining or full: another replica may take it
-                last = answer
-                continue
-            location = answer.headers.get("location", "")
-            call_id = location.rstrip("/").rsplit("/", 1)[-1] if answer.status_code == 201 else ""
-            if call_id:
-                async with redis_errors():
-                    await gw.redis.set(gw.call_key(call_id), replica.replica_id, ex=CALL_TTL_S)
-            return answer
-        if last is not None:
-            return last
-        raise NoReplicaAvailable("no replica could be reached")
+        if resuming:
+            answer, replica = await _resume_call(gw, request, body, resuming)
+        else:
+            answer, replica = await _new_call(gw, request, body)
+        location = answer.headers.get("location", "")
+        call_id = location.rstrip("/").rsplit("/", 1)[-1] if answer.status_code == 201 else ""
+        if call_id and replica is not None:
+            async with redis_errors():
+                await gw.redis.set(gw.call_key(call_id), replica.replica_id, ex=CALL_TTL_S)
+        return answer
     except (NoReplicaAvailable, StoreError) as exc:
         return unavailable(exc)
+
+
+async def _new_call(gw: Gateway, request: Request, body: bytes) -> tuple[Response, ReplicaInfo | None]:
+    tried: set[str] = set()
+    last: Response | None = None
+    for _ in range(RETRIES):
+        replica = await gw.router.new_session(exclude=tried)
+        answer = await _forward_to(gw, request, body, replica)
+        tried.add(replica.replica_id)
+        if answer is None:
+            continue
+        if answer.status_code == 503:  # draining or full: another replica may take it
+            last = answer
+            continue
+        return answer, replica
+    if last is not None:
+        return last, None
+    raise NoReplicaAvailable("no replica could be reached")
+
+
+async def _resume_call(
+    gw: Gateway, request: Request, body: bytes, session_id: str
+) -> tuple[Response, ReplicaInfo | None]:
+    """A resuming call, routed as `gateway_ws.connect_resume` routes a WebSocket resume: the
+    owner; an owner that cannot be reached (killed a moment ago) or whose address now answers
+    409 (restarted under a new id) has its lease waited out, then a live replica takes the
+    session over; a world no other replica can take over is gone with its owner (404)."""
+    tried: set[str] = set()
+    refused_takeover = False
+    for _ in range(RETRIES + 1):
+        try:
+            route = await gw.router.session(session_id, exclude=tried)
+        except NoReplicaAvailable:
+            if refused_takeover:
+                return _gone_with_its_owner(session_id), None
+            raise
+        answer = await _forward_to(gw, request, body, route.replica)
+        if answer is None or (answer.status_code == 409 and route.kind == "owner"):
+            if route.kind != "owner":
+                tried.add(route.replica.replica_id)
+                continue
+            log.info("resume call %s: owner %s not answering; awaiting its lease", session_id, route.owner)
+            if not await gw.router.wait_lapse(route.replica.replica_id, gw.settings.lapse_wait_s):
+                raise NoReplicaAvailable(f"the owner of {session_id} is unreachable but holds its lease")
+            continue
+        if answer.status_code == 409 and route.kind == "failover":
+            tried.add(route.replica.replica_id)  # it would not take the session over
+            refused_takeover = True
+            continue
+        if answer.status_code == 503 and route.kind != "owner":
+            tried.add(route.replica.replica_id)
+            continue
+        return answer, route.replica
+    if refused_takeover:
+        return _gone_with_its_owner(session_id), None
+    raise NoReplicaAvailable(f"no replica could take session {session_id}")
+
+
+def _gone_with_its_owner(session_id: str) -> Response:
+    message = (
+        f"Session {session_id} lived on a replica that is gone, and no other replica can take it "
+        "over (a world session ends with its replica's process)."
+    )
+    return error_response(404, "session_not_found", message)
 
 
 async def call_action(request: Request) -> Response:

@@ -192,3 +192,37 @@ async def test_stale_epoch_write_is_rejected_and_ends_the_local_session(shared: 
         return not (await get(f"{owner.url}/v1/sessions/{s.session_id}")).json()["live_here"]
 
     await wait_until(gone, 5, "the fenced replica drops its copy")
+
+
+async def test_a_call_resume_after_the_owner_died_waits_out_its_lease(two_replicas: Cluster) -> None:
+    """`POST /v1/realtime/calls?session_id=` right after kill -9 of the owner: the gateway
+    waits for the owner's lease to lapse (as for a WebSocket resume) and the survivor takes
+    the session over on the new call, with its history; no 409 meanwhile."""
+    from media.webrtc_client import RealtimeCallClient
+
+    c = two_replicas
+    s = await Session.open(c.gateway)
+    assert (await s.client.turn("remember the blue door"))["response"]["status"] == "completed"
+    owner = await owner_of(c, s.session_id)
+    survivor = next(r for r in c.replicas if r is not owner)
+    last = s.client.last_event_id
+    owner.kill9()
+    killed_at = time.monotonic()
+    assert await s.client.until_closed() == 1012
+    call = RealtimeCallClient(c.gateway.url)
+    try:
+        info = await call.connect(resume=(s.session_id, s.token, last))
+        assert info.status_code == 201
+        assert time.monotonic() - killed_at <= LEASE_S + 3.0
+        _, resumed = await call.wait_event("omni.session.resumed")
+        assert resumed["session_id"] == s.session_id
+        view = (await get(f"{c.gateway.url}/v1/sessions/{s.session_id}")).json()
+        assert view["replica"]["id"] == await replica_id_of(survivor)
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "and?"}]}
+        call.send({"type": "conversation.item.create", "item": item})
+        call.send({"type": "response.create", "response": {"output_modalities": ["text"]}})
+        _, done = await call.wait_event("response.done", timeout_s=20)
+        assert done["response"]["status"] == "completed"
+        assert "user:remember the blue door" in reply_text(done)
+    finally:
+        await call.close()
