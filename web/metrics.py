@@ -17,8 +17,9 @@ import asyncio
 import contextlib
 import gc
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -31,6 +32,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from runtime.metrics import RuntimeMetrics
 
@@ -322,3 +324,136 @@ async def loop_lag_watcher(metrics: ServerMetrics) -> Any:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+# --- one exposition for several processes (`serve --workers N`, `/metrics?scope=all`) ----------
+
+GaugeMerge = Literal["sum", "worker"]
+# How a gauge of several worker processes becomes one. "sum": the gauge counts something each
+# process holds apart from the others, so the host's total is meaningful (sessions, bytes,
+# queue depths, RSS). "worker": a per-process reading (a time, a limit, a max, a ratio) that a
+# sum would turn into nonsense; each worker's sample is kept with a ``worker`` label.
+# A gauge missing here is kept per worker: the safe default. Counters and histograms always sum.
+GAUGE_MERGE: dict[str, GaugeMerge] = {
+    f"{PREFIX}_active_sessions": "sum",
+    f"{PREFIX}_active_sessions_by_kind": "sum",
+    f"{PREFIX}_conversation_audio_bytes": "sum",
+    f"{PREFIX}_conversation_audio_spooled_bytes": "sum",
+    f"{PREFIX}_stage_queue_depth": "sum",  # each worker runs its own stage replicas
+    f"{PREFIX}_stage_live_requests": "sum",
+    "process_resident_memory_bytes": "sum",
+    "process_virtual_memory_bytes": "sum",
+    "process_open_fds": "sum",
+    "process_max_fds": "worker",  # a per-process limit
+    "process_start_time_seconds": "worker",
+}
+SUMMED_TYPES = frozenset({"counter", "histogram", "gaugehistogram"})
+WORKER_LABEL = "worker"
+
+
+@dataclass(slots=True)
+class _Family:
+    """One metric family of the merged exposition: its comments and its samples, in order."""
+
+    name: str
+    help: str | None = None
+    type: str = "untyped"
+    sums: dict[str, float] = field(default_factory=dict)  # series key → summed value
+    # in order: (series key, None) for a summed series, (labelled key, value) for a worker's
+    lines: list[tuple[str, str | None]] = field(default_factory=list)
+
+    def summed(self, key: str) -> bool:
+        if self.type in SUMMED_TYPES:
+            return True
+        if self.type == "gauge":
+            return GAUGE_MERGE.get(self.name, "worker") == "sum"
+        # a summary's _sum and _count add up; its quantiles are per-process readings
+        return self.type == "summary" and "quantile=" not in key
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _with_label(key: str, label: str, value: str) -> str:
+    """``name{a="b"}`` → ``name{a="b",label="value"}``; ``name`` → ``name{label="value"}``."""
+    pair = f'{label}="{_escape_label(value)}"'
+    if key.endswith("}"):
+        return f"{key[:-1]},{pair}}}" if not key.endswith("{}") else f"{key[:-1]}{pair}}}"
+    return f"{key}{{{pair}}}"
+
+
+def _split_sample(line: str) -> tuple[str, str] | None:
+    """A sample line → (series key ``name{labels}``, value); None for what is not a sample.
+
+    The key ends at the last ``}`` (label values may hold spaces and braces, the value and an
+    optional timestamp never do); a timestamp is dropped (generate_latest writes none)."""
+    brace = line.find("{")
+    space = line.find(" ")
+    if brace != -1 and (space == -1 or brace < space):
+        end = line.rfind("}") + 1
+        key, rest = line[:end], line[end:].split()
+    else:
+        key, _, tail = line.partition(" ")
+        rest = tail.split()
+    if not key or not rest:
+        return None
+    return key, rest[0]
+
+
+def merge_worker_metrics(texts: Sequence[tuple[str, str]]) -> str:
+    """Prometheus texts of several worker processes, as ``(worker, text)`` → one exposition.
+
+    Counters and histograms (``_bucket``/``_sum``/``_count``) are summed series by series;
+    gauges by :data:`GAUGE_MERGE` (summed, or each worker's sample with a ``worker`` label).
+    Each family comes out once, its HELP and TYPE first and its samples together (valid text
+    format, unlike a line-by-line merge when only some workers have a series); families and
+    series keep the order in which they first appear."""
+    families: dict[str, _Family] = {}
+
+    def family(name: str) -> _Family:
+        fam = families.get(name)
+        if fam is None:
+            fam = families[name] = _Family(name)
+        return fam
+
+    for worker, text in texts:
+        current: _Family | None = None
+        for line in text.splitlines():
+            if line.startswith("#"):
+                parts = line.split(" ", 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    current = family(parts[2])
+                    if parts[1] == "TYPE" and len(parts) == 4:
+                        current.type = parts[3].strip()
+                    elif parts[1] == "HELP" and current.help is None:
+                        current.help = line
+                continue
+            sample = _split_sample(line)
+            if sample is None:
+                continue
+            key, raw = sample
+            name = key.split("{", 1)[0]
+            fam = current
+            if fam is None or not (name == fam.name or name.startswith(fam.name + "_")):
+                fam = family(name)  # a sample without a TYPE line of its own: untyped
+            if fam.summed(key):
+                try:
+                    value = float(raw)
+                except ValueError:
+                    continue
+                if key not in fam.sums:
+                    fam.sums[key] = 0.0
+                    fam.lines.append((key, None))
+                fam.sums[key] += value
+            else:
+                fam.lines.append((_with_label(key, WORKER_LABEL, worker), raw))
+    out: list[str] = []
+    for fam in families.values():
+        if fam.help is not None:
+            out.append(fam.help)
+        if fam.type != "untyped" or fam.help is not None:
+            out.append(f"# TYPE {fam.name} {fam.type}")
+        for series, shown in fam.lines:
+            out.append(f"{series} {floatToGoString(fam.sums[series]) if shown is None else shown}")
+    return "\n".join(out) + "\n"

@@ -12,8 +12,10 @@ forwards those to the owner's private ``--advertise-url`` with the gateway's cod
 * ``GET``/``DELETE /v1/sessions/{id}``: to the live owner.
 * ``POST /v1/realtime/calls/{id}/hangup``: a call this worker does not know is tried on the
   other workers (call ids are not in Redis); the first answer that is not 404 wins.
-* ``GET /metrics?scope=all``: this worker's metrics plus every live sibling's, summed sample by
-  sample (the load test's sampler reads this: active sessions, CPU, RSS of all workers).
+* ``GET /metrics?scope=all``: this worker's metrics merged with every live sibling's
+  (``web.metrics.merge_worker_metrics``): counters and histograms summed, gauges summed when
+  they add up (sessions, bytes, RSS: what the load test's sampler reads) or else kept per
+  worker with a ``worker`` label (start time, limits).
 
 A forwarded request carries ``x-omniduplex-worker-forwarded`` and is never forwarded again.
 One Redis read per forwarded-candidate request (an upgrade, a REST call), never per frame.
@@ -43,6 +45,7 @@ from web.gateway_relay import (
     ws_url,
 )
 from web.replica import SESSION_SOCKETS, ReplicaMembership, _membership_of
+from web.workers import worker_label
 
 log = logging.getLogger("omniduplex.workers")
 
@@ -58,40 +61,6 @@ Asgi = Callable[[Any, Receive, Send], Awaitable[None]]
 
 def _query(scope: Mapping[str, Any]) -> dict[str, list[str]]:
     return parse_qs(scope.get("query_string", b"").decode("latin-1"))
-
-
-def sum_metrics(texts: list[str]) -> str:
-    """Prometheus texts of several processes → one, each sample the sum over them.
-
-    Comments come from the first text; a series only some processes have is kept as is."""
-    order: list[str] = []
-    values: dict[str, float] = {}
-    comments: dict[str, list[str]] = {}
-    pending: list[str] = []
-    for index, text in enumerate(texts):
-        for line in text.splitlines():
-            if not line:
-                continue
-            if line.startswith("#"):
-                if index == 0:
-                    pending.append(line)
-                continue
-            key, _, raw = line.rpartition(" ")
-            try:
-                value = float(raw)
-            except ValueError:
-                continue
-            if key not in values:
-                order.append(key)
-                values[key] = 0.0
-                comments[key], pending = pending, []
-            values[key] += value
-    out: list[str] = []
-    for key in order:
-        out.extend(comments[key])
-        out.append(f"{key} {values[key]!r}")
-    out.extend(pending)
-    return "\n".join(out) + "\n"
 
 
 class WorkerForward:
@@ -153,8 +122,16 @@ class WorkerForward:
         return owner.url if owner is not None else None
 
     async def _sibling_urls(self, replica: ReplicaMembership) -> list[str]:
+        return [url for _, url in await self._siblings(replica)]
+
+    async def _siblings(self, replica: ReplicaMembership) -> list[tuple[str, str]]:
+        """``(replica id, url)`` of every live sibling, by replica id."""
         live = await replica.registry.live_replicas()
-        return [r.url for r in sorted(live, key=lambda r: r.replica_id) if r.replica_id != replica.replica_id]
+        return [
+            (r.replica_id, r.url)
+            for r in sorted(live, key=lambda r: r.replica_id)
+            if r.replica_id != replica.replica_id
+        ]
 
     async def _relay_ws(self, scope: Any, receive: Receive, send: Send, url: str) -> bool:
         """Relay the upgrade to the owner; False (serve here) when the owner cannot be reached."""
@@ -217,18 +194,18 @@ class WorkerForward:
         return True
 
     async def _metrics_all(self, replica: ReplicaMembership, scope: Any, send: Send) -> None:
-        from web.metrics import METRICS_CONTENT_TYPE
+        from web.metrics import METRICS_CONTENT_TYPE, merge_worker_metrics
 
-        texts = [scope["app"].state.ctx.metrics.render().decode()]
-        for url in await self._sibling_urls(replica):
+        texts = [(worker_label(replica.replica_id), scope["app"].state.ctx.metrics.render().decode())]
+        for replica_id, url in await self._siblings(replica):
             try:
                 reply = await self.http.client.get(url + "/metrics", headers={FORWARDED.decode(): "1"})
             except Exception as exc:  # a sibling restarting: its share is missing from this scrape
                 log.warning("worker metrics: %s: %s", url, exc)
                 continue
             if reply.status_code == 200:
-                texts.append(reply.text)
-        response = Response(sum_metrics(texts), media_type=METRICS_CONTENT_TYPE)
+                texts.append((worker_label(replica_id), reply.text))
+        response = Response(merge_worker_metrics(texts), media_type=METRICS_CONTENT_TYPE)
 
         async def no_receive() -> dict[str, Any]:
             return {"type": "http.disconnect"}

@@ -18,8 +18,11 @@ Design (opt-in; ``--workers 1`` is the plain single process):
   forwarded too (immediate shutdown). A second signal is forwarded again.
 * **A worker that dies is restarted** (fresh replica id, same private port); its sessions are
   taken over by whichever worker the client's resume reaches once the dead one's lease lapses.
-  More than ``MAX_RESTARTS`` restarts within ``RESTART_WINDOW_S`` (a crash loop) stops
-  everything and the parent exits 1.
+  The restart waits ``BACKOFF_S``, doubled for each earlier exit of that worker within
+  ``RESTART_WINDOW_S`` (at most ``BACKOFF_MAX_S``), so a worker that dies at start is not
+  respawned in a tight loop. A worker that exits more than ``MAX_RESTARTS`` times within the
+  window is crash-looping: the parent gives up, logs it, drains the other workers (SIGTERM:
+  their sessions finish) and exits 1. (:class:`RestartPolicy` decides, on times it is given.)
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
@@ -42,9 +46,12 @@ from web.settings import ServerSettings
 
 log = logging.getLogger("omniduplex.workers")
 
-MAX_RESTARTS = 5
+MAX_RESTARTS = 5  # per worker, within RESTART_WINDOW_S
 RESTART_WINDOW_S = 60.0
+BACKOFF_S = 0.25  # before the first restart; doubled per earlier exit in the window
+BACKOFF_MAX_S = 8.0
 POLL_S = 0.2
+_WORKER_REPLICA = re.compile(r"rep_w(\d+)_[0-9a-f]+")
 # Flags the parent sets per worker (the user's values are dropped); True: takes a value.
 _PARENT_FLAGS = {"--workers": True, "--redis-url": True, "--replica-id": True, "--advertise-url": True}
 
@@ -73,6 +80,40 @@ def launcher(argv: Sequence[str]) -> list[str]:
     if n and orig[-n:] == list(argv) and len(orig) > n:
         return orig[:-n]
     return [sys.executable, "-m", "web.cli"]
+
+
+def replica_id_for(index: int) -> str:
+    """A fresh replica id for worker ``index`` (a new one at each restart)."""
+    return f"rep_w{index}_{secrets.token_hex(4)}"
+
+
+def worker_label(replica_id: str) -> str:
+    """The ``worker`` label of a replica's per-process metrics: the worker's index, which
+    stays the same across its restarts (the replica id itself for a replica that is no worker)."""
+    m = _WORKER_REPLICA.fullmatch(replica_id)
+    return m.group(1) if m is not None else replica_id
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """When to restart a worker that exited, and when to give up. Pure: it is given the times."""
+
+    max_restarts: int = MAX_RESTARTS
+    window_s: float = RESTART_WINDOW_S
+    backoff_s: float = BACKOFF_S
+    backoff_max_s: float = BACKOFF_MAX_S
+
+    def recent(self, exits: Sequence[float], now: float) -> list[float]:
+        """The exit times that still count at ``now``."""
+        return [t for t in exits if now - t < self.window_s]
+
+    def delay(self, exits: Sequence[float], now: float) -> float | None:
+        """Seconds to wait before restarting a worker whose exit times within the window are
+        ``exits`` (the latest one included), or None: it is crash-looping, give up."""
+        n = len(self.recent(exits, now))
+        if n > self.max_restarts:
+            return None
+        return min(self.backoff_max_s, self.backoff_s * 2.0 ** max(0, n - 1))
 
 
 def free_loopback_port() -> int:
@@ -107,6 +148,8 @@ class Worker:
     port: int  # private (advertise) port
     proc: subprocess.Popen[bytes] | None = None
     replica_id: str = ""
+    exits: list[float] = field(default_factory=list)  # recent exit times (RestartPolicy's window)
+    restart_at: float | None = None  # exited, restart due then
 
     @property
     def url(self) -> str:
@@ -120,8 +163,10 @@ class Supervisor:
     command: list[str]  # launcher + serve arguments, without the per-worker flags
     redis_url: str
     count: int
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    poll_s: float = POLL_S
+    clock: Callable[[], float] = time.monotonic
     workers: list[Worker] = field(default_factory=list)
-    restarts: list[float] = field(default_factory=list)
     stopping: bool = False
 
     def start(self) -> None:
@@ -130,7 +175,8 @@ class Supervisor:
             self._spawn(w)
 
     def _spawn(self, w: Worker) -> None:
-        w.replica_id = f"rep_w{w.index}_{secrets.token_hex(4)}"
+        w.replica_id = replica_id_for(w.index)
+        w.restart_at = None
         args = [
             *self.command,
             "--worker",
@@ -151,29 +197,65 @@ class Supervisor:
                     w.proc.send_signal(sig)
 
     def check(self) -> bool:
-        """Restart dead workers; False on a crash loop (too many restarts in the window)."""
+        """Schedule the restart of workers that exited and start those that are due; False
+        when one is crash-looping (more exits in the window than the policy allows)."""
+        if self.stopping:
+            return True
+        now = self.clock()
         for w in self.workers:
-            if w.proc is None or w.proc.poll() is None or self.stopping:
+            if w.proc is None or w.proc.poll() is None:
                 continue
-            now = time.monotonic()
-            self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
-            log.warning("worker %d (pid %d) exited with %s", w.index, w.proc.pid, w.proc.returncode)
-            if len(self.restarts) > MAX_RESTARTS:
-                log.error(
-                    "workers crash-looping (%d restarts in %.0f s): stopping", MAX_RESTARTS, RESTART_WINDOW_S
+            if w.restart_at is None:  # a new exit
+                w.exits = [*self.policy.recent(w.exits, now), now]
+                delay = self.policy.delay(w.exits, now)
+                if delay is None:
+                    log.error(
+                        "worker %d is crash-looping (%d exits in %.0f s, the last with code %s): "
+                        "giving up; draining the other workers, then exiting 1",
+                        w.index,
+                        len(w.exits),
+                        self.policy.window_s,
+                        w.proc.returncode,
+                    )
+                    return False
+                w.restart_at = now + delay
+                log.warning(
+                    "worker %d (pid %d) exited with %s; restarting it in %.2f s",
+                    w.index,
+                    w.proc.pid,
+                    w.proc.returncode,
+                    delay,
                 )
-                return False
-            self._spawn(w)
+            if now >= w.restart_at:
+                self._spawn(w)
         return True
 
     def alive(self) -> bool:
         return any(w.proc is not None and w.proc.poll() is None for w in self.workers)
 
+    def supervise(self, signals: list[int]) -> int:
+        """Watch the started workers until every one has stopped: 0, or 1 after a crash loop.
+
+        ``signals`` (appended to by the parent's handlers) are forwarded to every worker:
+        SIGTERM drains, SIGINT stops at once. A crash loop drains the others, as SIGTERM would."""
+        code = 0
+        while self.alive() or not self.stopping:
+            while signals:
+                sig = signals.pop(0)
+                self.stopping = True
+                self.signal_all(sig)
+            if not self.check():
+                code = 1
+                self.stopping = True
+                self.signal_all(signal.SIGTERM)
+            time.sleep(self.poll_s)
+        return code
+
     def wait_all(self, timeout_s: float) -> None:
         """Wait for every worker to exit; SIGKILL what is left after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while self.alive() and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+            time.sleep(self.poll_s)
         self.signal_all(signal.SIGKILL)
         for w in self.workers:
             if w.proc is not None:
@@ -197,21 +279,10 @@ def run_workers(args: argparse.Namespace, settings: ServerSettings) -> int:
         signals.append(sig)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    code = 0
     try:
         sup.start()
         log.info("%d workers on %s:%d (redis %s)", sup.count, settings.host, settings.port, redis_url)
-        while sup.alive() or not sup.stopping:
-            while signals:
-                sig = signals.pop(0)
-                sup.stopping = True
-                sup.signal_all(sig)  # SIGTERM: each worker drains; SIGINT: stops at once
-            if not sup.check():
-                code = 1
-                sup.stopping = True
-                sup.signal_all(signal.SIGINT)
-                break
-            time.sleep(POLL_S)
+        return sup.supervise(signals)
     finally:
         sup.stopping = True
         sup.signal_all(signal.SIGINT)
@@ -220,7 +291,6 @@ def run_workers(args: argparse.Namespace, settings: ServerSettings) -> int:
             signal.signal(s, handler)
         if embedded is not None:
             asyncio.run(embedded.stop())
-    return code
 
 
 def worker_sockets(settings: ServerSettings) -> list[socket.socket]:

@@ -17,7 +17,6 @@ from media.webrtc_client import RealtimeCallClient
 from tests.live_server import free_port
 from tests.scaleout.cluster import ADMIN_KEY, RealtimeClient, get, wait_ready
 from tests.sessions.history_engine import pipeline_file
-from web.worker_forward import sum_metrics
 from web.workers import strip_flags
 
 
@@ -34,14 +33,6 @@ def test_strip_flags_drops_what_the_parent_sets() -> None:
         "--insecure",
     ]
     assert strip_flags(argv) == ["serve", "--port", "9", "--insecure"]
-
-
-def test_sum_metrics_adds_each_series() -> None:
-    a = '# HELP m x\n# TYPE m gauge\nm 2.0\nh_bucket{le="1"} 1.0\n'
-    b = '# HELP m x\n# TYPE m gauge\nm 3.0\nh_bucket{le="1"} 4.0\nonly_b 7.0\n'
-    out = sum_metrics([a, b])
-    assert "m 5.0" in out.splitlines() and 'h_bucket{le="1"} 5.0' in out and "only_b 7.0" in out
-    assert out.startswith("# HELP m x\n# TYPE m gauge\nm 5.0")
 
 
 async def _workers(public: str) -> list[dict[str, Any]]:
@@ -110,7 +101,8 @@ async def test_two_workers_share_the_port_forward_resumes_and_stop_together(tmp_
             await asyncio.sleep(0.05)
         counts = await _counts(urls)
         assert sum(counts) == len(clients) and min(counts) >= 1, counts
-        # /metrics?scope=all sums every worker (the load test's sampler reads it).
+        # /metrics?scope=all: the sessions of every worker, summed (the load test's sampler reads
+        # it; the other merge rules: tests/scaleout/test_worker_metrics.py).
         metrics = (await get(parent.url + "/metrics?scope=all")).text
         assert f"omniduplex_active_sessions {float(len(clients))!r}" in metrics.splitlines()
 
