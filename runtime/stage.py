@@ -28,6 +28,7 @@ from runtime.worker import ChunkRef, ItemResult, ThreadWorker, WorkCall, Worker,
 
 log = logging.getLogger(__name__)
 
+MIN_TIMER_S = 0.001  # the shortest pacing timer (uvloop's resolution)
 STICKY_KEYS = 65536  # session bindings remembered per stage (least recently used dropped)
 
 
@@ -264,7 +265,10 @@ class Replica:
                 return  # an earlier (or equal) wake-up is still to come
             self._timer.cancel()
         self._timer_at = when
-        self._timer = asyncio.get_running_loop().call_later(max(0.0, when - now), self._on_timer)
+        # At least 1 ms: after an early fire, a shorter delay rounds to 0 in uvloop and the
+        # scheduler would rescan every slot on each loop pass until the request is due.
+        delay = max(when - now, MIN_TIMER_S)
+        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         # The loop's timers may fire up to a millisecond early: the next build then finds the

@@ -197,6 +197,8 @@ class SessionHost(ResumeHosting):
         self._sweeper = None
         await self._releases.retry(self.sessions)
         await self.admission.close()
+        if self.store.writer_hub is not None:  # the last host to close (worlds end before it)
+            await self.store.writer_hub.aclose()  # a writer whose end failed would keep it retrying
 
     def _spawn(self, coro: Any, name: str) -> None:
         spawn(self._tasks, coro, name)

@@ -18,6 +18,7 @@ enough to do where it is asked for.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import logging
 import os
@@ -123,6 +124,7 @@ class SpoolAudioStore:
         self._ops: queue.SimpleQueue[tuple[str, object] | None] = queue.SimpleQueue()
         self._names = itertools.count()
         self._closed = False
+        self._lock_fd: int | None = None  # held while the spool lives (see remove_stale_spools)
         self._warned: set[str] = set()
         self._thread = threading.Thread(target=self._write_loop, name="audio-spool", daemon=True)
         self._thread.start()
@@ -137,7 +139,10 @@ class SpoolAudioStore:
         remove_stale_spools(base)
         directory = base / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         directory.mkdir()
-        return cls(directory, **kwargs)
+        lock = _hold_lock(directory)
+        store = cls(directory, **kwargs)
+        store._lock_fd = lock
+        return store
 
     # --- AudioStore ------------------------------------------------------------------------
 
@@ -186,6 +191,11 @@ class SpoolAudioStore:
             self._ops.put(None)
         self._thread.join(timeout=30)
         shutil.rmtree(self.directory, ignore_errors=True)
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path(self.directory))
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = None
 
     # --- for tests and shutdown --------------------------------------------------------------
 
@@ -275,8 +285,30 @@ class SpoolAudioStore:
             log.warning(message)
 
 
+def lock_path(directory: Path) -> Path:
+    """The lock file of a spool directory (beside it, so the directory holds only audio)."""
+    return directory.with_name(directory.name + ".lock")
+
+
+def _hold_lock(directory: Path) -> int:
+    """Lock `directory`'s lock file for as long as the returned descriptor stays open: the
+    kernel drops the lock when its process dies, however it dies."""
+    fd = os.open(lock_path(directory), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def remove_stale_spools(base: Path) -> list[Path]:
-    """Remove the spool directories under `base` whose process is gone; return them."""
+    """Remove the spool directories under `base` whose process is gone; return them.
+
+    A directory is in use while its lock file is locked: a process id alone cannot tell (the
+    data dir may be shared by containers with their own pid namespaces, and pids are reused).
+    A directory without a lock file (just being created, or from an older version) falls back
+    to the process id in its name."""
     removed: list[Path] = []
     try:
         entries = list(base.iterdir())
@@ -286,11 +318,28 @@ def remove_stale_spools(base: Path) -> list[Path]:
         match = _SPOOL_NAME.match(entry.name)
         if match is None or not entry.is_dir():
             continue
-        pid = int(match.group(1))
-        if pid == os.getpid() or _process_alive(pid):
+        try:
+            fd = os.open(lock_path(entry), os.O_RDWR)
+        except FileNotFoundError:
+            pid = int(match.group(1))
+            if pid == os.getpid() or _process_alive(pid):
+                continue
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
             continue
-        shutil.rmtree(entry, ignore_errors=True)
-        removed.append(entry)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: its process lives
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path(entry))
+            removed.append(entry)
+        finally:
+            os.close(fd)
     return removed
 
 

@@ -147,8 +147,9 @@ class RealtimeSessionCore(UserInput):
                 core._voice_locked = True
         core.conversation.take_changes()  # already stored
         if open_response and open_response.get("id"):
+            # Still open in the store until `close_orphaned_responses` ends it for a client: a
+            # restore that parks again (no client came) must keep it for the next one.
             core._orphan_response = dict(open_response)
-            core._stored_response = str(open_response["id"])
         core._started_at = now - (options.max_duration_s - (expires_at - epoch))
         core._expires_at_epoch = int(expires_at)
         return core
@@ -330,6 +331,8 @@ class RealtimeSessionCore(UserInput):
                 "message": f"The replica serving this response ({lost_replica}) was lost; ask again.",
             }
         orphan, self._orphan_response = self._orphan_response, None
+        if orphan is not None:
+            self._stored_response = str(orphan["id"])  # cleared in the store with its response.done
         end_orphaned_responses(
             self.conversation,
             lambda audio: ResponseSettings(

@@ -341,15 +341,14 @@ def end_orphaned_responses(
 ) -> None:
     """End, with `response.done` failed, every response whose output item a dead process left
     in progress (`settings_for(audio)` gives the settings to close it with), and
-    `open_response` (the response the store had as in progress: `{"id", "audio"}`) if it had
-    no output item yet (the process died before its first output). Scale-out failover passes
-    `error_code="replica_lost"`."""
+    `open_response` (the response the store had as in progress: `{"id", "audio"}`) unless that
+    just ended it: it had no output item yet (the process died before its first output), or
+    its item was truncated while it ran. Scale-out failover passes `error_code="replica_lost"`."""
     ended: set[str] = set()
     for item in conversation.items:
-        if item.response_id is not None:
-            ended.add(item.response_id)  # ended now, or already had its response.done
         if item.status != "in_progress" or item.role != "assistant" or item.response_id is None:
             continue
+        ended.add(item.response_id)
         audio = any(c.type == "output_audio" for c in item.content)
         run = ResponseRun.orphaned(
             item,

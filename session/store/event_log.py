@@ -33,6 +33,7 @@ stale epoch or a vanished session is fatal for that writer alone: it stops and c
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -205,7 +206,10 @@ class SessionWriter:
                     self.session_id, ops, epoch=self.epoch, expires_at=self.expires_at
                 )
             except (StaleEpoch, SessionGone) as exc:
+                registered = self._hub is not None and self._hub.holds(self)  # not once close() began
                 self._settle_fatal(exc)
+                if registered:  # callers of flush() may swallow the error: the session must still end
+                    self._report_fatal(exc)
                 raise
             except BaseException:
                 self._settle_failed(retry_later=False)
@@ -254,11 +258,13 @@ class SessionWriter:
             return None
         return max(due, self._retry_at)
 
-    def _take(self) -> list[BatchOp] | None:
-        """Start a flush: the ops to write (possibly none: a TTL touch), or None if idle."""
+    def _take(self, limit: int | None = None) -> list[BatchOp] | None:
+        """Start a flush: the ops to write (possibly none: a TTL touch), or None if idle.
+        `limit`: at most that many (the rest is due at once, for the next flush)."""
         if not self._pending and not self._activity:
             return None
-        ops = list(self._pending)  # stay queued until Redis answers: a failure loses nothing
+        # Stay queued until Redis answers: a failure loses nothing.
+        ops = list(self._pending) if limit is None else list(itertools.islice(self._pending, limit))
         self._taken = _Taken(ops, self._urgent, self._due, self._activity)
         self._urgent, self._due, self._activity = False, None, False
         self._flushing = True
@@ -351,6 +357,9 @@ class WriterHub:
     @property
     def writers(self) -> int:
         return len(self._writers)
+
+    def holds(self, writer: SessionWriter) -> bool:
+        return writer in self._writers
 
     # --- registration ------------------------------------------------------------------------
 
@@ -459,7 +468,9 @@ class WriterHub:
                 self._target = -math.inf
 
     async def _flush(self, batch: list[SessionWriter]) -> None:
-        claimed = [(w, ops) for w in batch if (ops := w._take()) is not None]
+        # One EVALSHA per session: a pipeline is not a transaction, so a session's second chunk
+        # could land after its first failed, and the log would skip the first's events.
+        claimed = [(w, ops) for w in batch if (ops := w._take(MAX_OPS_PER_CALL)) is not None]
         try:
             results = await self.store.apply_batches(
                 [SessionBatch(w.session_id, ops, w.epoch, w.expires_at) for w, ops in claimed]
@@ -470,18 +481,26 @@ class WriterHub:
             raise
         self.round_trips += 1
         for (w, _), result in zip(claimed, results, strict=True):
-            if isinstance(result, int):
-                w._settle_ok(result, round_trips=1)
-            elif isinstance(result, StaleEpoch | SessionGone):
-                registered = w in self._writers  # not if close() began meanwhile: it gets the error
-                w._settle_fatal(result)
-                if registered:
-                    w._report_fatal(result)
-            else:
-                w._settle_failed(retry_later=True)
-                log.warning(
-                    "session %s: flush failed, retrying in %.2fs: %s",
-                    w.session_id,
-                    w._retry_at - self.clock(),
-                    result,
-                )
+            try:
+                self._settle(w, result)
+            except Exception:  # a bug: never leave a writer in flight (its flush() would wait forever)
+                log.exception("session %s: settling a flush failed", w.session_id)
+                if w._flushing:
+                    w._settle_failed(retry_later=True)
+
+    def _settle(self, w: SessionWriter, result: int | StoreError) -> None:
+        if isinstance(result, int):
+            w._settle_ok(result, round_trips=1)
+        elif isinstance(result, StaleEpoch | SessionGone):
+            registered = w in self._writers  # not if close() began meanwhile: it gets the error
+            w._settle_fatal(result)
+            if registered:
+                w._report_fatal(result)
+        else:
+            w._settle_failed(retry_later=True)
+            log.warning(
+                "session %s: flush failed, retrying in %.2fs: %s",
+                w.session_id,
+                w._retry_at - self.clock(),
+                result,
+            )

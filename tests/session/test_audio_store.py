@@ -19,7 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from session.realtime.audio_store import MemoryAudioStore, SpoolAudioStore, remove_stale_spools
+from session.realtime.audio_store import (
+    MemoryAudioStore,
+    SpoolAudioStore,
+    _hold_lock,
+    lock_path,
+    remove_stale_spools,
+)
 from session.realtime.config import SessionConfig
 from session.realtime.conversation import Content, Conversation, Item
 from web.cli import build_parser
@@ -150,6 +156,25 @@ def test_open_removes_stale_spools_of_dead_processes_only(tmp_path: Path) -> Non
         assert remove_stale_spools(base) == []  # its own directory is never stale
     finally:
         store.close()
+
+
+def test_a_spool_is_stale_when_its_lock_is_free_whatever_its_pid(tmp_path: Path) -> None:
+    """The lock decides, not the pid: a data dir shared by containers (other pid namespaces)
+    shows live spools under pids that are dead here, and a reused pid looks alive."""
+    base = tmp_path / "audio-spool"
+    elsewhere = base / f"{dead_pid()}-aaaa0000"  # its owner lives in another pid namespace
+    reused = base / f"{os.getppid()}-bbbb1111"  # died; its pid now names a live process
+    for folder in (elsewhere, reused):
+        folder.mkdir(parents=True)
+        (folder / "0.audio").write_bytes(b"\0" * 64)
+        lock_path(folder).touch()
+    held = _hold_lock(elsewhere)
+    try:
+        assert remove_stale_spools(base) == [reused]
+        assert elsewhere.exists() and not reused.exists()
+    finally:
+        os.close(held)
+    assert remove_stale_spools(base) == [elsewhere]  # its owner gone: the lock is free
 
 
 def test_close_removes_its_directory_and_later_puts_stay_in_memory(tmp_path: Path) -> None:

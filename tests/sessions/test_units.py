@@ -227,6 +227,7 @@ def test_a_restored_open_response_without_output_is_ended_once() -> None:
         expires_at=1_800_000_040.0,
         open_response={"id": "resp_lost", "audio": True},
     )
+    assert restored.take_state_changes() is None  # still open in the store until it is ended
     ended = restored.close_orphaned_responses(100.0, lost_replica="r1")
     done = [e for e in ended.events if e["type"] == "response.done"]
     assert len(done) == 1 and done[0]["response"]["id"] == "resp_lost"
@@ -235,3 +236,29 @@ def test_a_restored_open_response_without_output_is_ended_once() -> None:
     cleared = restored.take_state_changes()
     assert cleared is not None and cleared.open_response_changed and cleared.open_response is None
     assert restored.close_orphaned_responses(101.0).events == []
+
+
+def test_a_restored_open_response_whose_item_was_truncated_is_still_ended() -> None:
+    core = started_core()
+    core.handle_client_event(text_item("first"), 1.0)
+    out = core.handle_client_event({"type": "response.create"}, 1.1)
+    start = next(e for e in out.effects if isinstance(e, StartResponse))
+    core.on_response_audio(start.response_id, [0.1] * 4800, 24000, 1.2)
+    item_id = core.conversation.items[-1].id
+    core.handle_client_event(
+        {"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0, "audio_end_ms": 50},
+        1.3,
+    )  # the item is no longer in progress, but its response still runs when the process dies
+    records = [item_to_record(item) for item in core.conversation.items]
+    restored = RealtimeSessionCore.restore(
+        CoreOptions(session_id="sess_unit", new_id=SequentialIds(), max_duration_s=60),
+        records,
+        conversation_id=core.conversation_id,
+        now=100.0,
+        epoch=1_800_000_010.0,
+        expires_at=1_800_000_040.0,
+        open_response={"id": start.response_id, "audio": True},
+    )
+    done = [e for e in restored.close_orphaned_responses(100.0).events if e["type"] == "response.done"]
+    assert [d["response"]["id"] for d in done] == [start.response_id]
+    assert done[0]["response"]["status"] == "failed"

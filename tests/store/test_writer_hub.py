@@ -39,10 +39,12 @@ class CountingStore(SessionStore):
     def __init__(self, client: redis.asyncio.Redis, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
         self.pipelines: list[list[str]] = []
+        self.op_counts: list[list[int]] = []
         self.single_writes = 0
 
     async def apply_batches(self, batches: Sequence[SessionBatch]) -> list[int | StoreError]:
         self.pipelines.append([b.session_id for b in batches])
+        self.op_counts.append([len(b.ops) for b in batches])
         return await super().apply_batches(batches)
 
     async def apply_batch(
@@ -488,4 +490,37 @@ async def test_writer_given_its_own_hub(store: CountingStore) -> None:
     w.append({"type": "x"})
     await wait_until(lambda: w.pending == 0)
     assert hub.round_trips == 1
+    await w.close()
+
+
+async def test_a_direct_flush_that_finds_the_session_fenced_ends_it(
+    store: CountingStore, redis_client: redis.asyncio.Redis
+) -> None:
+    """Callers of flush() (describe, a resume's replay) may swallow the error: the writer must
+    still report it, or the session would run on with a dead log."""
+    (w,) = await new_writers(store, 1, flush_interval_s=10.0)
+    fatal: list[StoreError] = []
+    w._on_fatal = fatal.append
+    await w.start()
+    w.epoch = 1
+    await redis_client.hset(store.keys(w.session_id).owner, "epoch", "2")
+    w.append({"type": "zombie"})
+    with pytest.raises(StaleEpoch):
+        await w.flush()
+    assert [type(e) for e in fatal] == [StaleEpoch]
+    assert not WriterHub.for_store(store).holds(w)
+    await w.close()
+    assert len(fatal) == 1
+
+
+async def test_the_hub_sends_one_chunk_per_session_per_tick(store: CountingStore) -> None:
+    """A pipeline is not a transaction: a session's second chunk must never ride with its first
+    (it could land after the first failed, and the log would skip the first's events)."""
+    (w,) = await new_writers(store, 1, flush_interval_s=0.01, max_pending=10 * MAX_OPS_PER_CALL)
+    n = 2 * MAX_OPS_PER_CALL + 5
+    sent = [w.append({"type": "x", "n": i}) for i in range(n)]
+    await w.start()
+    await wait_until(lambda: w.pending == 0)
+    assert store.op_counts == [[MAX_OPS_PER_CALL], [MAX_OPS_PER_CALL], [5]]  # one chunk per pipeline
+    assert await store.events_after(w.session_id, None) == sent
     await w.close()
