@@ -54,7 +54,7 @@ from session.realtime.config import SessionConfig
 from session.realtime.core import CoreOptions, RealtimeSessionCore
 from session.realtime.records import config_record
 from session.resume import connection_event
-from session.retention import RetentionPolicy, RetentionTimer, Verdict
+from session.retention import EXPIRY_SLACK_S, RetentionPolicy, RetentionTimer, Verdict
 from session.store import SessionRecord, SessionStore, SessionWriter
 from session.store.errors import (
     SessionGone,
@@ -296,6 +296,7 @@ class SessionHost(ResumeHosting):
         await self._releases.retry(self.sessions)
 
     async def _expire(self, hs: HostedSession, verdict: Verdict) -> None:
+        """End the session with `session_expired` (the sweep, or its record found gone then)."""
         async with hs.lock:
             if hs.ending:
                 return
@@ -391,6 +392,13 @@ class SessionHost(ResumeHosting):
         if isinstance(error, StaleEpoch):
             close = (1012, "session moved to another replica")
         elif isinstance(error, SessionGone):
+            # Its keys' TTL ends with its lifetime (or idle TTL): a TTL refresh just after that,
+            # before the sweep saw it, finds them gone. Expire it as the sweep would.
+            hs.timer.on_activity(self._wall() - (self._clock() - hs.driver.last_activity))
+            verdict = hs.timer.check(self._wall() + EXPIRY_SLACK_S)
+            if verdict is Verdict.LIFETIME_EXPIRED or verdict is Verdict.IDLE_EXPIRED:
+                self._spawn(self._expire(hs, verdict), f"expired:{session_id}")
+                return
             close = (1001, "session ended")
         else:
             close = (1011, "session store error")

@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     from session.store.redis_store import SessionStore
 
 
+# A session's keys expire with its lifetime (or idle TTL), so a TTL refresh may find them gone
+# a moment before the host's own check ends the session: a record gone this close to the
+# session's expiry is that expiry (session_expired), not a lost session.
+EXPIRY_SLACK_S = 0.5
+
+
 @dataclass(frozen=True, slots=True)
 class RetentionPolicy:
     idle_ttl_s: float = 600.0

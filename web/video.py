@@ -14,42 +14,50 @@ I/O only. Both transports run the same :class:`~session.video.core.VideoSessionC
 
 With a :class:`~session.video.hosting.WorldHost` (``service.host``, set by the app once the
 session layer is up) both transports are hosted sessions like voice ones: identity (API key or
-``ek_`` key → tenant), an admission slot shared with voice sessions, a Redis record, and for
-the WebSocket a resume token (``omni.session.resumable`` first), retention and resume
-(``?session_id=…`` with ``X-Omni-Resume-Token`` or the ``omni-resume-token.<token>``
-subprotocol). Every refusal comes before the upgrade or the SDP answer, as JSON. See
-docs/sessions.md, "World sessions". Without a host (tests of the protocol alone) a
-connection is its session and ``max_sessions`` caps this process.
+``ek_`` key → tenant), an admission slot shared with voice sessions, a Redis record, a resume
+token (``omni.session.resumable`` first: on the WebSocket, and on ``controls`` once a call's
+channel opens), retention and resume. A dropped WebSocket or a vanished call (ICE/DTLS failure,
+peer closed without a hangup) detaches a generating world for the disconnect grace; it resumes
+over the WebSocket (``?session_id=…`` with ``X-Omni-Resume-Token`` or the
+``omni-resume-token.<token>`` subprotocol) or with a new call (``POST
+/v1/realtime/video/calls?session_id=…`` with ``X-Omni-Resume-Token``), whichever transport it
+began on. The hangup ends the world at once, peer up or not. Every refusal comes before the
+upgrade or any peer connection, as JSON. See docs/sessions.md, "World sessions". Without a
+host (tests of the protocol alone) a connection is its session and ``max_sessions`` caps
+this process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-from aiortc.mediastreams import MediaStreamError
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from media.video import EncodedChunk
-from media.video_rtc import FrameTrack, VideoPeer
+from media.video_rtc import FrameTrack, VideoPeer, check_video_offer
 from media.webrtc import IceServer, OfferError
 from session.identity import RESUME_HEADER, Principal, is_session_id, resume_token_from_request
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from session.video.config import VideoConfig
-from session.video.core import StartGeneration, VideoSessionCore
+from session.video.core import VideoSessionCore
 from session.video.driver import RuntimeProvider, TransportClosed, VideoSessionDriver
 from session.video.hosting import AdmissionRefused, SessionElsewhere, WorldHost, WorldSession
-from session.video.outlets import ChunkOutlet
+from session.video.outlets import encoded_outlet
+from web.video_call import CALL_PREFIX, PeerVideoTransport, TrackOutlet, VideoCall
+
+__all__ = ["Denial", "PeerVideoTransport", "TrackOutlet", "VideoCall", "VideoService", "video_routes"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +69,8 @@ STATIC_WORLD = Path(__file__).with_name("static") / "world"
 
 class WebSocketVideoTransport:
     """A starlette WebSocket as the driver's :class:`~session.video.driver.VideoTransport`."""
+
+    kind = "websocket"
 
     def __init__(self, websocket: WebSocket) -> None:
         self._ws = websocket
@@ -83,99 +93,6 @@ class WebSocketVideoTransport:
             await self._ws.close(code, reason[:120])  # a close reason must fit in 123 bytes
         except (WebSocketDisconnect, RuntimeError, OSError) as exc:
             raise TransportClosed(str(exc)) from exc
-
-
-# ----------------------------------------------------------------------------------- WebRTC
-
-
-class PeerVideoTransport:
-    """The ``controls`` data channel as the driver's transport (JSON text only)."""
-
-    def __init__(self, peer: VideoPeer) -> None:
-        self._peer = peer
-
-    async def send_text(self, text: str) -> None:
-        if not await self._peer.send_text(text):
-            raise TransportClosed(self._peer.end_reason or "controls channel closed")
-
-    async def send_bytes(self, data: bytes) -> None:
-        raise TransportClosed("a WebRTC call carries media on its track, not as binary messages")
-
-    async def close(self, code: int, reason: str) -> None:
-        await self._peer.close(f"{code} {reason}")
-
-
-class TrackOutlet:
-    """Chunks onto the call's video track; aiortc encodes them."""
-
-    kind = "rtp"
-    mime_type = "video/rtp"
-
-    def __init__(self, track: FrameTrack) -> None:
-        self.track = track
-
-    @property
-    def queue_depth(self) -> int | None:
-        return self.track.queue_depth
-
-    async def prepare(self, frames: np.ndarray) -> EncodedChunk:
-        return EncodedChunk(b"", len(frames))
-
-    async def play(self, frames: np.ndarray, fps: float) -> None:
-        try:
-            await self.track.push(frames, fps)
-        except MediaStreamError as exc:
-            raise TransportClosed(f"video track ended: {exc}") from exc
-
-    async def restart(self) -> None:
-        pass  # a call is not resumed: its track carries one stream
-
-    def close(self) -> None:
-        pass
-
-
-class VideoCall:
-    """One WebRTC world session: a :class:`VideoPeer` bound to a driver, served by ``run()``."""
-
-    INBOX = 1024  # control messages waiting for the driver; past that the call is flooding
-
-    def __init__(self, call_id: str, peer: VideoPeer, driver: VideoSessionDriver) -> None:
-        self.call_id = call_id
-        self.peer = peer
-        self.driver = driver
-        self._inbox: asyncio.Queue[str] = asyncio.Queue(self.INBOX)
-        peer.on_message = self._on_message
-
-    def _on_message(self, text: str) -> None:
-        try:
-            self._inbox.put_nowait(text)
-        except asyncio.QueueFull:
-            log.warning("video call %s: control messages flooding, closing", self.call_id)
-            self.peer.end("control message flood")
-
-    async def run(self, connect_timeout_s: float) -> None:
-        try:
-            if not await self.peer.wait_ready(connect_timeout_s):
-                log.info(
-                    "video call %s: never connected (%s)", self.call_id, self.peer.end_reason or "timeout"
-                )
-                return
-            async with asyncio.TaskGroup() as group:
-                feeder = group.create_task(self._feed(), name=f"video-call-feed-{self.call_id}")
-                ended = group.create_task(self.peer.ended.wait(), name=f"video-call-ended-{self.call_id}")
-                closed = group.create_task(
-                    self.driver.wait_closed(), name=f"video-call-closed-{self.call_id}"
-                )
-                await asyncio.wait({feeder, ended, closed}, return_when=asyncio.FIRST_COMPLETED)
-                for task in (feeder, ended, closed):
-                    task.cancel()
-        finally:
-            await self.driver.close()
-            await self.peer.close("call ended")
-
-    async def _feed(self) -> None:
-        while True:
-            await self.driver.handle_text(await self._inbox.get())
 
 
 # ---------------------------------------------------------------------------------- service
@@ -209,7 +126,8 @@ STORE_DOWN = Denial(503, "store_unavailable", "The session store (Redis) is unav
 BAD_TOKEN = Denial(403, "invalid_resume_token", "The resume token is missing or not valid.")
 NOT_FOUND = Denial(404, "session_not_found", "No such session (it may have expired).")
 ELSEWHERE = Denial(409, "session_elsewhere", "The session is served by another replica.", 1)
-NOT_RESUMABLE = Denial(409, "session_not_resumable", "A WebRTC world call cannot be resumed.")
+CALL_NOT_FOUND = Denial(404, "call_not_found", "No such call (or its session has ended).")
+MAX_REMEMBERED_CALLS = 4096  # call ids a late hangup can still name
 
 
 def _capacity(refused: AdmissionRefused) -> Denial:
@@ -245,7 +163,10 @@ class VideoService:
         self.ice_servers = list(ice_servers)
         self.connect_timeout_s = connect_timeout_s
         self.sessions: dict[str, VideoSessionDriver] = {}
-        self.calls: dict[str, VideoCall] = {}
+        self.calls: dict[str, VideoCall] = {}  # calls whose peer connection is up
+        # call id → (tenant, session id) of hosted calls, for hangups that come after the peer
+        # went (a detached world); the newest calls, bounded.
+        self.call_sessions: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._call_tasks: set[asyncio.Task[None]] = set()
 
     def live_sessions(self) -> int:
@@ -317,9 +238,17 @@ class VideoService:
             await host.forfeit(session_id)
             raise
 
+    # --- WebRTC calls -------------------------------------------------------------------------
+
     async def create_call(self, request: Request) -> Response:
-        """Answer an SDP offer; the call then runs until the peer or the session ends."""
+        """Answer an SDP offer: a new world's call, or (``?session_id=…`` with the resume token
+        in ``X-Omni-Resume-Token``) a call that resumes a world. Every refusal comes before a
+        peer connection exists; the call then runs until its peer or its session ends."""
         host = self.host
+        if request.query_params.get("session_id") is not None:
+            if host is None:  # unhosted: a connection is its session, nothing outlives it
+                return NOT_FOUND.response()
+            return await self._resume_call(host, request)
         admitted: tuple[str, str] | None = None
         if host is None:
             denial = await self._admit(request)
@@ -330,68 +259,149 @@ class VideoService:
             if isinstance(decision, Denial):
                 return decision.response()
             admitted = decision
-        offer = (await request.body()).decode("utf-8", errors="replace")
+        answered = await self._answer(request)
+        if isinstance(answered, Denial):
+            if host is not None and admitted is not None:
+                await host.forfeit(admitted[1])
+            return answered.response()
+        call, answer = answered
+        headers = {"Location": f"/v1/realtime/video/calls/{call.call_id}"}
+        if host is not None and admitted is not None:
+
+            def new_driver(core: VideoSessionCore) -> VideoSessionDriver:
+                return VideoSessionDriver(
+                    core, call.transport, self.runtimes, outlets=call.outlets, retain=True
+                )
+
+            opened = await self._create_hosted(host, admitted, "webrtc", new_driver)
+            if isinstance(opened, Denial):
+                await call.peer.close("refused")
+                return opened.response()
+            hosted, token = opened
+            await host.open(hosted, call.transport, None)  # attached; its token once `controls` opens
+            headers["X-Omni-Session-Id"] = hosted.session_id
+            self._remember(call, hosted)
+            announce = functools.partial(host.announce, hosted, call.transport, token)
+            self._serve(call, self._serve_hosted(call, host, hosted, announce))
+        else:
+            driver = VideoSessionDriver(
+                VideoSessionCore(self.config), call.transport, self.runtimes, outlets=call.outlets
+            )
+            self.sessions[driver.core.session_id] = driver
+            self.calls[call.call_id] = call
+            self._serve(call, self._serve_unhosted(call, driver))
+        return Response(answer, status_code=201, media_type="application/sdp", headers=headers)
+
+    async def _resume_call(self, host: WorldHost, request: Request) -> Response:
+        """A new call for a live world (detached, or still on another connection, which it
+        replaces): refused before any peer connection (401, 400, 403, 404, 409, 503)."""
+        principal = await self._principal(request)
+        if isinstance(principal, Denial):
+            return principal.response()
+        offer = await _read_offer(request)
+        try:
+            check_video_offer(offer)
+        except OfferError as exc:
+            return Denial(400, "invalid_offer", str(exc)).response()
+        hosted = await self._authorize_resume(host, request, principal)
+        if isinstance(hosted, Denial):
+            return hosted.response()
+        answered = await self._answer(request, offer)
+        if isinstance(answered, Denial):  # the world stays as it was (detached, in its grace)
+            return answered.response()
+        call, answer = answered
+        self._remember(call, hosted)
+        resume = functools.partial(
+            host.resume, hosted, call.transport, kind=call.transport.kind, outlets=call.outlets
+        )
+        self._serve(call, self._serve_hosted(call, host, hosted, resume))
+        headers = {
+            "Location": f"/v1/realtime/video/calls/{call.call_id}",
+            "X-Omni-Session-Id": hosted.session_id,
+        }
+        return Response(answer, status_code=201, media_type="application/sdp", headers=headers)
+
+    async def _answer(self, request: Request, offer: str | None = None) -> tuple[VideoCall, str] | Denial:
+        """A peer connection answering the request's offer, as a call (or why not: 400)."""
+        if offer is None:
+            offer = await _read_offer(request)
         track = FrameTrack()
         try:
             peer, answer = await VideoPeer.answer(offer, ice_servers=self.ice_servers, track=track)
-        except BaseException as exc:
-            if host is not None and admitted is not None:
-                await host.forfeit(admitted[1])
-            if isinstance(exc, OfferError):
-                return Denial(400, "invalid_offer", str(exc)).response()
-            raise
-        call_id = f"vrtc_{secrets.token_hex(10)}"
+        except OfferError as exc:
+            return Denial(400, "invalid_offer", str(exc))
+        return VideoCall(f"{CALL_PREFIX}{secrets.token_hex(10)}", peer, track), answer
 
-        async def outlets(start: StartGeneration) -> ChunkOutlet:
-            return TrackOutlet(track)
+    def _remember(self, call: VideoCall, hosted: WorldSession) -> None:
+        """A hosted call, live, and its world for a hangup that comes after the peer went."""
+        self.calls[call.call_id] = call
+        self.call_sessions[call.call_id] = (hosted.tenant, hosted.session_id)
+        while len(self.call_sessions) > MAX_REMEMBERED_CALLS:
+            self.call_sessions.popitem(last=False)
 
-        peer_transport = PeerVideoTransport(peer)
-
-        def new_driver(core: VideoSessionCore) -> VideoSessionDriver:
-            return VideoSessionDriver(core, peer_transport, self.runtimes, outlets=outlets)
-
-        headers = {"Location": f"/v1/realtime/video/calls/{call_id}"}
-        hosted: WorldSession | None = None
-        if host is not None and admitted is not None:
-            opened = await self._create_hosted(host, admitted, "webrtc", new_driver)
-            if isinstance(opened, Denial):
-                await peer.close("refused")
-                return opened.response()
-            hosted = opened[0]
-            await host.open(hosted, peer_transport, None)
-            driver = hosted.driver
-            headers["X-Omni-Session-Id"] = hosted.session_id
-        else:
-            driver = new_driver(VideoSessionCore(self.config))
-            self.sessions[driver.core.session_id] = driver
-        call = VideoCall(call_id, peer, driver)
-        self.calls[call_id] = call
-        task = asyncio.create_task(
-            self._serve_call(call, hosted, peer_transport), name=f"video-call-{call_id}"
-        )
+    def _serve(self, call: VideoCall, serving: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(serving, name=f"video-call-{call.call_id}")
         self._call_tasks.add(task)
         task.add_done_callback(self._call_tasks.discard)
-        return Response(answer, status_code=201, media_type="application/sdp", headers=headers)
 
-    async def _serve_call(
-        self, call: VideoCall, hosted: WorldSession | None, transport: PeerVideoTransport
+    async def _serve_hosted(
+        self, call: VideoCall, host: WorldHost, hosted: WorldSession, attach: Callable[[], Awaitable[bool]]
     ) -> None:
+        """Once connected, ``attach`` the call (announce a new world's token, or resume one),
+        serve it, then tell the host how it ended: a drop detaches a generating world."""
         try:
-            await call.run(self.connect_timeout_s)
+            if await call.connected(self.connect_timeout_s) and await attach():
+                await call.serve(hosted.driver)
         except Exception:
             log.exception("video call %s failed", call.call_id)
         finally:
             self.calls.pop(call.call_id, None)
-            self.sessions.pop(call.driver.core.session_id, None)
-            if hosted is not None and self.host is not None:
-                await asyncio.shield(self.host.connection_ended(hosted, transport, None))
+            code = call.disconnect_code
+            await call.peer.close("call ended")
+            await asyncio.shield(host.connection_ended(hosted, call.transport, code))
+
+    async def _serve_unhosted(self, call: VideoCall, driver: VideoSessionDriver) -> None:
+        """Without a host the call is its session: both end with the peer."""
+        try:
+            if await call.connected(self.connect_timeout_s):
+                await call.serve(driver)
+        except Exception:
+            log.exception("video call %s failed", call.call_id)
+        finally:
+            self.calls.pop(call.call_id, None)
+            self.sessions.pop(driver.core.session_id, None)
+            await driver.close()
+            await call.peer.close("call ended")
 
     async def hangup(self, request: Request) -> Response:
-        call = self.calls.get(request.path_params["call_id"])
-        if call is None:
-            return Denial(404, "not_found", "no such call").response()
-        await call.peer.close("hung up")
+        """``DELETE /v1/realtime/video/calls/{id}``: end the call's world for good, whether its
+        peer is still up or not (a detached world, or one resumed on another connection)."""
+        call_id = request.path_params["call_id"]
+        host = self.host
+        if host is None:
+            call = self.calls.get(call_id)
+            if call is None:
+                return CALL_NOT_FOUND.response()
+            await call.peer.close("hung up")
+            return Response(status_code=204)
+        principal = await self._principal(request)
+        if isinstance(principal, Denial):
+            return principal.response()
+        known = self.call_sessions.get(call_id)
+        if known is None or known[0] != principal.tenant:
+            return CALL_NOT_FOUND.response()
+        try:
+            await host.delete(*known, cause="hangup")
+        except SessionNotFound:
+            self.call_sessions.pop(call_id, None)
+            return CALL_NOT_FOUND.response()
+        self.call_sessions.pop(call_id, None)
+        call = self.calls.get(call_id)
+        if call is not None:  # a call whose world moved on (resumed elsewhere) still ends
+            await call.peer.close("hung up")
         return Response(status_code=204)
+
+    # --- WebSockets ---------------------------------------------------------------------------
 
     async def websocket(self, websocket: WebSocket) -> None:
         host = self.host
@@ -449,36 +459,41 @@ class VideoService:
         if isinstance(principal, Denial):
             await websocket.send_denial_response(principal.response())
             return
-        session_id = websocket.query_params.get("session_id", "")
-        offered = offered_subprotocols(websocket)
-        token = resume_token_from_request(websocket.headers.get(RESUME_HEADER), offered)
-        denial: Denial | None = None
+        hosted = await self._authorize_resume(host, websocket, principal)
+        if isinstance(hosted, Denial):
+            await websocket.send_denial_response(hosted.response())
+            return
+        transport = WebSocketVideoTransport(websocket)
+        try:
+            await _accept(websocket)
+            if await host.resume(hosted, transport, kind=transport.kind, outlets=encoded_outlet):
+                await self._serve_connection(websocket, hosted, transport)
+        finally:
+            await asyncio.shield(host.connection_ended(hosted, transport, transport.disconnect_code))
+
+    async def _authorize_resume(
+        self, host: WorldHost, connection: HTTPConnection, principal: Principal
+    ) -> WorldSession | Denial:
+        """The live world that ``?session_id=`` and the resume token name (a WebSocket or a call
+        may resume a world begun on either), or why not."""
+        session_id = connection.query_params.get("session_id", "")
+        token = resume_token_from_request(
+            connection.headers.get(RESUME_HEADER), offered_subprotocols(connection)
+        )
         try:
             if not token:
                 raise ResumeTokenInvalid(session_id)
             if not is_session_id(session_id):
                 raise SessionNotFound(session_id)
-            hosted = await host.authorize(principal.tenant, session_id, token)
-            if hosted.transport_kind != "websocket":
-                denial = NOT_RESUMABLE
+            return await host.authorize(principal.tenant, session_id, token)
         except SessionNotFound:
-            denial = NOT_FOUND
+            return NOT_FOUND
         except ResumeTokenInvalid:
-            denial = BAD_TOKEN
+            return BAD_TOKEN
         except SessionElsewhere:
-            denial = ELSEWHERE
+            return ELSEWHERE
         except StoreUnavailable:
-            denial = STORE_DOWN
-        if denial is not None:
-            await websocket.send_denial_response(denial.response())
-            return
-        transport = WebSocketVideoTransport(websocket)
-        try:
-            await _accept(websocket)
-            if await host.resume(hosted, transport):
-                await self._serve_connection(websocket, hosted, transport)
-        finally:
-            await asyncio.shield(host.connection_ended(hosted, transport, transport.disconnect_code))
+            return STORE_DOWN
 
     async def _serve_connection(
         self, websocket: WebSocket, hosted: WorldSession, transport: WebSocketVideoTransport
@@ -555,6 +570,10 @@ async def _receive_frames(
                 await driver.handle_binary(message["bytes"])
     except (WebSocketDisconnect, RuntimeError, OSError):
         transport.disconnect_code = transport.disconnect_code or 1006
+
+
+async def _read_offer(request: Request) -> str:
+    return (await request.body()).decode("utf-8", errors="replace")
 
 
 async def _world_redirect(request: Request) -> Response:

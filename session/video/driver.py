@@ -17,7 +17,10 @@ send that finds the peer gone *detaches* the driver instead of ending it (the fr
 send are lost), and so does :meth:`VideoSessionDriver.detach`. While detached every send
 waits for :meth:`VideoSessionDriver.attach`: the media loop holds the one chunk it has and
 demands no other, so the runtime request and its rolling context stay as they are and nothing
-grows. The stall timeout does not run while detached (there is no socket to stall).
+grows. The stall timeout does not run while detached (there is no socket to stall). A WebRTC
+call's track that ends under a chunk's frames detaches the same way. A connection attached
+later may bring its own outlet factory (a call's track, a WebSocket's encoder): the running
+generation's outlet follows it from the next chunk (:class:`~session.video.outlets.ConnectionOutlet`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from session.video.core import (
     VideoSessionCore,
 )
 from session.video.events import ErrorCode, ServerEvent
-from session.video.outlets import ChunkOutlet, encoded_outlet
+from session.video.outlets import ConnectionOutlet, OutletFactory, encoded_outlet
 from session.video.pacing import ChunkPacer
 
 log = logging.getLogger(__name__)
@@ -79,7 +82,8 @@ class WorldRuntime(Protocol):
 
 
 RuntimeProvider = Callable[[str], Awaitable[WorldRuntime]]  # pipeline name → started runtime
-OutletFactory = Callable[[StartGeneration], Awaitable[ChunkOutlet]]
+
+__all__ = ["OutletFactory", "RuntimeProvider", "TransportClosed", "VideoSessionDriver", "VideoTransport"]
 
 
 class _Stalled(Exception):
@@ -153,10 +157,12 @@ class VideoSessionDriver:
         if self.retain:
             self._attached.clear()
 
-    async def attach(self, transport: VideoTransport, first: Sequence[str] = ()) -> None:
+    async def attach(
+        self, transport: VideoTransport, first: Sequence[str] = (), outlets: OutletFactory | None = None
+    ) -> None:
         """Hosted resume: serve ``transport`` from now on, ``first`` (e.g. the resumed event)
-        ahead of anything else. Raises :class:`TransportClosed` if it cannot take them; the
-        driver then stays detached."""
+        ahead of anything else, its chunks through ``outlets`` (None: as before). Raises
+        :class:`TransportClosed` if it cannot take them; the driver then stays detached."""
         self._attached.clear()
         self._transport = transport
         for text in first:
@@ -165,6 +171,8 @@ class VideoSessionDriver:
                     await transport.send_text(text)
             except TimeoutError as exc:
                 raise TransportClosed("the resumed connection does not take events") from exc
+        if outlets is not None:
+            self._outlets = outlets
         self._restart_outlet = True
         self._connection += 1
         self.last_activity = self._clock()
@@ -354,9 +362,9 @@ class VideoSessionDriver:
             )
             return
         self._runtime = runtime
-        outlet: ChunkOutlet | None = None
+        outlet: ConnectionOutlet | None = None
         try:
-            outlet = await self._outlets(start)
+            outlet = await ConnectionOutlet.open(start, lambda: self._outlets)
             await self._perform(self.core.on_started())
             await self._pump(runtime, handle, outlet, start)
         except asyncio.CancelledError:
@@ -375,7 +383,7 @@ class VideoSessionDriver:
                 outlet.close()
 
     async def _pump(
-        self, runtime: WorldRuntime, handle: RequestHandle, outlet: ChunkOutlet, start: StartGeneration
+        self, runtime: WorldRuntime, handle: RequestHandle, outlet: ConnectionOutlet, start: StartGeneration
     ) -> None:
         pacer = ChunkPacer()
         demanded_at = await self._demand(runtime)
@@ -405,7 +413,7 @@ class VideoSessionDriver:
                 if await self._send_chunk(make, connection):
                     break
             if outlet.kind != "media":
-                await self._play(outlet, out.frames, fps)
+                await self._play(outlet, out.frames, fps, connection)
             self.stats.chunks_sent += 1
             self.last_activity = sent_at
             pacer.sent(sent_at, encoded.frame_count / fps)
@@ -415,7 +423,7 @@ class VideoSessionDriver:
         await self._perform(self.core.on_generation_end("failed", "the runtime ended the stream"))
 
     def _chunk_frames(
-        self, outlet: ChunkOutlet, chunk_index: int, encoded: EncodedChunk, fps: float, sent_at: float
+        self, outlet: ConnectionOutlet, chunk_index: int, encoded: EncodedChunk, fps: float, sent_at: float
     ) -> list[str | bytes]:
         """Hand the chunk out (the core numbers it): its events, then its bytes (media outlets)."""
         events = self.core.on_chunk(
@@ -430,14 +438,23 @@ class VideoSessionDriver:
         wire: list[str | bytes] = [event.to_json() for event in events]
         return [*wire, encoded.data] if outlet.kind == "media" else wire
 
-    async def _play(self, outlet: ChunkOutlet, frames: Any, fps: float) -> None:
+    async def _play(self, outlet: ConnectionOutlet, frames: Any, fps: float, connection: int) -> None:
         """Frames onto a track outlet, which waits while about a chunk is queued: a peer that
-        stops taking frames blocks here, and as long as a blocked socket send counts as a stall."""
+        stops taking frames blocks here, and as long as a blocked socket send counts as a stall.
+        Hosted: a track that ended (its call is gone) detaches, like a failed send; the frames
+        are lost and a resumed connection gets the next chunk."""
         started = self._clock()
         try:
             async with asyncio.timeout(self._limits.stall_timeout_s):
                 await outlet.play(frames, fps)
+        except TransportClosed:
+            if not self.retain:
+                raise
+            if self._connection == connection:  # not a connection already replaced
+                self._attached.clear()
         except TimeoutError:
+            if self.retain and self._connection != connection:
+                return  # a connection already replaced by a resume: not a stall
             waited = self._clock() - started
             self.stats.send_blocked_s = max(self.stats.send_blocked_s, waited)
             raise _Stalled(waited) from None

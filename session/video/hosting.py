@@ -9,9 +9,12 @@ and the tenant's slots), the retention policy and the replica binding (``claim``
 out). What it does not borrow is the voice session's event log and restore: a world's state is
 its runtime request and rolling context, which live in this process only, so
 
-* a dropped WebSocket (no close frame, or any close code but 1000) while a world is generating
+* a dropped WebSocket (no close frame, or any close code but 1000) or a vanished WebRTC call
+  (ICE/DTLS failure, peer connection closed without a hangup) while a world is generating
   *detaches* the session for the disconnect grace: the driver holds its one chunk and demands
-  no other (generation pauses, nothing grows), and a resume reattaches to the running world;
+  no other (generation pauses, nothing grows), and a resume (a WebSocket or a new call, either
+  way round) reattaches to the running world, its chunks now going where the new connection
+  takes them (``outlets``);
 * past the grace, at the idle TTL or the maximum lifetime, on ``DELETE`` or at shutdown the
   session *ends*: runtime request cancelled, slot released, record deleted. A world is never
   parked (there is nothing in Redis to rebuild it from);
@@ -39,7 +42,7 @@ from session.admission import Rejected
 from session.host_common import SlotReleases, cancel_tasks, expiry_message, spawn, sweep_forever
 from session.hosting import AdmissionRefused, SessionElsewhere
 from session.identity import new_session_id, resume_token_matches, secret_digest
-from session.retention import RetentionTimer, Verdict
+from session.retention import EXPIRY_SLACK_S, RetentionTimer, Verdict
 from session.store import SessionRecord, SessionWriter
 from session.store.errors import (
     ResumeTokenInvalid,
@@ -48,7 +51,7 @@ from session.store.errors import (
     StaleEpoch,
     StoreError,
 )
-from session.video.driver import TransportClosed, VideoSessionDriver, VideoTransport
+from session.video.driver import OutletFactory, TransportClosed, VideoSessionDriver, VideoTransport
 from session.video.events import ErrorCode, SessionResumable
 
 if TYPE_CHECKING:
@@ -74,7 +77,7 @@ class WorldSession:
     writer: SessionWriter
     timer: RetentionTimer
     record: SessionRecord
-    transport_kind: str  # "websocket" (resumable) or "webrtc" (ends with its call)
+    transport_kind: str  # of the connection attached last: "websocket" or "webrtc"
     token_digest: str
     connection: VideoTransport | None = None  # the attached connection; None: detached
     opened: bool = False  # its first connection was attached (see WorldHost.open)
@@ -183,18 +186,31 @@ class WorldHost:
         return ws, token
 
     async def open(self, ws: WorldSession, transport: VideoTransport, token: str | None) -> bool:
-        """Attach the first connection; a resumable one first gets ``omni.session.resumable``.
-        False if it is gone already (the session then ends)."""
+        """Attach the first connection; given the ``token`` it first gets
+        ``omni.session.resumable``. False if it is gone already (the session then ends)."""
         async with ws.lock:
             ws.connection = transport
             ws.opened = True
             if token is None:
                 return True
-            event = SessionResumable(ws.session_id, token, int(ws.record.expires_at))
-            try:
-                await transport.send_text(event.to_json())
-            except TransportClosed:
+            return await self._send_resumable(ws, transport, token)
+
+    async def announce(self, ws: WorldSession, transport: VideoTransport, token: str) -> bool:
+        """``omni.session.resumable`` on a first connection opened without it: a WebRTC call is
+        attached at its SDP answer but carries events only once its channel is open. False if
+        the connection is gone, or no longer the session's."""
+        async with ws.lock:
+            if ws.ending or ws.connection is not transport:
                 return False
+            return await self._send_resumable(ws, transport, token)
+
+    async def _send_resumable(self, ws: WorldSession, transport: VideoTransport, token: str) -> bool:
+        event = SessionResumable(ws.session_id, token, int(ws.record.expires_at))
+        try:
+            async with asyncio.timeout(ws.driver.core.limits.stall_timeout_s):
+                await transport.send_text(event.to_json())
+        except (TransportClosed, TimeoutError):
+            return False
         return True
 
     # --- resume ------------------------------------------------------------------------------
@@ -232,9 +248,18 @@ class WorldHost:
                 log.warning("world session %s: could not delete it from Redis", session_id)
         raise SessionNotFound(session_id)  # its world ran in a process that is gone
 
-    async def resume(self, ws: WorldSession, transport: VideoTransport) -> bool:
+    async def resume(
+        self,
+        ws: WorldSession,
+        transport: VideoTransport,
+        *,
+        kind: str | None = None,
+        outlets: OutletFactory | None = None,
+    ) -> bool:
         """Attach a resuming connection: a connection still attached is closed (4000), the
-        new one gets ``omni.session.resumed`` (where the world is), then chunks continue.
+        new one gets ``omni.session.resumed`` (where the world is), then chunks continue,
+        through ``outlets`` (the new connection's: a call's track, a WebSocket's encoder;
+        None keeps the running one) and ``kind`` (``websocket`` | ``webrtc``) is recorded.
         False if the session ended meanwhile or the connection is already gone."""
         async with ws.lock:
             if ws.ending:
@@ -249,11 +274,13 @@ class WorldHost:
                         await old.close(*REPLACED)
             try:
                 resumed = ws.driver.core.resumed()
-                await ws.driver.attach(transport, [resumed.to_json()])
+                await ws.driver.attach(transport, [resumed.to_json()], outlets)
             except TransportClosed:
                 ws.connection = None
                 self._detached(ws)
                 return False
+            if kind is not None:
+                ws.transport_kind = kind
             ws.timer.on_reconnect(self._wall())
             ws.writer.set_state("active")
             self.counts["resumed"] += 1
@@ -332,12 +359,13 @@ class WorldHost:
 
     # --- end ---------------------------------------------------------------------------------
 
-    async def delete(self, tenant: str, session_id: str) -> None:
-        """``DELETE /v1/sessions/{id}`` of a world live here (else ``SessionNotFound``)."""
+    async def delete(self, tenant: str, session_id: str, *, cause: str = "deleted") -> None:
+        """``DELETE /v1/sessions/{id}`` (or a WebRTC call's hangup, ``cause`` "hangup") of a
+        world live here (else ``SessionNotFound``), attached or detached."""
         ws = self.live(tenant, session_id)
         if ws is None:
             raise SessionNotFound(session_id)
-        await self._end(ws, "deleted", close=(CLEAN_CLOSE, "session deleted"))
+        await self._end(ws, cause, close=(CLEAN_CLOSE, f"session {cause}"))
 
     async def describe(self, tenant: str, session_id: str) -> dict[str, Any]:
         """``GET /v1/sessions/{id}`` of a world live here (else ``SessionNotFound``)."""
@@ -408,6 +436,14 @@ class WorldHost:
         if isinstance(error, StaleEpoch):
             close = (1012, "session moved to another replica")
         elif isinstance(error, SessionGone):
+            # Its keys' TTL ends with its lifetime (or idle TTL): a TTL refresh just after that,
+            # before the sweep saw it, finds them gone. End it as the sweep would, with the reason.
+            verdict = ws.timer.check(self._wall() + EXPIRY_SLACK_S)
+            if verdict is Verdict.LIFETIME_EXPIRED or verdict is Verdict.IDLE_EXPIRED:
+                expired = (ErrorCode.SESSION_EXPIRED, expiry_message(self.policy, verdict))
+                end = self._end(ws, verdict.value, close=(EXPIRED_CLOSE, "session expired"), error=expired)
+                spawn(self._tasks, end, f"world-expired:{session_id}")
+                return
             close = (EXPIRED_CLOSE, "session ended")
         else:
             close = (1011, "session store error")

@@ -424,7 +424,7 @@ async def test_webrtc_call_is_a_hosted_world_session(server: LiveServer) -> None
         finally:
             await second.pc.close()
     finally:
-        await client.pc.close()  # the call ends with its peer: no grace for a call
+        await client.pc.close()  # no hangup: detached for the grace (test_rtc_resume.py), then gone
     await eventually(lambda: _gone(server, session_id), limit_s=20)
     await eventually(lambda: slot_is_free(server))
 
