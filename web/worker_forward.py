@@ -10,8 +10,12 @@ forwards those to the owner's private ``--advertise-url`` with the gateway's cod
   owner, when it is another *live* worker, gets the upgrade and the frames are relayed. A dead
   owner's session is left to this worker (its ``claim`` takes it over, as after a failover).
 * ``GET``/``DELETE /v1/sessions/{id}``: to the live owner.
-* ``POST /v1/realtime/calls/{id}/hangup``: a call this worker does not know is tried on the
-  other workers (call ids are not in Redis); the first answer that is not 404 wins.
+* ``POST /v1/realtime/calls?session_id=`` and ``POST /v1/realtime/video/calls?session_id=``
+  (a session resumed on a new WebRTC call): to the live owner, like a WebSocket resume; the
+  SDP answer carries the owner's candidates, so the media then goes to it directly.
+* ``POST /v1/realtime/calls/{id}/hangup`` and ``DELETE /v1/realtime/video/calls/{id}``: a call
+  this worker does not know is tried on the other workers (call ids are not in Redis); the
+  first answer that is not 404 wins.
 * ``GET /metrics?scope=all``: this worker's metrics merged with every live sibling's
   (``web.metrics.merge_worker_metrics``): counters and histograms summed, gauges summed when
   they add up (sessions, bytes, RSS: what the load test's sampler reads) or else kept per
@@ -52,6 +56,8 @@ log = logging.getLogger("omniduplex.workers")
 FORWARDED = b"x-omniduplex-worker-forwarded"
 SESSION_PATH = re.compile(r"/v1/sessions/([^/]+)")
 HANGUP_PATH = re.compile(r"/v1/realtime/calls/([^/]+)/hangup")
+CALL_PATHS = ("/v1/realtime/calls", "/v1/realtime/video/calls")  # POST ?session_id=: a resume
+VIDEO_CALL_PATH = re.compile(r"/v1/realtime/video/calls/([^/]+)")
 OPEN_TIMEOUT_S = 5.0
 
 Receive = Callable[[], Awaitable[Any]]
@@ -61,6 +67,11 @@ Asgi = Callable[[Any, Receive, Send], Awaitable[None]]
 
 def _query(scope: Mapping[str, Any]) -> dict[str, list[str]]:
     return parse_qs(scope.get("query_string", b"").decode("latin-1"))
+
+
+def _knows_call(service: Any, call_id: str) -> bool:
+    """Whether this worker's WebRTC service (voice or video) has the call, live or ended."""
+    return service is not None and (call_id in service.calls or call_id in service.call_sessions)
 
 
 class WorkerForward:
@@ -100,11 +111,20 @@ class WorkerForward:
         if m is not None and method in ("GET", "DELETE"):
             url = await self._owner_url(replica, m.group(1))
             return url is not None and await self._forward_http(scope, receive, send, [url])
+        if path in CALL_PATHS and method == "POST":
+            session_id = (_query(scope).get("session_id") or [""])[0]
+            if not session_id:
+                return False  # a new call: any worker takes it
+            url = await self._owner_url(replica, session_id)
+            return url is not None and await self._forward_http(scope, receive, send, [url])
         m = HANGUP_PATH.fullmatch(path)
         if m is not None and method == "POST":
-            webrtc = getattr(scope["app"].state, "webrtc", None)
-            call_id = m.group(1)
-            if webrtc is not None and (call_id in webrtc.calls or call_id in webrtc.call_sessions):
+            if _knows_call(getattr(scope["app"].state, "webrtc", None), m.group(1)):
+                return False
+            return await self._forward_http(scope, receive, send, await self._sibling_urls(replica))
+        m = VIDEO_CALL_PATH.fullmatch(path)
+        if m is not None and method == "DELETE":
+            if _knows_call(getattr(scope["app"].state, "video", None), m.group(1)):
                 return False
             return await self._forward_http(scope, receive, send, await self._sibling_urls(replica))
         if path == "/metrics" and method == "GET" and _query(scope).get("scope") == ["all"]:

@@ -155,6 +155,23 @@ async def test_two_workers_share_the_port_forward_resumes_and_stop_together(tmp_
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
 
+        # A resume on a new WebRTC call that reaches the non-owner goes to the owner too (the
+        # answer carries the owner's candidates); its hangup through the non-owner finds it.
+        owner1 = (await get(urls[0] + f"/v1/sessions/{ids[1]}")).json()["replica"]["url"]
+        other1 = next(u for u in urls if u != owner1)
+        last1 = clients[1].last_event_id
+        await clients[1].close(1001)
+        call = RealtimeCallClient(other1)
+        try:
+            info = await call.connect(resume=(ids[1], tokens[1], last1))
+            assert info.status_code == 201
+            _, back = await call.wait_event("omni.session.resumed")
+            assert back["session_id"] == ids[1]
+            assert (await get(owner1 + f"/v1/sessions/{ids[1]}")).json()["connected"] is True
+            assert await call.hangup() == 200
+        finally:
+            await call.close()
+
         for client in clients:
             await client.close()
         clients.clear()
