@@ -12,11 +12,9 @@ from typing import Any
 import httpx
 import psutil
 
-from loadtest.server_process import spawn
 from media.webrtc_client import RealtimeCallClient
-from tests.live_server import free_port
-from tests.scaleout.cluster import ADMIN_KEY, RealtimeClient, get, wait_ready
-from tests.sessions.history_engine import pipeline_file
+from tests.scaleout.cluster import RealtimeClient, get
+from tests.scaleout.workers_parent import start_parent
 from web.workers import strip_flags
 
 
@@ -51,34 +49,11 @@ async def _counts(urls: list[str]) -> list[int]:
 
 
 async def test_two_workers_share_the_port_forward_resumes_and_stop_together(tmp_path: Path) -> None:
-    port = free_port()
-    pipeline = pipeline_file(tmp_path / "pipeline", delay_ms=30, audio_ms=300)
-    args = [
-        "-m",
-        "tests.sessions.serve_with_test_engines",  # the workers run the same entry point
-        "serve",
-        "--workers",
-        "2",
-        "--pipeline",
-        str(pipeline),
-        "--port",
-        str(port),
-        "--data-dir",
-        str(tmp_path / "data"),  # the parent's embedded redis-server
-        "--admin-key",
-        ADMIN_KEY,
-        "--replica-lease-s",
-        "1.5",
-        "--replica-refresh-s",
-        "0.3",
-        "--log-level",
-        "warning",
-    ]
-    parent = spawn("workers", args, tmp_path / "logs", port, drop_env=("OMNIDUPLEX_API_KEYS",))
+    parent = start_parent(tmp_path)  # history-echo engine, the parent's embedded redis-server
+    port = parent.port
     clients: list[RealtimeClient] = []
     children: list[psutil.Process] = []
     try:
-        wait_ready([parent], path="/readyz", timeout_s=90)
         deadline = time.monotonic() + 30
         while len(workers := await _workers(parent.url)) != 2:
             assert time.monotonic() < deadline, workers

@@ -53,7 +53,11 @@ def start_parent(tmp_path: Path, workers: int = 2) -> Child:
         "warning",
     ]
     parent = spawn("workers", args, tmp_path / "logs", port, drop_env=("OMNIDUPLEX_API_KEYS",))
-    wait_ready([parent], path="/readyz", timeout_s=90)
+    try:
+        wait_ready([parent], path="/readyz", timeout_s=90)
+    except BaseException:
+        parent.stop()
+        raise
     return parent
 
 
