@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.live_server import LiveServer, live_server
+from tests.peer_faults import fast_consent  # noqa: F401  (a fixture: ICE consent lost in ~2 s)
 from tests.speech_audio import SENTENCE, speak
 
 INTERRUPTION = "Wait, stop. I have another question."

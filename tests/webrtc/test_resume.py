@@ -19,6 +19,7 @@ import pytest
 from media.webrtc_client import RealtimeCallClient
 from session.resume import OMNI_MARK
 from tests.live_server import LiveServer
+from tests.peer_faults import vanish
 from tests.sessions.client import resumed, seq, until, user_text
 from tests.sessions.conftest import on_server_async, session_server
 from tests.webrtc.conftest import open_peer_connections, webrtc_service
@@ -31,29 +32,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     folder = Path(tmp_path_factory.mktemp("resume"))
     with session_server(folder, None, audio_ms=800, disconnect_grace_s=GRACE_S) as live:
         yield live
-
-
-@pytest.fixture
-def fast_consent(monkeypatch: pytest.MonkeyPatch) -> None:
-    """RFC 7675 consent checks every ~0.2 s, lost after 3 misses (aioice: every 5 s, 6 misses):
-    a vanished peer is noticed in about 2 s instead of 30. Server and client share the module."""
-    import aioice.ice
-
-    monkeypatch.setattr(aioice.ice, "CONSENT_INTERVAL", 0.2)
-    monkeypatch.setattr(aioice.ice, "CONSENT_FAILURES", 3)
-
-
-def vanish(client: RealtimeCallClient) -> None:
-    """The client's network goes away: its ICE sockets neither send nor receive any more, so
-    the server gets no hangup, no SCTP ABORT and no DTLS close_notify (unlike `pc.close()`),
-    only silence: consent checks fail and the server's connection fails."""
-    sctp = client.pc.sctp
-    assert sctp is not None
-    connection: Any = sctp.transport.transport._connection  # aioice
-    assert connection._protocols
-    for protocol in connection._protocols:
-        protocol.transport.sendto = lambda *args, **kwargs: None
-        protocol.datagram_received = lambda *args, **kwargs: None
 
 
 async def session_state(server: LiveServer, session_id: str) -> tuple[int, dict[str, Any]]:
@@ -125,7 +103,7 @@ async def test_vanished_peer_detaches_and_resumes_over_the_websocket(
         last_seen = client.events[-1][1]["event_id"]
         assert await slots_held(server) == 1
 
-        vanish(client)
+        vanish(client.pc)
         state = await wait_for_state(server, session_id, "detached", within_s=GRACE_S - 2)
         assert state["live_here"] is True and state["connected"] is False
         assert await slots_held(server) == 1  # the slot is held through the grace

@@ -17,6 +17,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from session.video.config import VideoConfig, VideoLimits
 from session.video.runtimes import OrchestratorPool
 from tests.conftest_redis import redis_server  # noqa: F401  (a shared redis-server fixture)
+from tests.peer_faults import fast_consent  # noqa: F401  (a fixture: ICE consent lost in ~2 s)
 from web.video import VideoService
 
 

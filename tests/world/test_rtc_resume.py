@@ -18,6 +18,7 @@ import pytest
 from aiortc import RTCPeerConnection, RTCSessionDescription
 
 from tests.live_server import LiveServer, live_server
+from tests.peer_faults import vanish
 from tests.world.test_rtc import RtcClient
 from tests.world.test_sessions import (
     KEY,
@@ -49,16 +50,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         yield live
 
 
-@pytest.fixture
-def fast_consent(monkeypatch: pytest.MonkeyPatch) -> None:
-    """RFC 7675 consent checks every ~0.2 s, lost after 3 misses (aioice: every 5 s, 6 misses):
-    a vanished peer is noticed in about 2 s instead of 30. Server and client share the module."""
-    import aioice.ice
-
-    monkeypatch.setattr(aioice.ice, "CONSENT_INTERVAL", 0.2)
-    monkeypatch.setattr(aioice.ice, "CONSENT_FAILURES", 3)
-
-
 @pytest.fixture(autouse=True)
 async def settled(server: LiveServer) -> None:
     """Each test starts with no world, no call and no slot left from the one before."""
@@ -77,18 +68,6 @@ def service(server: LiveServer) -> Any:
 async def slots_held(server: LiveServer) -> int:
     counts = await on_server(server, server.ctx.host.admission.counts())
     return int(counts.replica_active)
-
-
-def vanish(client: RtcClient) -> None:
-    """The client's network goes away: its ICE sockets neither send nor receive, so the server
-    gets no hangup, no SCTP ABORT, no DTLS close_notify (unlike `pc.close()`), only silence."""
-    sctp = client.pc.sctp
-    assert sctp is not None
-    connection: Any = sctp.transport.transport._connection  # aioice
-    assert connection._protocols
-    for protocol in connection._protocols:
-        protocol.transport.sendto = lambda *args, **kwargs: None
-        protocol.datagram_received = lambda *args, **kwargs: None
 
 
 def open_peer_connections() -> int:
@@ -154,7 +133,7 @@ async def test_vanished_call_detaches_and_a_new_call_resumes_the_world(
         _, session_id, token, last = await started_world(server, first)
         request_id = last["request_id"]
         assert await slots_held(server) == 1
-        vanish(first)
+        vanish(first.pc)
         await eventually(lambda: _state_is(server, session_id, "detached"), limit_s=GRACE_S)
         assert not service(server).calls  # the call is gone, its world is not
         assert await slots_held(server) == 1  # the slot is held through the grace
