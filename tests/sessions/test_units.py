@@ -31,6 +31,14 @@ def started_core() -> RealtimeSessionCore:
     return core
 
 
+def restored_core(records: list[dict[str, Any]], **kwargs: Any) -> RealtimeSessionCore:
+    """A core rebuilt at t=100 s from `records`, 30 s of its 60 s lifetime left."""
+    options = CoreOptions(session_id="sess_unit", new_id=SequentialIds(), max_duration_s=60)
+    return RealtimeSessionCore.restore(
+        options, records, now=100.0, epoch=1_800_000_010.0, expires_at=1_800_000_040.0, **kwargs
+    )
+
+
 def test_config_round_trips_through_its_record() -> None:
     config = SessionConfig(model="m").apply_update(
         SessionIn.model_validate(
@@ -87,14 +95,7 @@ def test_restored_core_has_the_history_and_ends_orphans() -> None:
     records = [item_to_record(item) for item in core.conversation.items]
     assert item_from_record(records[0]).text_for_history() == "first"
 
-    restored = RealtimeSessionCore.restore(
-        CoreOptions(session_id="sess_unit", new_id=SequentialIds(), max_duration_s=60),
-        records,
-        conversation_id=core.conversation_id,
-        now=100.0,
-        epoch=1_800_000_010.0,
-        expires_at=1_800_000_040.0,
-    )
+    restored = restored_core(records, conversation_id=core.conversation_id)
     assert restored.started and restored.next_deadline() == 130.0
     ended = restored.close_orphaned_responses(100.0)
     done = ended.events[-1]
@@ -218,15 +219,7 @@ def test_the_open_response_is_a_state_change_from_created_to_done() -> None:
 
 
 def test_a_restored_open_response_without_output_is_ended_once() -> None:
-    restored = RealtimeSessionCore.restore(
-        CoreOptions(session_id="sess_unit", new_id=SequentialIds(), max_duration_s=60),
-        [],
-        conversation_id="conv_1",
-        now=100.0,
-        epoch=1_800_000_010.0,
-        expires_at=1_800_000_040.0,
-        open_response={"id": "resp_lost", "audio": True},
-    )
+    restored = restored_core([], conversation_id="conv_1", open_response={"id": "resp_lost", "audio": True})
     assert restored.take_state_changes() is None  # still open in the store until it is ended
     ended = restored.close_orphaned_responses(100.0, lost_replica="r1")
     done = [e for e in ended.events if e["type"] == "response.done"]
@@ -250,14 +243,8 @@ def test_a_restored_open_response_whose_item_was_truncated_is_still_ended() -> N
         1.3,
     )  # the item is no longer in progress, but its response still runs when the process dies
     records = [item_to_record(item) for item in core.conversation.items]
-    restored = RealtimeSessionCore.restore(
-        CoreOptions(session_id="sess_unit", new_id=SequentialIds(), max_duration_s=60),
-        records,
-        conversation_id=core.conversation_id,
-        now=100.0,
-        epoch=1_800_000_010.0,
-        expires_at=1_800_000_040.0,
-        open_response={"id": start.response_id, "audio": True},
+    restored = restored_core(
+        records, conversation_id=core.conversation_id, open_response={"id": start.response_id, "audio": True}
     )
     done = [e for e in restored.close_orphaned_responses(100.0).events if e["type"] == "response.done"]
     assert [d["response"]["id"] for d in done] == [start.response_id]
