@@ -66,6 +66,11 @@ class Engine(ABC):
 
     #: True when step() profits from several requests at once (the stage then batches).
     batchable: bool = False
+    #: What this engine's stage offers a session, for `Orchestrator.capabilities()`:
+    #: "voice_activity" (VoiceActivity probabilities of appended audio), "turn_detection"
+    #: (SpeechStarted/SpeechStopped), "input_transcription" (Transcript of the user's audio),
+    #: "responses" (ResponseStarted/ResponseDone: the pipeline decides when to speak).
+    provides: frozenset[str] = frozenset()
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         self.options = dict(options)

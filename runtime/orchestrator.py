@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.capabilities import PipelineCapabilities
 from runtime.connectors import Connector, Handle, make_connectors
 from runtime.edges import AsyncChunker, Chunk, FullCollector, make_collector
 from runtime.engine import EngineRequest
@@ -60,6 +61,7 @@ class _Run:
     spec: PipelineSpec  # with this request's edge modes
     replicas: dict[str, Replica]
     admitted_at: float
+    entry: str
     timings: dict[str, StageTiming] = field(default_factory=dict)
     edges_out: dict[str, list[_EdgeRun]] = field(default_factory=dict)
     edges_by_key: dict[tuple[str, str], _EdgeRun] = field(default_factory=dict)  # (source, target)
@@ -88,6 +90,7 @@ class Orchestrator:
         self._inbox_limit = inbox_limit
         self._input_limit = input_limit
         self._runs: dict[str, _Run] = {}
+        self._provides: dict[str, frozenset[str]] = {}  # stage → what its engine provides
         self._started = False
         self._closed = False
 
@@ -103,6 +106,29 @@ class Orchestrator:
     def capacity(self) -> int:
         return self.spec.capacity()
 
+    def capabilities(self) -> PipelineCapabilities:
+        """What the pipeline offers a session (after `start()`: engines declare it)."""
+        spec = self.spec
+
+        def provided(entry: str | None) -> frozenset[str]:
+            if entry is None:
+                return frozenset()
+            stages = spec.reachable(entry)
+            return frozenset().union(*(self._provides.get(name, frozenset()) for name in stages))
+
+        live = spec.entries.get("live")
+        return PipelineCapabilities(
+            live_entry=live,
+            transcribe_entry=spec.entries.get("transcribe"),
+            input_rate=spec.input_rate,
+            live=provided(live),
+            responses=provided(spec.entry),
+        )
+
+    @property
+    def _main_runs(self) -> int:
+        return sum(1 for run in self._runs.values() if run.entry == self.spec.entry)
+
     @property
     def live_requests(self) -> list[str]:
         return list(self._runs)
@@ -117,6 +143,7 @@ class Orchestrator:
         classes = {}
         for stage in spec.stages:  # importing an engine module can be slow: not on the loop
             classes[stage.name] = await asyncio.to_thread(engine_class, stage.engine)
+            self._provides[stage.name] = frozenset(getattr(classes[stage.name], "provides", ()))
         kinds = {e.connector for e in spec.edges}
         if any(s.budget.worker == "process" for s in spec.stages):
             kinds.add("shm")
@@ -167,24 +194,36 @@ class Orchestrator:
         session_key: str | None = None,
         request_id: str | None = None,
         edge_modes: Mapping[str, str] | None = None,
+        entry: str | None = None,
     ) -> RequestHandle:
-        """Admit a request; its handle streams client-visible payloads, then a RequestStatus."""
+        """Admit a request; its handle streams client-visible payloads, then a RequestStatus.
+
+        `entry`: a stage to enter at instead of the pipeline's entry (one of its `entries`, e.g.
+        a voice session's live request); the request runs the stages reachable from it."""
         if not self._started or self._closed:
             raise RuntimeError("orchestrator is not running (start() it, and not after close())")
         spec = self.spec.with_edge_modes(edge_modes)
         request_id = request_id or f"req_{uuid.uuid4().hex[:20]}"
         if request_id in self._runs:
             raise ValueError(f"request {request_id!r} is already live")
+        entry = entry or spec.entry
+        if entry != spec.entry and entry not in spec.entries.values():
+            raise ValueError(f"unknown entry {entry!r} of pipeline {spec.name!r}")
         capacity = self.capacity
-        if len(self._runs) >= capacity:
+        if entry == spec.entry and self._main_runs >= capacity:
+            # Requests on other entries (a session's live request, a transcription) are bounded
+            # by their stages' max_concurrency alone (Stage.assign), not by this count.
             raise AdmissionError(
-                f"pipeline {spec.name} is full: {len(self._runs)} live requests (max_concurrency {capacity})"
+                f"pipeline {spec.name} is full: {self._main_runs} live requests (max_concurrency {capacity})"
             )
-        replicas = {name: stage.assign(session_key) for name, stage in self.stages.items()}
+        names = spec.reachable(entry)
+        replicas = {name: self.stages[name].assign(session_key) for name in names}
         now = self._clock()
         handle = RequestHandle(request_id, self._stream_buffer, on_drain=lambda: self._wake(request_id))
-        run = _Run(request_id, handle, spec, replicas, now, pending=set(replicas))
+        run = _Run(request_id, handle, spec, replicas, now, entry, pending=set(replicas))
         for edge in spec.edges:
+            if edge.source not in replicas:
+                continue
             collector: AsyncChunker[Handle] | FullCollector[Handle] = make_collector(edge.mode, edge.chunk)
             edge_run = _EdgeRun(edge, collector, replicas[edge.target])
             run.edges_out.setdefault(edge.source, []).append(edge_run)
@@ -192,12 +231,14 @@ class Orchestrator:
         self._runs[request_id] = run
         request = EngineRequest(request_id, dict(params), session_key)
         for stage in spec.stages:
-            incoming = spec.incoming(stage.name)
-            entry = stage.name == spec.entry
+            if stage.name not in replicas:
+                continue
+            incoming = [e for e in spec.incoming(stage.name) if e.source in replicas]
+            is_entry = stage.name == entry
             run.timings[stage.name] = replicas[stage.name].open_request(
                 request,
-                prewarm=entry or all(e.mode == "async_chunk" for e in incoming),
-                waiting=not entry,
+                prewarm=is_entry or all(e.mode == "async_chunk" for e in incoming),
+                waiting=not is_entry,
                 incoming=len(incoming),
                 admitted_at=now,
             )
@@ -212,7 +253,7 @@ class Orchestrator:
         run = self._runs.get(request_id)
         if run is None:
             return False
-        replica = run.replicas[run.spec.entry]
+        replica = run.replicas[run.entry]
         if not await replica.wait_input_room(request_id, self._input_limit):
             return False
         return replica.add_inputs(request_id, [payload])

@@ -101,3 +101,60 @@ class Transcript(Payload):
 
     text: str
     final: bool = True
+
+
+# --- live voice requests (docs/CONTRACTS.md, "Live voice requests") -------------------------
+# A voice session keeps one live request open on its pipeline; these are the progress events
+# its stages stream back (client-visible) and the control input the session appends to it.
+# Positions are in milliseconds / samples of the request's input timeline: every sample the
+# session appended with `AudioInput`, counted from the request's start.
+
+
+@dataclass(slots=True)
+class VoiceActivity(Payload):
+    """Speech probabilities of consecutive 32 ms frames (512 samples at 16 kHz) of the input,
+    from a VAD stage. The session's server VAD turns them into turns (threshold, silence)."""
+
+    start_sample: int  # 16 kHz input-timeline sample of the first frame
+    probs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SpeechStarted(Payload):
+    """The pipeline (owning turn-taking) heard the user start speaking at `audio_ms`."""
+
+    audio_ms: int
+
+
+@dataclass(slots=True)
+class SpeechStopped(Payload):
+    """The pipeline heard the user stop speaking at `audio_ms` (the user's turn is over)."""
+
+    audio_ms: int
+
+
+@dataclass(slots=True)
+class ResponseStarted(Payload):
+    """The pipeline began a stretch of model output on its own (a duplex model deciding to
+    speak). The `TextDelta`/`AudioChunk` payloads that follow belong to it until
+    `ResponseDone`."""
+
+    modalities: tuple[str, ...] = ("text", "audio")
+
+
+@dataclass(slots=True)
+class ResponseDone(Payload):
+    """The stretch of model output begun by the last `ResponseStarted` ended."""
+
+    status: str = "completed"  # completed | cancelled | failed | incomplete
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class TurnControl(Payload):
+    """Manual turn control appended to a live request (`append_input`): the client's
+    `input_audio_buffer.commit` / `.clear`, `response.create` / `response.cancel`."""
+
+    kind: str  # "commit" | "clear" | "respond" | "cancel"
+    response_id: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)

@@ -86,6 +86,11 @@ class PipelineSpec:
     edges: tuple[EdgeSpec, ...] = ()
     max_concurrency: int | None = None  # pipeline admission limit; default: tightest stage
     source: str = "<memory>"
+    # Named extra entries (YAML `entries: {live: vad, transcribe: transcribe}`): a request
+    # submitted with `entry=<stage>` runs only the stages reachable from that stage. `live` is
+    # where a voice session opens its live request; `transcribe` transcribes one audio item.
+    entries: Mapping[str, str] = field(default_factory=dict)
+    input_rate: int = 16000  # sample rate of the AudioInput a session appends to a live request
 
     def stage(self, name: str) -> StageSpec:
         for stage in self.stages:
@@ -98,6 +103,17 @@ class PipelineSpec:
 
     def outgoing(self, name: str) -> list[EdgeSpec]:
         return [e for e in self.edges if e.source == name]
+
+    def reachable(self, entry: str) -> list[str]:
+        """Stage names a request entering at `entry` runs, in declaration order."""
+        seen = {entry}
+        todo = [entry]
+        while todo:
+            for edge in self.outgoing(todo.pop()):
+                if edge.target not in seen:
+                    seen.add(edge.target)
+                    todo.append(edge.target)
+        return [s.name for s in self.stages if s.name in seen]
 
     def capacity(self) -> int:
         if self.max_concurrency is not None:
@@ -217,7 +233,9 @@ class _Validator:
         return str(value)
 
     def pipeline(self, data: Any) -> PipelineSpec:
-        data = self.mapping(data, "", ("name", "entry", "stages", "edges", "max_concurrency"))
+        data = self.mapping(
+            data, "", ("name", "entry", "stages", "edges", "max_concurrency", "entries", "input_rate")
+        )
         name = self.string(self.required(data, "name", ""), "name")
         raw_stages = self.required(data, "stages", "")
         if not isinstance(raw_stages, list) or not raw_stages:
@@ -238,8 +256,17 @@ class _Validator:
         max_conc = data.get("max_concurrency")
         if max_conc is not None:
             max_conc = self.integer(max_conc, "max_concurrency", 1)
-        self.topology(entry, names, edges)
-        return PipelineSpec(name, entry, stages, edges, max_conc, self.source)
+        raw_entries = self.mapping(data.get("entries") or {}, "entries", ("live", "transcribe"))
+        entries: dict[str, str] = {}
+        for key, value in raw_entries.items():
+            stage_name = self.string(value, f"entries.{key}")
+            if stage_name not in names:
+                known = ", ".join(names)
+                raise self.fail(f"entries.{key}", f"unknown stage {stage_name!r} (stages: {known})")
+            entries[key] = stage_name
+        input_rate = self.integer(data.get("input_rate", 16000), "input_rate", 8000)
+        self.topology([entry, *entries.values()], names, edges)
+        return PipelineSpec(name, entry, stages, edges, max_conc, self.source, entries, input_rate)
 
     def stage(self, data: Any, path: str) -> StageSpec:
         data = self.mapping(data, path, ("name", "engine", "options", "budget", "replicas"))
@@ -322,21 +349,23 @@ class _Validator:
             left_context=self.integer(data.get("left_context", 0), _join(path, "left_context"), 0),
         )
 
-    def topology(self, entry: str, names: list[str], edges: tuple[EdgeSpec, ...]) -> None:
+    def topology(self, entries: list[str], names: list[str], edges: tuple[EdgeSpec, ...]) -> None:
         seen: set[str] = set()
         for i, edge in enumerate(edges):
             if edge.key in seen:
                 raise self.fail(f"edges[{i}]", f"duplicate edge {edge.key}")
             seen.add(edge.key)
-            if edge.target == entry:
-                raise self.fail(f"edges[{i}].to", f"the entry stage {entry!r} cannot have incoming edges")
+            if edge.target in entries:
+                raise self.fail(
+                    f"edges[{i}].to", f"the entry stage {edge.target!r} cannot have incoming edges"
+                )
         cycle = find_cycle(names, lambda n: [e.target for e in edges if e.source == n])
         if cycle:
             raise self.fail("edges", f"cycle: {' -> '.join(cycle)}")
         for i, name in enumerate(names):
-            if name != entry and not any(e.target == name for e in edges):
+            if name not in entries and not any(e.target == name for e in edges):
                 raise self.fail(
-                    f"stages[{i}]", f"stage {name!r} is unreachable: no incoming edge and not the entry"
+                    f"stages[{i}]", f"stage {name!r} is unreachable: no incoming edge and not an entry"
                 )
 
 

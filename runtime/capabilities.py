@@ -1,0 +1,56 @@
+"""What a pipeline offers a session, asked of the runtime (never read off engine names).
+
+The composition root (web/) builds sessions from this: whether the session opens a live
+request and at what input rate, whether server VAD has speech probabilities to work on,
+whether the response requests transcribe their audio, whether the pipeline decides turns and
+responses itself (a native full-duplex model). Engines declare what their stage provides with
+the class attribute `Engine.provides`; named entries come from the pipeline YAML (`entries`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+VOICE_ACTIVITY = "voice_activity"  # VoiceActivity probabilities of the live request's audio
+TURN_DETECTION = "turn_detection"  # SpeechStarted / SpeechStopped from the live request
+INPUT_TRANSCRIPTION = "input_transcription"  # Transcript of the user's audio
+RESPONSES = "responses"  # ResponseStarted / ResponseDone: the live request speaks by itself
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineCapabilities:
+    """`Orchestrator.capabilities()`: per entry, what its reachable stages provide."""
+
+    live_entry: str | None = None  # where a voice session opens its live request (None: none)
+    transcribe_entry: str | None = None  # a request transcribing one audio item
+    input_rate: int = 16000  # AudioInput rate for the live request
+    live: frozenset[str] = field(default_factory=frozenset)  # provided through the live entry
+    responses: frozenset[str] = field(default_factory=frozenset)  # ... through the main entry
+
+    @property
+    def voice_activity(self) -> bool:
+        return VOICE_ACTIVITY in self.live
+
+    @property
+    def turn_detection(self) -> bool:
+        """The pipeline detects the user's turns itself (SpeechStarted/SpeechStopped)."""
+        return TURN_DETECTION in self.live
+
+    @property
+    def live_responses(self) -> bool:
+        """The live request produces responses itself: no per-turn response requests."""
+        return RESPONSES in self.live
+
+    @property
+    def response_transcribes_input(self) -> bool:
+        """A response request's `Transcript` transcribes the audio it was given."""
+        return INPUT_TRANSCRIPTION in self.responses
+
+    @property
+    def live_transcribes_input(self) -> bool:
+        return INPUT_TRANSCRIPTION in self.live
+
+    @property
+    def can_transcribe(self) -> bool:
+        """Committed audio items can be transcribed on their own (the transcribe entry)."""
+        return self.transcribe_entry is not None
