@@ -155,7 +155,7 @@ async def run_trial(dep: Deployment, redis: Any, index: int, rng: random.Random)
     args = dep.args
     assert dep.gateway is not None
     gw = dep.gateway
-    client = await Client.open(gw.ws_url)
+    client = await Client.open(f"{gw.ws_url}?omni_extensions=1")  # it resumes: asks for omni.*
     created = await client.until("session.created")
     resumable = await client.until("omni.session.resumable")
     sid, token = created["session"]["id"], resumable["resume_token"]

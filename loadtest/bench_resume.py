@@ -76,7 +76,7 @@ async def recv(ws: ClientConnection) -> dict[str, Any]:
 
 
 async def open_session(host: str) -> tuple[ClientConnection, str, str, list[str]]:
-    ws = await websockets.connect(f"ws://{host}/v1/realtime", max_size=None)
+    ws = await websockets.connect(f"ws://{host}/v1/realtime?omni_extensions=1", max_size=None)
     ids: list[str] = []
     created = await recv(ws)
     ids.append(created["event_id"])

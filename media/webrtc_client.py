@@ -101,8 +101,12 @@ class RealtimeCallClient:
         keep_audio: bool = True,
         tap_rtp: bool = False,
         max_frames: int = 30_000,
+        extensions: bool = False,
     ) -> None:
+        """`extensions`: ask for the server's `omni.*` events (`?omni_extensions=1`), e.g.
+        `omni.session.resumable` on the data channel; a stock client does not."""
         self.http_url = http_url.rstrip("/")
+        self.extensions = extensions
         self.api_key = api_key
         self.session = session
         self.clock = clock
@@ -149,7 +153,7 @@ class RealtimeCallClient:
         last event id) of a session to resume on this call."""
         sdp = await self.offer()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        params: dict[str, str] = {}
+        params: dict[str, str] = {"omni_extensions": "1"} if self.extensions else {}
         if resume is not None:
             params["session_id"] = resume[0]
             headers["X-Omni-Resume-Token"] = resume[1]

@@ -5,8 +5,9 @@ timers), its :class:`~session.store.SessionWriter` (event log and durable state 
 its :class:`~session.retention.RetentionTimer`. Connections come and go:
 
 * **open**: admission (web layer: `admission.try_admit` / `acquire`), then :meth:`create`
-  (Redis record + resume token) and :meth:`serve_new`: `session.created`, then
-  `omni.session.resumable {session_id, resume_token, expires_at}`, then live;
+  (Redis record + resume token) and :meth:`serve_new`: `session.created`, then (a client
+  that asked for `omni.*` events) `omni.session.resumable {session_id, resume_token,
+  expires_at}`, then live;
 * **connection lost** (no close frame, or any close code but 1000; a WebRTC peer whose
   connection failed or closed without a hangup): the session is *detached*
   and runs on (a response in flight keeps streaming into the log) for the disconnect grace;
@@ -205,14 +206,19 @@ class SessionHost(ResumeHosting):
 
     # --- open --------------------------------------------------------------------------------
 
-    async def create(self, session_id: str, tenant: str, config: SessionConfig) -> tuple[HostedSession, str]:
+    async def create(
+        self, session_id: str, tenant: str, config: SessionConfig, *, resume_token: str | None = None
+    ) -> tuple[HostedSession, str]:
         """A new session (admission already granted): its Redis record, writer and driver.
-        Returns it with its resume token (shown once). Raises `StoreUnavailable`."""
+        Returns it with its resume token (shown once; `resume_token` when the caller drew it
+        already). Raises `StoreUnavailable`."""
         core = RealtimeSessionCore(self._options(config, session_id))
         stored = config_record(
             config, session_id=session_id, expires_at=0, conversation_id=core.conversation_id
         )
-        record, token = await self.store.create_session(tenant, stored, session_id=session_id)
+        record, token = await self.store.create_session(
+            tenant, stored, session_id=session_id, resume_token=resume_token
+        )
         epoch = 0
         if self.claim is not None:  # scale-out: bind it here (epoch 1), so a takeover fences us
             bound = await self.claim(session_id)
@@ -228,20 +234,25 @@ class SessionHost(ResumeHosting):
         """Give back a slot (or queue place) taken for a session that did not open."""
         await self._release(session_id)
 
-    async def serve_new(self, hs: HostedSession, transport: Transport, resume_token: str) -> LinkEnd:
-        """Serve a just-created session on its first connection until that connection ends."""
+    async def serve_new(
+        self, hs: HostedSession, transport: Transport, resume_token: str, *, announce: bool = True
+    ) -> LinkEnd:
+        """Serve a just-created session on its first connection until that connection ends.
+        `announce`: the client asked for `omni.*` events, so it gets `omni.session.resumable`
+        (otherwise the edge gave it the token some other way, e.g. headers on the 101)."""
         async with hs.lock:
             link = hs.driver.attach(transport)
             hs.driver.start(epoch=hs.record.created_at)
-            link.push(
-                connection_event(
-                    "omni.session.resumable",
-                    hs.driver.last_event_id,
-                    session_id=hs.session_id,
-                    resume_token=resume_token,
-                    expires_at=int(hs.record.expires_at),
+            if announce:
+                link.push(
+                    connection_event(
+                        "omni.session.resumable",
+                        hs.driver.last_event_id,
+                        session_id=hs.session_id,
+                        resume_token=resume_token,
+                        expires_at=int(hs.record.expires_at),
+                    )
                 )
-            )
         return await self._watch(hs, link)
 
     # --- connections end ---------------------------------------------------------------------

@@ -18,6 +18,7 @@ from session.identity import Principal, api_key_from_request, authenticate
 from session.video.hosting import WorldHost
 from session.video.runtimes import OrchestratorPool
 from web.context import ServerContext, server_context
+from web.cors import CorsMiddleware, origin_policy
 from web.realtime_ws import error_body, realtime_endpoint
 from web.replica import ReplicaGate, replica_membership, replica_routes
 from web.sessions_api import session_routes
@@ -173,6 +174,9 @@ def create_app(settings: ServerSettings) -> Starlette:
         from web.worker_forward import WorkerForward
 
         middleware.insert(0, Middleware(WorkerForward))
+    # Outermost: a browser's origin is judged once, by the process it reached (web/cors.py).
+    policy = origin_policy(settings.cors_origins, settings.api_keys)
+    middleware.insert(0, Middleware(CorsMiddleware, policy=policy))
     # The video routes come first: they include a static mount for /world.
     return Starlette(
         routes=video.routes() + routes() + webrtc.routes() + replica_routes(),

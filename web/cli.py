@@ -16,6 +16,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--redis-url", default=None, help="external Redis; default: an embedded redis-server")
     p.add_argument("--data-dir", default="./.omniduplex", help="embedded Redis data directory")
     p.add_argument("--api-keys", default=None, help="key:tenant,... (or env OMNIDUPLEX_API_KEYS)")
+    p.add_argument(
+        "--cors-origins",
+        default=None,
+        help="browser origins allowed to call the server (comma-separated, or *); default: none but "
+        "the server's own, plus loopback origins while running open (no API keys)",
+    )
     p.add_argument("--admin-key", default=None, help="admin API key (or env OMNIDUPLEX_ADMIN_KEY)")
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without API keys")
     p.add_argument("--advertise-url", default=None, help="URL other replicas/gateways reach this one at")
@@ -90,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8080)
     g.add_argument("--redis-url", required=True)
     g.add_argument("--api-keys", default=None, help="key:tenant,... (or env OMNIDUPLEX_API_KEYS)")
+    g.add_argument(
+        "--cors-origins",
+        default=None,
+        help="browser origins allowed to call the server (comma-separated, or *); default: none but "
+        "the server's own, plus loopback origins while running open (no API keys)",
+    )
     g.add_argument("--admin-key", default=None, help="admin API key (or env OMNIDUPLEX_ADMIN_KEY)")
     g.add_argument("--insecure", action="store_true")
     g.add_argument("--log-level", default="info")

@@ -41,6 +41,7 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
@@ -51,6 +52,7 @@ from session.store.embedded import redis_connection
 from session.store.errors import StoreError
 from session.store.redis_store import redis_errors
 from web.auth import is_loopback_host
+from web.cors import CorsMiddleware, origin_policy
 from web.gateway_http import HttpForwarder, ReplicaHttpUnreachable, to_response
 from web.gateway_routing import NoReplicaAvailable, Router
 from web.gateway_ws import RealtimeRelayEndpoint, world_error
@@ -70,6 +72,7 @@ class GatewaySettings:
     api_keys: str = ""  # when set, the gateway also refuses unauthenticated requests itself
     admin_key: str | None = None
     insecure: bool = False
+    cors_origins: str | None = None  # browser origins allowed (web/cors.py); None: loopback when open
     connect_timeout_s: float = 2.0  # replica WebSocket handshake / HTTP connect
     lapse_wait_s: float = 6.0  # an unreachable owner: wait this long for its lease to lapse
     max_message_bytes: int = 2 * 1024 * 1024
@@ -83,6 +86,7 @@ class GatewaySettings:
             api_keys=args.api_keys or os.environ.get("OMNIDUPLEX_API_KEYS", ""),
             admin_key=getattr(args, "admin_key", None) or os.environ.get("OMNIDUPLEX_ADMIN_KEY"),
             insecure=bool(args.insecure),
+            cors_origins=getattr(args, "cors_origins", None),
         )
 
 
@@ -350,7 +354,9 @@ def create_gateway_app(settings: GatewaySettings) -> Starlette:
             finally:
                 await gateway.close()
 
-    return Starlette(routes=routes(), lifespan=lifespan)
+    policy = origin_policy(settings.cors_origins, settings.api_keys)  # judged here, at the edge
+    middleware = [Middleware(CorsMiddleware, policy=policy)]
+    return Starlette(routes=routes(), middleware=middleware, lifespan=lifespan)
 
 
 def uvicorn_config(settings: GatewaySettings, log_level: str = "info") -> uvicorn.Config:

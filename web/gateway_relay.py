@@ -53,6 +53,10 @@ HOP_HEADERS = frozenset(
         "sec-websocket-extensions",
         "sec-websocket-protocol",
         "sec-websocket-accept",
+        # The edge (gateway, or the worker that took the connection) applied the origin policy
+        # (web/cors.py) and answers with the CORS headers; the replica behind it must not judge
+        # the page's origin against its own Host again.
+        "origin",
     }
 )
 
@@ -152,6 +156,20 @@ async def open_upstream(
         raise ReplicaRefused(denial) from exc
     except (OSError, TimeoutError, EOFError, InvalidHandshake) as exc:
         raise ReplicaUnreachable(f"{url}: {type(exc).__name__}: {exc}") from exc
+
+
+def upgrade_headers(upstream: ClientConnection) -> list[tuple[bytes, bytes]] | None:
+    """The replica's ``X-Omni-*`` 101 headers (a new session's resume data), for the client's
+    101: a stock client behind the gateway learns its resume token as it would direct."""
+    response = upstream.response
+    if response is None:
+        return None
+    kept = [
+        (k.lower().encode("latin-1"), v.encode("latin-1"))
+        for k, v in response.headers.raw_items()
+        if k.lower().startswith("x-omni-")
+    ]
+    return kept or None
 
 
 def _close_code(code: int | None) -> int:

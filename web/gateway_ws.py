@@ -38,6 +38,7 @@ from web.gateway_relay import (
     forwarded_headers,
     open_upstream,
     relay,
+    upgrade_headers,
     ws_url,
 )
 from web.gateway_routing import NoReplicaAvailable, Route
@@ -222,7 +223,7 @@ class RealtimeRelayEndpoint:
             await websocket.send_denial_response(answer)
             return
         try:
-            await websocket.accept(subprotocol=upstream.subprotocol)
+            await websocket.accept(subprotocol=upstream.subprotocol, headers=upgrade_headers(upstream))
             await relay(receive, send, upstream)
         finally:
             await upstream.close()

@@ -6,8 +6,10 @@ that can be refused is refused before the upgrade, as an HTTP answer with a JSON
 * 401 `invalid_api_key`; 400 `invalid_session_config`;
 * open: 429 `server_at_capacity` with `Retry-After` when admission rejects at once (queue
   full, draining); 503 `store_unavailable` when Redis is down. A client that must wait is
-  upgraded and gets `omni.admission.queued {position, estimated_wait_ms}` updates, then
-  either `session.created` or `error server_at_capacity` and close 1013;
+  upgraded (and, if it asked for `omni.*` events, gets `omni.admission.queued {position,
+  estimated_wait_ms}` updates), then either `session.created` or `error server_at_capacity`
+  and close 1013. The 101 carries the resume data as headers (web/omni_extensions.py);
+  `omni.session.resumable` follows `session.created` only for a client that asked;
 * resume (`?session_id=…&last_event_id=…`, token in `X-Omni-Resume-Token` or the
   `omni-resume-token.<token>` subprotocol): 403 `invalid_resume_token` for a missing or wrong
   token; 404 `session_not_found` for an unknown, expired or another tenant's session; 429 when
@@ -34,6 +36,7 @@ from session.identity import (
     api_key_from_request,
     authenticate,
     is_session_id,
+    new_resume_token,
     new_session_id,
     resume_token_from_request,
 )
@@ -41,6 +44,7 @@ from session.realtime.config import SessionConfig, SessionIn
 from session.resume import connection_event
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from web.context import ServerContext
+from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.session_factory import build_driver
 
 __all__ = ["build_driver", "error_body", "initial_config", "realtime_endpoint"]
@@ -138,8 +142,13 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
         await open_session(ctx, websocket, principal, subprotocols)
 
 
-async def _accept(websocket: WebSocket, subprotocols: list[str]) -> None:
-    await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in subprotocols else None)
+async def _accept(
+    websocket: WebSocket, subprotocols: list[str], headers: dict[str, str] | None = None
+) -> None:
+    await websocket.accept(
+        subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in subprotocols else None,
+        headers=raw_headers(headers) if headers else None,
+    )
 
 
 def _capacity_error(decision: Rejected) -> dict[str, Any]:
@@ -167,6 +176,10 @@ async def open_session(
         await websocket.send_denial_response(error_body(400, "invalid_session_config", str(exc)))
         return
     session_id = new_session_id()
+    # Drawn now, so the 101 can carry it even when the upgrade comes before the record (queued).
+    token = new_resume_token()
+    accept_headers = resume_headers(session_id, token)
+    extensions = wants_extensions(websocket.query_params, websocket.headers)
     try:
         decision = await host.admission.try_admit(session_id, principal.tenant)
     except StoreUnavailable:
@@ -186,8 +199,8 @@ async def open_session(
         return
     transport = WebSocketTransport(websocket)
     if isinstance(decision, Queued):
-        await _accept(websocket, subprotocols)
-        waited = await _wait_in_queue(host, transport, decision, principal.tenant)
+        await _accept(websocket, subprotocols, accept_headers)
+        waited = await _wait_in_queue(host, transport, decision, principal.tenant, announce=extensions)
         if waited is None:  # the client left while queued
             return
         if isinstance(waited, Rejected):
@@ -197,7 +210,7 @@ async def open_session(
                 await transport.close(CAPACITY_CLOSE, "server at capacity")
             return
     try:
-        hs, token = await host.create(session_id, principal.tenant, config)
+        hs, token = await host.create(session_id, principal.tenant, config, resume_token=token)
     except StoreUnavailable:
         await host.forfeit(session_id)
         ctx.metrics.admission("store_unavailable")
@@ -208,18 +221,20 @@ async def open_session(
         return
     ctx.metrics.admission("admitted")
     if websocket.application_state != WebSocketState.CONNECTED:
-        await _accept(websocket, subprotocols)
-    await host.serve_new(hs, transport, token)
+        await _accept(websocket, subprotocols, accept_headers)
+    await host.serve_new(hs, transport, token, announce=extensions)
 
 
 async def _wait_in_queue(
-    host: SessionHost, transport: WebSocketTransport, first: Queued, tenant: str
+    host: SessionHost, transport: WebSocketTransport, first: Queued, tenant: str, *, announce: bool
 ) -> Admitted | Rejected | None:
-    """Queued: send `omni.admission.queued` updates until admitted or refused. Frames the
-    client sends meanwhile are kept for the session; None if the client leaves (its queue
-    place or slot is given back)."""
+    """Queued: wait until admitted or refused, sending `omni.admission.queued` updates to a
+    client that asked for `omni.*` events (`announce`). Frames the client sends meanwhile are
+    kept for the session; None if the client leaves (its queue place or slot is given back)."""
 
     async def on_queued(q: Queued) -> None:
+        if not announce:
+            return
         event = connection_event(
             "omni.admission.queued", None, position=q.position, estimated_wait_ms=q.estimated_wait_ms
         )

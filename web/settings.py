@@ -16,6 +16,7 @@ class ServerSettings:
     redis_url: str | None = None  # None: an embedded redis-server in data_dir
     data_dir: str = "./.omniduplex"
     api_keys: str = ""  # "key:tenant,..."; empty: open, loopback only
+    cors_origins: str | None = None  # browser origins allowed (web/cors.py); None: loopback when open
     admin_key: str | None = None
     insecure: bool = False
     advertise_url: str | None = None
@@ -67,6 +68,7 @@ class ServerSettings:
             redis_url=get("redis_url"),
             data_dir=get("data_dir", "./.omniduplex"),
             api_keys=get("api_keys") or os.environ.get("OMNIDUPLEX_API_KEYS", ""),
+            cors_origins=get("cors_origins"),
             admin_key=get("admin_key") or os.environ.get("OMNIDUPLEX_ADMIN_KEY"),
             insecure=bool(get("insecure", False)),
             advertise_url=get("advertise_url"),

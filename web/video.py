@@ -15,11 +15,13 @@ I/O only. Both transports run the same :class:`~session.video.core.VideoSessionC
 With a :class:`~session.video.hosting.WorldHost` (``service.host``, set by the app once the
 session layer is up) both transports are hosted sessions like voice ones: identity (API key or
 ``ek_`` key → tenant), an admission slot shared with voice sessions, a Redis record, a resume
-token (``omni.session.resumable`` first: on the WebSocket, and on ``controls`` once a call's
-channel opens), retention and resume. A dropped WebSocket or a vanished call (ICE/DTLS failure,
-peer closed without a hangup) detaches a generating world for the disconnect grace; it resumes
-over the WebSocket (``?session_id=…`` with ``X-Omni-Resume-Token`` or the
-``omni-resume-token.<token>`` subprotocol) or with a new call (``POST
+token (on the 101 / the 201 as ``X-Omni-Resume-Token``; and, for a client that asked for
+``omni.*`` events with ``?omni_extensions=1``, ``omni.session.resumable`` first: on the
+WebSocket, and on ``controls`` once a call's channel opens), retention and resume. A dropped
+WebSocket or a vanished call (ICE/DTLS failure, peer closed without a hangup) detaches a
+generating world for the disconnect grace; it resumes over the WebSocket (``?session_id=…``
+with ``X-Omni-Resume-Token`` or the ``omni-resume-token.<token>`` subprotocol) or with a new
+call (``POST
 /v1/realtime/video/calls?session_id=…`` with ``X-Omni-Resume-Token``), whichever transport it
 began on. The hangup ends the world at once, peer up or not. Every refusal comes before the
 upgrade or any peer connection, as JSON. See docs/sessions.md, "World sessions". Without a
@@ -55,6 +57,7 @@ from session.video.core import VideoSessionCore
 from session.video.driver import RuntimeProvider, TransportClosed, VideoSessionDriver
 from session.video.hosting import AdmissionRefused, SessionElsewhere, WorldHost, WorldSession
 from session.video.outlets import encoded_outlet
+from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.video_call import CALL_PREFIX, PeerVideoTransport, TrackOutlet, VideoCall
 
 __all__ = ["Denial", "PeerVideoTransport", "TrackOutlet", "VideoCall", "VideoService", "video_routes"]
@@ -279,9 +282,12 @@ class VideoService:
                 return opened.response()
             hosted, token = opened
             await host.open(hosted, call.transport, None)  # attached; its token once `controls` opens
-            headers["X-Omni-Session-Id"] = hosted.session_id
+            headers.update(resume_headers(hosted.session_id, token))
             self._remember(call, hosted)
-            announce = functools.partial(host.announce, hosted, call.transport, token)
+            if wants_extensions(request.query_params, request.headers):
+                announce = functools.partial(host.announce, hosted, call.transport, token)
+            else:
+                announce = functools.partial(_attached, True)
             self._serve(call, self._serve_hosted(call, host, hosted, announce))
         else:
             driver = VideoSessionDriver(
@@ -447,9 +453,10 @@ class VideoService:
             await websocket.send_denial_response(opened.response())
             return
         hosted, token = opened
+        announce = wants_extensions(websocket.query_params, websocket.headers)
         try:
-            await _accept(websocket)
-            if await host.open(hosted, transport, token):
+            await _accept(websocket, resume_headers(hosted.session_id, token))
+            if await host.open(hosted, transport, token if announce else None):
                 await self._serve_connection(websocket, hosted, transport)
         finally:
             await asyncio.shield(host.connection_ended(hosted, transport, transport.disconnect_code))
@@ -545,11 +552,20 @@ async def _receive(websocket: WebSocket, driver: VideoSessionDriver) -> None:
             await asyncio.shield(driver.close())
 
 
-async def _accept(websocket: WebSocket) -> None:
+async def _accept(websocket: WebSocket, headers: dict[str, str] | None = None) -> None:
     """Accept, selecting ``realtime`` when offered: a browser that offers subprotocols (e.g.
-    ``omni-resume-token.<token>``) fails the handshake unless the server selects one."""
+    ``omni-resume-token.<token>``) fails the handshake unless the server selects one.
+    ``headers``: a new world's resume data on the 101 (web/omni_extensions.py)."""
     offered = offered_subprotocols(websocket)
-    await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
+    await websocket.accept(
+        subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None,
+        headers=raw_headers(headers) if headers else None,
+    )
+
+
+async def _attached(result: bool) -> bool:
+    """A call's ``attach`` step for a client that did not ask for ``omni.*`` events."""
+    return result
 
 
 async def _receive_frames(

@@ -8,6 +8,10 @@ resume token, admission slot, disconnect grace, retention, `GET`/`DELETE /v1/ses
 on another transport (web/webrtc_call.py): JSON events on the `oai-events` data channel, mic
 audio from the inbound track, model audio out on a paced track.
 
+The 201 of a new call carries `X-Omni-Session-Id` and `X-Omni-Resume-Token`; the data channel
+carries `omni.session.resumable` too when the offer asked for `omni.*` events
+(`?omni_extensions=1`, web/omni_extensions.py).
+
 Resume: `POST /v1/realtime/calls?session_id=…&last_event_id=…` with the token in
 `X-Omni-Resume-Token` answers `201` and replays what was missed on the new data channel; a
 session that began on a call can equally be resumed over the WebSocket, and the other way
@@ -57,6 +61,7 @@ from session.realtime.config import SessionConfig, SessionIn
 from session.store.aio import cancel_and_wait
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from web.context import ServerContext
+from web.omni_extensions import resume_headers, wants_extensions
 from web.realtime_ws import error_body, initial_config
 from web.settings import ServerSettings
 from web.webrtc_call import RealtimeCall, append_rejection, too_large
@@ -148,11 +153,21 @@ class WebRtcService:
         if resume_id is not None:
             return await self._resume_call(ctx, host, request, principal, resume_id, sdp)
         assert config is not None
-        return await self._new_call(ctx, host, principal, config, sdp)
+        announce = wants_extensions(request.query_params, request.headers)
+        return await self._new_call(ctx, host, principal, config, sdp, announce=announce)
 
     async def _new_call(
-        self, ctx: ServerContext, host: SessionHost, principal: Principal, config: SessionConfig, sdp: str
+        self,
+        ctx: ServerContext,
+        host: SessionHost,
+        principal: Principal,
+        config: SessionConfig,
+        sdp: str,
+        *,
+        announce: bool,
     ) -> Response:
+        """`announce`: the client asked for `omni.*` events (`omni.session.resumable` on the
+        data channel); every client gets the resume data as headers on the 201."""
         session_id = new_session_id()
         refused = await _admit(ctx, host, session_id, principal.tenant)
         if refused is not None:
@@ -178,9 +193,9 @@ class WebRtcService:
                 return _elsewhere()
             raise
         call = self._call(principal.tenant, session_id, link, new_session=True)
-        self._serve(call, host.serve_new(hs, call, token), hs.driver)
+        self._serve(call, host.serve_new(hs, call, token, announce=announce), hs.driver)
         ctx.metrics.admission("admitted")
-        return _answered(call, answer)
+        return _answered(call, answer, resume_headers(session_id, token))
 
     async def _resume_call(
         self,
@@ -345,12 +360,12 @@ def _elsewhere() -> Response:
     return error_body(409, "session_elsewhere", "The session is served by another replica.", retry_after_s=1)
 
 
-def _answered(call: RealtimeCall, answer: str) -> Response:
+def _answered(call: RealtimeCall, answer: str, extra: dict[str, str] | None = None) -> Response:
     return Response(
         answer,
         status_code=201,
         media_type="application/sdp",
-        headers={"Location": f"/v1/realtime/calls/{call.call_id}"},
+        headers={"Location": f"/v1/realtime/calls/{call.call_id}", **(extra or {})},
     )
 
 

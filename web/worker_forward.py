@@ -46,6 +46,7 @@ from web.gateway_relay import (
     forwarded_headers,
     open_upstream,
     relay,
+    upgrade_headers,
     ws_url,
 )
 from web.replica import SESSION_SOCKETS, ReplicaMembership, _membership_of
@@ -180,7 +181,7 @@ class WorkerForward:
             )
             return True
         try:
-            await websocket.accept(subprotocol=upstream.subprotocol)
+            await websocket.accept(subprotocol=upstream.subprotocol, headers=upgrade_headers(upstream))
             await relay(receive, send, upstream)
         finally:
             await upstream.close()

@@ -248,13 +248,19 @@ class SessionStore:
     # --- open / read ------------------------------------------------------------------------
 
     async def create_session(
-        self, tenant: str, config: dict[str, Any] | None = None, *, session_id: str | None = None
+        self,
+        tenant: str,
+        config: dict[str, Any] | None = None,
+        *,
+        session_id: str | None = None,
+        resume_token: str | None = None,
     ) -> tuple[SessionRecord, str]:
-        """A new session and its resume token (shown once; Redis keeps only its digest)."""
+        """A new session and its resume token (shown once; Redis keeps only its digest). The
+        caller may have drawn the token already (it went out in a 101 before the record)."""
         sid = session_id or new_session_id()
         now = self.clock()
         expires_at = self.policy.lifetime_deadline(now)
-        token = new_resume_token()
+        token = resume_token or new_resume_token()
         cfg = dict(config or {})
         fields = {
             "tenant": tenant,

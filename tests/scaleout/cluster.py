@@ -180,7 +180,7 @@ class Session:
 
     @classmethod
     async def open(cls, gateway: Proc) -> Session:
-        client = await RealtimeClient.open(gateway.ws_url)
+        client = await RealtimeClient.open(f"{gateway.ws_url}?omni_extensions=1")  # asks for omni.*
         created = await client.until("session.created")
         resumable = await client.until("omni.session.resumable")
         assert resumable["session_id"] == created["session"]["id"]

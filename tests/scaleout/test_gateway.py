@@ -156,6 +156,37 @@ async def test_admin_key_guards_the_registry(shared: Cluster) -> None:
     assert models["data"][0]["id"] == "history-echo"
 
 
+async def test_gateway_applies_the_origin_policy_once(shared: Cluster) -> None:
+    """The gateway is the edge: it answers preflights and refuses other origins itself, and a
+    relayed answer carries one set of CORS headers (the replica never sees the Origin)."""
+    gw, page = shared.gateway.url, "http://127.0.0.1:9"  # open mode: loopback pages are allowed
+    async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
+        pre = await http.options(
+            f"{gw}/v1/realtime/calls",
+            headers={
+                "Origin": page,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type,x-openai-agents-sdk",
+            },
+        )
+        assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == page
+        secret = await http.post(f"{gw}/v1/realtime/client_secrets", json={}, headers={"Origin": page})
+        assert secret.status_code == 200, secret.text
+        assert secret.headers.get_list("access-control-allow-origin") == [page]
+        other = await http.post(
+            f"{gw}/v1/realtime/client_secrets", json={}, headers={"Origin": "https://elsewhere.example"}
+        )
+        assert other.status_code == 403 and other.json()["error"]["code"] == "origin_not_allowed"
+    with pytest.raises(InvalidStatus) as refused:
+        await RealtimeClient.open(shared.gateway.ws_url, origin="https://elsewhere.example")
+    assert refused.value.response.status_code == 403
+    client = await RealtimeClient.open(shared.gateway.ws_url, origin=page)
+    try:
+        assert (await client.until("session.created"))["session"]["id"].startswith("sess_")
+    finally:
+        await client.close(1000)
+
+
 async def test_no_live_replica_is_503_and_websocket_1013(db_url: str, tmp_path: Path) -> None:
     c = Cluster(db_url, tmp_path)  # a registry nobody registered in
     try:
@@ -220,8 +251,12 @@ async def test_credentials_pass_through_and_refusals_are_relayed(db_url: str, tm
             c.gateway.ws_url, subprotocols=["realtime", "openai-insecure-api-key.key-a"]
         )
         created = await client.until("session.created")
-        token = (await client.until("omni.session.resumable"))["resume_token"]
+        # A client that did not ask for `omni.*` events: the resume data came on the replica's
+        # 101, which the gateway relays; no `omni.*` event follows `session.created`.
+        assert client.ws.response is not None
+        token = client.ws.response.headers["X-Omni-Resume-Token"]
         sid = created["session"]["id"]
+        assert client.ws.response.headers["X-Omni-Session-Id"] == sid
         await client.close(4000)
         url = f"{c.gateway.ws_url}?session_id={sid}"
         # The replica's refusals reach the client as they are: a wrong resume token is 403 ...

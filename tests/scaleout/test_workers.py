@@ -67,7 +67,7 @@ async def test_two_workers_share_the_port_forward_resumes_and_stop_together(tmp_
         ids: list[str] = []
         tokens: list[str] = []
         while len(clients) < 8 or (min(await _counts(urls)) == 0 and len(clients) < 32):
-            client = await RealtimeClient.open(f"ws://127.0.0.1:{port}/v1/realtime")
+            client = await RealtimeClient.open(f"ws://127.0.0.1:{port}/v1/realtime?omni_extensions=1")
             created = await client.until("session.created")
             resumable = await client.until("omni.session.resumable")
             clients.append(client)

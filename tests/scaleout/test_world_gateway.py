@@ -40,7 +40,7 @@ def video_url(proc: Proc, query: str = "") -> str:
 
 
 async def open_world(gateway: Proc) -> tuple[VideoClient, str, str]:
-    client = VideoClient(await connect(video_url(gateway), max_size=2**24))
+    client = VideoClient(await connect(video_url(gateway, "?omni_extensions=1"), max_size=2**24))
     resumable = await client.event()
     assert resumable["type"] == "omni.session.resumable", resumable
     return client, resumable["session_id"], resumable["resume_token"]

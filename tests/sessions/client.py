@@ -59,7 +59,9 @@ class Conn:
 
 @asynccontextmanager
 async def opened(server: Base, *, api_key: str | None = None, **query: str) -> AsyncIterator[Conn]:
-    """A new session: `session.created`, then `omni.session.resumable` (both consumed)."""
+    """A new session: `session.created`, then `omni.session.resumable` (both consumed). It asks
+    for `omni.*` events (`omni_extensions=1`) unless the query says `omni_extensions=None`."""
+    query.setdefault("omni_extensions", "1")
     async with (
         websockets.connect(
             realtime_url(server, **query), additional_headers=auth(api_key), open_timeout=20, max_size=None

@@ -57,7 +57,7 @@ async def test_queued_then_admitted_when_a_slot_frees(server: LiveServer) -> Non
     async with (
         opened(server) as a,
         opened(server),
-        websockets.connect(realtime_url(server), open_timeout=10) as ws,
+        websockets.connect(realtime_url(server, omni_extensions="1"), open_timeout=10) as ws,
         ServerEvents(ws.recv) as events,
     ):
         queued = (await events.next(10)).raw
@@ -72,11 +72,35 @@ async def test_queued_then_admitted_when_a_slot_frees(server: LiveServer) -> Non
     await until(lambda: all_zero(server), within_s=10)
 
 
+async def test_stock_client_waits_in_the_queue_without_omni_events(server: LiveServer) -> None:
+    """A client that did not ask for `omni.*` events (a strict SDK) waits silently, then gets
+    `session.created` and only standard events; its 101 carried the resume data as headers,
+    and they resume the session."""
+    async with (
+        opened(server) as a,
+        opened(server),
+        websockets.connect(realtime_url(server), open_timeout=10) as ws,
+        ServerEvents(ws.recv) as events,
+    ):
+        sid = ws.response.headers["X-Omni-Session-Id"]
+        token = ws.response.headers["X-Omni-Resume-Token"]
+        await a.ws.close()  # frees a slot
+        created = await events.wait_for("session.created", within_s=5)
+        assert created.raw["session"]["id"] == sid
+        await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+        await events.wait_for("input_audio_buffer.cleared", within_s=5)
+        assert not [t for t in events.types() if t.startswith("omni.")], events.types()
+        last = str(events.log[-1].raw["event_id"])
+    async with resumed(server, sid, token, last) as again:
+        assert again.events.log[0].raw["replay_count"] == 0
+    await until(lambda: all_zero(server), within_s=10)
+
+
 async def test_queue_deadline_refuses_with_error_and_1013(server: LiveServer) -> None:
     async with (
         opened(server),
         opened(server),
-        websockets.connect(realtime_url(server), open_timeout=10) as ws,
+        websockets.connect(realtime_url(server, omni_extensions="1"), open_timeout=10) as ws,
         ServerEvents(ws.recv) as events,
     ):
         assert (await events.next(10)).type == "omni.admission.queued"
@@ -91,7 +115,7 @@ async def test_full_queue_is_429_with_retry_after_before_upgrade(server: LiveSer
     async with (
         opened(server),
         opened(server),
-        websockets.connect(realtime_url(server), open_timeout=10) as waiting,
+        websockets.connect(realtime_url(server, omni_extensions="1"), open_timeout=10) as waiting,
         ServerEvents(waiting.recv) as ev,
     ):
         assert (await ev.next(10)).type == "omni.admission.queued"

@@ -66,8 +66,9 @@ async def settled(server: LiveServer) -> None:
 
 
 async def opened_call(server: LiveServer) -> tuple[RealtimeCallClient, str, str]:
-    """A new call: its session id and resume token (from `omni.session.resumable`)."""
-    client = RealtimeCallClient(server.http_url)
+    """A new call: its session id and resume token (from `omni.session.resumable`, which it
+    asks for)."""
+    client = RealtimeCallClient(server.http_url, extensions=True)
     await client.connect()
     _, created = await client.wait_event("session.created")
     _, resumable = await client.wait_event("omni.session.resumable")
@@ -249,6 +250,33 @@ async def test_a_second_call_resumes_with_replay_and_audio(server: LiveServer) -
         assert loud_seconds(second, start) >= 0.4  # the 800 ms answer tone, on the new track
         assert not second.of_type("response.output_audio.delta")
         assert (await session_state(server, session_id))[1]["connected"] is True
+        assert await second.hangup() == 200
+    finally:
+        await second.close()
+
+
+async def test_stock_call_gets_no_omni_event_and_resumes_from_the_201(server: LiveServer) -> None:
+    """A call that did not ask for `omni.*` events (the official browser SDK) gets only
+    standard events on `oai-events`; its 201 carries the resume data, and it resumes."""
+    await settled(server)
+    first = RealtimeCallClient(server.http_url)
+    try:
+        info = await first.connect()
+        session_id = info.headers["x-omni-session-id"]
+        token = info.headers["x-omni-resume-token"]
+        _, created = await first.wait_event("session.created")
+        assert created["session"]["id"] == session_id
+        done = await say_on_channel(first, "hello stock")
+        assert not [e for _, e in first.events if e["type"].startswith("omni.")], first.events
+        seen_through = done["event_id"]
+    finally:
+        await first.close()
+    await wait_for_state(server, session_id, "detached", within_s=GRACE_S - 2)
+    second = RealtimeCallClient(server.http_url)
+    try:
+        await second.connect(resume=(session_id, token, seen_through))
+        _, back = await second.wait_event("omni.session.resumed", timeout_s=10)  # a resume asks
+        assert back["session_id"] == session_id
         assert await second.hangup() == 200
     finally:
         await second.close()

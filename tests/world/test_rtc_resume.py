@@ -95,7 +95,7 @@ async def call(
 ) -> tuple[str, dict[str, Any]]:
     """Connect ``client`` (a new world, or a resume of ``(session_id, token)``): the call's
     Location and the first event on ``controls``."""
-    headers, params = auth(), None
+    headers, params = auth(), {"omni_extensions": "1"}  # it asks for `omni.*` events
     if resume_of is not None:
         headers["X-Omni-Resume-Token"] = resume_of[1]
         params = {"session_id": resume_of[0]}

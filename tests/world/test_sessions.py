@@ -100,9 +100,13 @@ async def eventually(check: Callable[[], Coroutine[Any, Any, bool]], limit_s: fl
 
 
 async def open_world(server: LiveServer, key: str = KEY, **kwargs: Any) -> tuple[VideoClient, dict[str, Any]]:
-    """A new world session: its client and its ``omni.session.resumable`` event (the first)."""
+    """A new world session: its client and its ``omni.session.resumable`` event (the first: the
+    client asks for ``omni.*`` events)."""
     ws = await connect(
-        f"{server.ws_url}/v1/realtime/video", additional_headers=auth(key), max_size=2**24, **kwargs
+        f"{server.ws_url}/v1/realtime/video?omni_extensions=1",
+        additional_headers=auth(key),
+        max_size=2**24,
+        **kwargs,
     )
     client = VideoClient(ws)
     resumable = await client.event()
@@ -250,6 +254,30 @@ async def test_drop_detaches_and_resume_continues_the_world(server: LiveServer) 
     assert request_id not in await live_requests(server)
 
 
+async def test_stock_client_gets_no_omni_event_and_resumes_from_the_101(server: LiveServer) -> None:
+    """A client that did not ask for ``omni.*`` events (vLLM-Omni's example client) sees
+    ``video.start`` first; its resume data came as headers on the 101, and they resume it."""
+    ws = await connect(f"{server.ws_url}/v1/realtime/video", additional_headers=auth(), max_size=2**24)
+    assert ws.response is not None
+    session_id = ws.response.headers["X-Omni-Session-Id"]
+    token = ws.response.headers["X-Omni-Resume-Token"]
+    assert session_id.startswith("sess_") and token.startswith("rt_")
+    client = VideoClient(ws)
+    await client.send(START)
+    first = await client.event()
+    assert first["type"] == "video.start" and first["session_id"] == session_id, first
+    await client.chunk()
+    drop(client)
+    await eventually(lambda: _state_is(server, session_id, "detached"))
+    again = await resume(server, session_id, token)  # a resume asks for `omni.*` by itself
+    async with again.ws:
+        resumed = await again.event()
+        assert resumed["type"] == "omni.session.resumed" and resumed["session_id"] == session_id
+        await again.send({"type": "session.stop"})
+        await again.expect("session.done")
+    await eventually(lambda: _gone(server, session_id))
+
+
 async def test_resumed_frames_continue_the_same_trajectory(server: LiveServer) -> None:
     """tiny-jepa is deterministic for a seed: a world resumed after a drop sends, chunk for
     chunk, the frames a world never interrupted sends (the rolling context survived)."""
@@ -370,7 +398,7 @@ async def test_refusals_before_the_upgrade(server: LiveServer) -> None:
     status, body = await refused(f"{video}?session_id=not-an-id", {**auth(), "X-Omni-Resume-Token": "rt_x"})
     assert status == 404 and body["error"]["code"] == "session_not_found"
     # a voice session's id is no world
-    voice = await connect(f"{server.ws_url}/v1/realtime", additional_headers=auth())
+    voice = await connect(f"{server.ws_url}/v1/realtime?omni_extensions=1", additional_headers=auth())
     async with voice:
         events = [json.loads(await asyncio.wait_for(voice.recv(), 10)) for _ in range(2)]
         resumable = next(e for e in events if e["type"] == "omni.session.resumable")

@@ -46,7 +46,7 @@ def ws_url(replica: Proc, query: str = "") -> str:
 async def test_world_is_bound_to_its_replica(replicas: tuple[Proc, Proc]) -> None:
     owner, other = replicas
     owner_id = await replica_id_of(owner)
-    async with connect(ws_url(owner)) as ws:
+    async with connect(ws_url(owner, "?omni_extensions=1")) as ws:
         resumable = json.loads(await ws.recv())
         assert resumable["type"] == "omni.session.resumable"
         session_id, token = resumable["session_id"], resumable["resume_token"]
@@ -80,7 +80,7 @@ async def test_resume_after_the_owner_died_is_404_and_frees_the_slot(
     owner = start_replica(redis_server.url, tmp_path, extra=["--max-sessions", "1"])
     try:
         wait_ready([owner], path="/readyz")
-        async with connect(ws_url(owner)) as ws:
+        async with connect(ws_url(owner, "?omni_extensions=1")) as ws:
             resumable = json.loads(await ws.recv())
             session_id, token = resumable["session_id"], resumable["resume_token"]
             client = Redis.from_url(redis_server.url)

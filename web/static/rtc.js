@@ -50,7 +50,7 @@ export async function connectWebRTC({ key, model, iceServers, micStream, onEvent
   try {
     await pc.setLocalDescription(await pc.createOffer());
     await withTimeout(gatheringComplete(pc), GATHER_TIMEOUT_MS, "ICE gathering").catch(() => {});
-    const url = `/v1/realtime/calls?model=${encodeURIComponent(model)}`;
+    const url = `/v1/realtime/calls?model=${encodeURIComponent(model)}&omni_extensions=1`;
     const resp = await fetch(url, {
       method: "POST",
       body: pc.localDescription.sdp,

@@ -46,7 +46,8 @@ export async function connectWebSocket({ key, model, micStream, onEvent, onRemot
   const scheme = window.location.protocol === "https:" ? "wss" : "ws";
   const protocols = ["realtime"];
   if (key) protocols.push(`openai-insecure-api-key.${key}`);
-  const url = `${scheme}://${window.location.host}/v1/realtime?model=${encodeURIComponent(model)}`;
+  // omni_extensions=1: the page understands our `omni.*` events (resume data); stock clients don't ask.
+  const url = `${scheme}://${window.location.host}/v1/realtime?model=${encodeURIComponent(model)}&omni_extensions=1`;
   const ws = new WebSocket(url, protocols);
   await opened(ws);
 

@@ -64,7 +64,7 @@ async function startRtc() {
   channel.onclose = () => { $("status").textContent = "closed"; $("stop").disabled = true; };
   pc.ontrack = (ev) => { $("video").srcObject = ev.streams[0] || new MediaStream([ev.track]); };
   await pc.setLocalDescription(await pc.createOffer());
-  const response = await fetch("/v1/realtime/video/calls", {
+  const response = await fetch("/v1/realtime/video/calls?omni_extensions=1", {
     method: "POST", body: pc.localDescription.sdp, headers: { "Content-Type": "application/sdp" },
   });
   if (response.status !== 201) {
@@ -91,7 +91,7 @@ function start() {
     return;
   }
   showVideo(false);
-  const url = new URL("/v1/realtime/video", location.href);
+  const url = new URL("/v1/realtime/video?omni_extensions=1", location.href);
   url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
   const ws = new WebSocket(url);
   ws.binaryType = "arraybuffer";
