@@ -56,6 +56,17 @@ def test_windowed_decode_equals_whole_decode_after_warmup(model: object) -> None
     assert torch.allclose(streamed[:, FRAME:], whole[:, FRAME:], atol=1e-4)
 
 
+def test_decode_context_covers_the_seanet_decoder_receptive_field(model: object) -> None:
+    """8 steps of left context (the engine's default) decode any latent sequence's last frame
+    as the whole sequence does; 4 would not (so the check above is not vacuous)."""
+    seanet = model.audio_encoder.decoder.decoder_seanet  # type: ignore[attr-defined]
+    hidden = torch.randn(1, seanet.layers[0].conv.in_channels, 20, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        whole = seanet(hidden)[..., -FRAME:]
+        assert torch.allclose(seanet(hidden[..., -10:])[..., -FRAME:], whole, atol=1e-4)
+        assert not torch.allclose(seanet(hidden[..., -6:])[..., -FRAME:], whole, atol=1e-2)
+
+
 def test_slot_kv_masks_other_sessions_and_the_window() -> None:
     kv = SlotKV(layers=1, slots=3, kv_heads=1, head_dim=2, window=4)
     for _ in range(6):
