@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint unit system-deps bench clean
+.PHONY: setup run test lint unit system-deps bench clean openpi-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,17 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# The robot tests drive the server with the real openpi-client, which pins numpy<2: it gets a
+# venv of its own (tests/robot/conftest.py runs its interpreter; 0.1.2 imports typing_extensions
+# without declaring it).
+OPENPI_VENV := .venv-openpi
+$(OPENPI_VENV)/.installed:
+	$(PYTHON) -m venv --clear $(OPENPI_VENV)
+	$(OPENPI_VENV)/bin/python -m pip install -q openpi-client==0.1.2 typing_extensions
+	touch $@
+
+openpi-venv: $(OPENPI_VENV)/.installed
 
 # Debian packages the tests need: a real redis-server and a real Chromium.
 system-deps:
@@ -28,10 +39,10 @@ lint: setup
 	$(VENV)/bin/ruff check session media runtime engines web loadtest tests
 	$(VENV)/bin/mypy
 
-unit: setup
+unit: setup openpi-venv
 	$(PY) -m pytest -q
 
 test: setup system-deps lint unit
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(OPENPI_VENV) .mypy_cache .ruff_cache .pytest_cache

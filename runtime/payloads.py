@@ -158,3 +158,26 @@ class TurnControl(Payload):
     kind: str  # "commit" | "clear" | "respond" | "cancel"
     response_id: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
+
+
+# --- robot policies (session/robot/, engines/policy/) ------------------------------------------
+
+
+@dataclass(slots=True)
+class Observation(Payload):
+    """One robot observation for a policy (streaming input of a robot session's live request):
+    camera images by key (uint8 ``[H, W, 3]``) and the proprioceptive state (float32)."""
+
+    images: dict[str, np.ndarray]
+    state: np.ndarray
+    seq: int = 0  # the session's observation number, echoed in the ActionChunk that answers it
+
+
+@dataclass(slots=True)
+class ActionChunk(Payload):
+    """A policy's answer to one observation (client-visible)."""
+
+    actions: np.ndarray  # float32 [horizon, action_dim]
+    seq: int = 0  # the Observation.seq it answers
+    infer_ms: float = 0.0  # the engine step that made it (the whole batch), in ms
+    batch: int = 1  # observations in that step

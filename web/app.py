@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -14,13 +14,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from media.webrtc import parse_ice_servers
+from runtime.spec import load_pipeline
 from session.identity import Principal, api_key_from_request, authenticate
+from session.robot.hosting import RobotHost
+from session.robot.metadata import policy_metadata
 from session.video.hosting import WorldHost
 from session.video.runtimes import OrchestratorPool
 from web.context import ServerContext, server_context
 from web.cors import CorsMiddleware, origin_policy
 from web.realtime_ws import error_body, realtime_endpoint
 from web.replica import ReplicaGate, replica_membership, replica_routes
+from web.robot import RobotService, openpi_port, robot_api_key
 from web.sessions_api import session_routes
 from web.settings import ServerSettings
 from web.video import VideoService
@@ -129,9 +133,27 @@ async def video_principal(conn: HTTPConnection) -> Principal | None:
     return await authenticate(key, ctx.api_keys, ctx.ephemeral)
 
 
+def robot_identify(ctx: ServerContext) -> Callable[[HTTPConnection], Awaitable[Principal | None]]:
+    """Robots authenticate like voice sessions (openpi's ``Api-Key`` scheme too), on the main
+    port and on the bare openpi port alike (hence bound to the context, not to an app)."""
+
+    async def identify(conn: HTTPConnection) -> Principal | None:
+        if ctx.open_mode:
+            return Principal("default")
+        return await authenticate(robot_api_key(conn), ctx.api_keys, ctx.ephemeral)
+
+    return identify
+
+
 def create_app(settings: ServerSettings) -> Starlette:
     webrtc = WebRtcService(settings)
     pool = OrchestratorPool()
+    robot_spec = load_pipeline(settings.robot_pipeline)  # only the YAML: the policy loads on first use
+    robot = RobotService(
+        pool,
+        policy_metadata(robot_spec),
+        pipeline=settings.robot_pipeline,
+    )
     video = VideoService(
         pool,
         ice_servers=parse_ice_servers(settings.stun, settings.turn),
@@ -151,6 +173,14 @@ def create_app(settings: ServerSettings) -> Starlette:
             app.state.video = video
             ctx.metrics.bind_worlds(video.live_sessions)  # counted in metrics, /readyz, load
             await world.start()
+            # Robot sessions too: same store, slots and binding; their policy runs in the pool.
+            robots = RobotHost(ctx.host, robot.new_driver, pipeline=settings.robot_pipeline)
+            robot.host = app.state.robot = robots
+            app.state.robot_service = robot
+            robot.observer = ctx.metrics
+            robot.identify = robot_identify(ctx)
+            ctx.metrics.bind_robots(lambda: len(robots.sessions))
+            await robots.start()
             try:
 
                 def load() -> int:  # live voice and world sessions
@@ -162,9 +192,11 @@ def create_app(settings: ServerSettings) -> Starlette:
                     if replica is not None:  # admit and bind under the deployment's replica id
                         ctx.host.join_replica(replica.replica_id, replica.claim)
                         replica.on_lease_regained(ctx.host.recheck_bindings)  # fence moved sessions
-                    yield
+                    async with openpi_port(robot, settings.host, settings.openpi_port):
+                        yield
             finally:
                 await webrtc.close()
+                await robots.close()  # parked: context in Redis, resumable after a restart
                 await world.close()  # every world ends: cancelled, slot released, record deleted
                 await video.close()
                 await pool.close()
@@ -179,7 +211,7 @@ def create_app(settings: ServerSettings) -> Starlette:
     middleware.insert(0, Middleware(CorsMiddleware, policy=policy))
     # The video routes come first: they include a static mount for /world.
     return Starlette(
-        routes=video.routes() + routes() + webrtc.routes() + replica_routes(),
+        routes=video.routes() + routes() + robot.routes() + webrtc.routes() + replica_routes(),
         middleware=middleware,
         lifespan=lifespan,
     )

@@ -66,6 +66,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="FROM->TO=MODE",
         help="override an edge's mode for every request, e.g. 'talker->code2wav=full'",
     )
+    p.add_argument("--robot-pipeline", default="robot-pi0-tiny", help="policy pipeline of robot sessions")
+    p.add_argument(
+        "--openpi-port", type=int, default=None, help="also serve the openpi policy endpoint at ws://HOST:PORT/"
+    )
     p.add_argument("--log-level", default="info")
 
 

@@ -167,7 +167,7 @@ class ServerMetrics:
         )
         self.active_sessions_by_kind = Gauge(
             f"{PREFIX}_active_sessions_by_kind",
-            "Open sessions by kind: voice (realtime) or world (world-model video).",
+            "Open sessions by kind: voice (realtime), world (world-model video) or robot (policy).",
             ["kind"],
             registry=r,
         )
@@ -192,6 +192,23 @@ class ServerMetrics:
         self.errors = Counter(
             f"{PREFIX}_errors", "Error events sent to clients, by code.", ["code"], registry=r
         )
+        self.robot_observations_dropped = Counter(
+            f"{PREFIX}_robot_observations_dropped",
+            "Robot observations replaced by a newer one before the policy saw them (flooding robots).",
+            registry=r,
+        )
+        self.robot_infer_seconds = Histogram(
+            f"{PREFIX}_robot_infer_seconds",
+            "Robot observation handed to the policy to its action chunk back (batching included).",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.robot_infer_batch = Histogram(
+            f"{PREFIX}_robot_infer_batch_size",
+            "Robots' observations in the policy step that answered one.",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
         self.loop_lag = Histogram(
             f"{PREFIX}_event_loop_lag_seconds",
             "How late a periodic event-loop timer fires (a busy loop delays every session).",
@@ -207,9 +224,11 @@ class ServerMetrics:
         )
         self._voice_sessions: Callable[[], int] = lambda: 0
         self._world_sessions: Callable[[], int] = lambda: 0
+        self._robot_sessions: Callable[[], int] = lambda: 0
         self.active_sessions.set_function(lambda: float(sum(self.session_counts().values())))
         self.active_sessions_by_kind.labels(kind="voice").set_function(lambda: float(self._voice_sessions()))
         self.active_sessions_by_kind.labels(kind="world").set_function(lambda: float(self._world_sessions()))
+        self.active_sessions_by_kind.labels(kind="robot").set_function(lambda: float(self._robot_sessions()))
         self._gc_started: float | None = None
         self._runtime_bound = False
         self._ttfa = self.time_to_first_audio
@@ -240,9 +259,29 @@ class ServerMetrics:
         request), read at scrape time like the voice ones."""
         self._world_sessions = count
 
+    def bind_robots(self, count: Callable[[], int]) -> None:
+        """Live robot policy sessions (detached ones too), read at scrape time."""
+        self._robot_sessions = count
+
     def session_counts(self) -> dict[str, int]:
         """Live sessions by kind: what ``/readyz`` reports and a replica's load counts."""
-        return {"voice": self._voice_sessions(), "world": self._world_sessions()}
+        return {
+            "voice": self._voice_sessions(),
+            "world": self._world_sessions(),
+            "robot": self._robot_sessions(),
+        }
+
+    # --- RobotObserver (session/robot/driver.py) -------------------------------------------------
+
+    def robot_observation_dropped(self) -> None:
+        self.robot_observations_dropped.inc()
+
+    def robot_inferred(self, seconds: float, batch: int) -> None:
+        self.robot_infer_seconds.observe(seconds)
+        self.robot_infer_batch.observe(batch)
+
+    def robot_error(self, code: str) -> None:
+        self.errors.labels(code=code).inc()
 
     # --- DriverObserver --------------------------------------------------------------------------
 

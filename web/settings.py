@@ -48,6 +48,9 @@ class ServerSettings:
     stun: list[str] = field(default_factory=list)
     turn: list[str] = field(default_factory=list)
     edge_modes: dict[str, str] = field(default_factory=dict)  # "from->to" → mode, for every request
+    # robot policy sessions (web/robot.py): the policy pipeline, and openpi's bare port
+    robot_pipeline: str = "robot-pi0-tiny"
+    openpi_port: int | None = None  # serve the openpi endpoint at ws://host:PORT/ too
 
     @property
     def max_lifetime(self) -> float:
@@ -91,6 +94,8 @@ class ServerSettings:
             stun=list(get("stun", []) or []),
             turn=list(get("turn", []) or []),
             edge_modes=parse_edge_modes(get("edge_mode", []) or []),
+            robot_pipeline=get("robot_pipeline", "robot-pi0-tiny") or "robot-pi0-tiny",
+            openpi_port=get("openpi_port"),
         )
 
 

@@ -1,0 +1,1 @@
+"""Robot policies (π0-shaped action-chunk models) behind the runtime's engine interface."""

@@ -1,0 +1,332 @@
+"""Routes of robot policy sessions: ``WS /v1/realtime/robot/openpi`` and the bare openpi port.
+
+I/O only: bytes ⇄ :class:`~session.robot.driver.RobotDriver`. Two ways in, one handler:
+
+* ``/v1/realtime/robot/openpi`` on the main port (vLLM-Omni's path; dialect ``vllm-omni``
+  unless ``?dialect=openpi``);
+* the root path of ``omniduplex serve --openpi-port N``, since
+  ``openpi_client.WebsocketClientPolicy(host, port)`` connects to ``ws://host:port`` (dialect
+  ``openpi``, exactly openpi's server; ``GET /healthz`` → 200 there too).
+
+Identity as for voice sessions: ``Authorization: Api-Key <key>`` (what openpi's client sends
+for ``api_key``) or ``Bearer <key>`` → tenant; open mode (no keys) is tenant ``default``.
+Every refusal comes before the upgrade, as JSON with an HTTP status (401, 403, 404, 409, 429,
+503). A new session gets ``X-Omni-Session-Id`` / ``X-Omni-Resume-Token`` on its upgrade
+response and the same in the metadata map's ``omni_session`` entry (openpi's client only
+exposes the metadata); a dropped robot resumes with ``?session_id=…`` and the token in
+``X-Omni-Resume-Token`` or ``?resume_token=`` (openpi's client cannot set headers but a URL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import uvicorn
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from runtime.progress import AdmissionError
+from session.identity import RESUME_HEADER, Principal, is_session_id
+from session.robot.core import Dialect, PolicyContext, RobotSessionCore
+from session.robot.driver import RobotDriver, RobotObserver, RuntimeProvider, TransportClosed
+from session.robot.hosting import AdmissionRefused, RobotHost, RobotSession, SessionElsewhere
+from session.robot.wire import MAX_PAYLOAD_BYTES, pack
+from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
+from web.video import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STORE_DOWN, UNAUTHORIZED, Denial
+
+log = logging.getLogger(__name__)
+
+ROBOT_PATH = "/v1/realtime/robot/openpi"
+IDLE_TIMEOUT_S = 30.0  # vLLM-Omni's: a vllm-omni-dialect link silent this long is closed
+FRAME_SLACK = 1 << 20  # a bare-port frame up to this much over the cap is read and refused clearly
+
+# Who is calling (None: no valid key → 401); may raise StoreUnavailable.
+Identify = Callable[[HTTPConnection], Awaitable[Principal | None]]
+
+
+def robot_api_key(connection: HTTPConnection) -> str | None:
+    """``Authorization: Api-Key <key>`` (openpi's client) or ``Bearer <key>``."""
+    scheme, _, value = connection.headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() in ("api-key", "bearer") and value.strip():
+        return value.strip()
+    return None
+
+
+class WebSocketRobotTransport:
+    """A starlette WebSocket as a :class:`~session.robot.driver.RobotTransport`."""
+
+    def __init__(self, websocket: WebSocket) -> None:
+        self._ws = websocket
+        self.disconnect_code: int | None = None  # the client's close code (1006: none)
+
+    async def send_bytes(self, data: bytes) -> None:
+        try:
+            await self._ws.send_bytes(data)
+        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+            raise TransportClosed(str(exc)) from exc
+
+    async def send_text(self, text: str) -> None:
+        try:
+            await self._ws.send_text(text)
+        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+            raise TransportClosed(str(exc)) from exc
+
+    async def close(self, code: int, reason: str) -> None:
+        try:
+            await self._ws.close(code, reason[:120])
+        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+            raise TransportClosed(str(exc)) from exc
+
+
+class RobotService:
+    """Robot sessions of this process: the handler of both ways in (see the module docstring)."""
+
+    def __init__(
+        self,
+        runtimes: RuntimeProvider,
+        metadata: dict[str, Any],
+        *,
+        pipeline: str,
+        identify: Identify | None = None,
+        observer: RobotObserver | None = None,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_payload_bytes: int = MAX_PAYLOAD_BYTES,
+    ) -> None:
+        self.runtimes = runtimes
+        self.metadata = metadata
+        self.pipeline = pipeline
+        self.identify = identify
+        self.observer = observer
+        self.idle_timeout_s = idle_timeout_s
+        self.max_payload_bytes = max_payload_bytes
+        self.host: RobotHost | None = None  # set by the app once the session layer is up
+
+    def new_driver(self, session_id: str, context: PolicyContext, dialect: Dialect) -> RobotDriver:
+        core = RobotSessionCore(
+            self.metadata, session_id, dialect=dialect, context=context, max_bytes=self.max_payload_bytes
+        )
+        return RobotDriver(core, self.runtimes, self.pipeline, observer=self.observer)
+
+    def routes(self) -> list[BaseRoute]:
+        """The main port's route."""
+        return [WebSocketRoute(ROBOT_PATH, self.omni_endpoint, name="realtime_robot_openpi")]
+
+    def bare_routes(self) -> list[BaseRoute]:
+        """The ``--openpi-port`` app: openpi's root path and health check (and the main path)."""
+        return [
+            Route("/healthz", _healthz),
+            WebSocketRoute("/", self.openpi_endpoint, name="openpi_root"),
+            WebSocketRoute(ROBOT_PATH, self.omni_endpoint, name="openpi_realtime_robot"),
+        ]
+
+    async def omni_endpoint(self, websocket: WebSocket) -> None:
+        await self._endpoint(websocket, Dialect.VLLM_OMNI)
+
+    async def openpi_endpoint(self, websocket: WebSocket) -> None:
+        await self._endpoint(websocket, Dialect.OPENPI)
+
+    # --- one connection ------------------------------------------------------------------------
+
+    async def _endpoint(self, websocket: WebSocket, default: Dialect) -> None:
+        host = self.host
+        if host is None:
+            await websocket.send_denial_response(
+                Denial(503, "not_ready", "The server is starting.", 1).response()
+            )
+            return
+        asked = websocket.query_params.get("dialect")
+        if asked is not None and asked not in (Dialect.OPENPI.value, Dialect.VLLM_OMNI.value):
+            denial = Denial(400, "invalid_dialect", "dialect must be 'openpi' or 'vllm-omni'.")
+            await websocket.send_denial_response(denial.response())
+            return
+        dialect = Dialect(asked) if asked else default
+        principal = await self._principal(websocket)
+        if isinstance(principal, Denial):
+            await websocket.send_denial_response(principal.response())
+            return
+        opened: tuple[RobotSession, str | None] | Denial
+        if websocket.query_params.get("session_id") is not None:
+            opened = await self._resume(host, websocket, principal, dialect)
+        else:
+            opened = await self._open(host, principal, dialect)
+        if isinstance(opened, Denial):
+            await websocket.send_denial_response(opened.response())
+            return
+        rs, token = opened
+        rs.driver.core.explicit_dialect = asked is not None
+        rs.driver.core.dialect = dialect
+        transport = WebSocketRobotTransport(websocket)
+        headers = {"X-Omni-Session-Id": rs.session_id}
+        if token is not None:
+            headers["X-Omni-Resume-Token"] = token
+        try:
+            await websocket.accept(headers=[(k.lower().encode(), v.encode()) for k, v in headers.items()])
+            opening = self._opening(rs, token)
+            attached = await (
+                host.open(rs, transport, opening) if token else host.resume(rs, transport, opening)
+            )
+            if attached:
+                await self._serve(websocket, rs, transport)
+        finally:
+            await asyncio.shield(host.connection_ended(rs, transport, transport.disconnect_code))
+
+    def _opening(self, rs: RobotSession, token: str | None) -> bytes:
+        info: dict[str, Any] = {"session_id": rs.session_id, "expires_at": int(rs.record.expires_at)}
+        if token is not None:
+            info["resume_token"] = token
+        else:
+            info["resumed"] = True
+            info["inferences"] = rs.driver.core.context.step
+        return pack({**self.metadata, "omni_session": info})
+
+    async def _principal(self, connection: HTTPConnection) -> Principal | Denial:
+        if self.identify is None:
+            return Principal("default")
+        try:
+            principal = await self.identify(connection)
+        except StoreUnavailable:
+            return STORE_DOWN
+        return UNAUTHORIZED if principal is None else principal
+
+    async def _open(
+        self, host: RobotHost, principal: Principal, dialect: Dialect
+    ) -> tuple[RobotSession, str] | Denial:
+        try:
+            session_id = await host.admit(principal.tenant)
+        except AdmissionRefused as refused:
+            d = refused.decision
+            return Denial(429, d.code, f"No session slot is free ({d.reason}).", d.retry_after_s)
+        except StoreUnavailable:
+            return STORE_DOWN
+        try:
+            return await host.create(session_id, principal.tenant, dialect)
+        except (StoreUnavailable, SessionElsewhere):
+            await host.forfeit(session_id)
+            return STORE_DOWN
+        except AdmissionError as exc:
+            await host.forfeit(session_id)
+            return Denial(429, "policy_at_capacity", f"The policy pipeline is full: {exc}", 1)
+        except BaseException:
+            await host.forfeit(session_id)
+            raise
+
+    async def _resume(
+        self, host: RobotHost, websocket: WebSocket, principal: Principal, dialect: Dialect
+    ) -> tuple[RobotSession, None] | Denial:
+        session_id = websocket.query_params.get("session_id", "")
+        token = websocket.headers.get(RESUME_HEADER) or websocket.query_params.get("resume_token")
+        try:
+            if not token:
+                raise ResumeTokenInvalid(session_id)
+            if not is_session_id(session_id):
+                raise SessionNotFound(session_id)
+            return await host.authorize(principal.tenant, session_id, token, dialect), None
+        except SessionNotFound:
+            return NOT_FOUND
+        except ResumeTokenInvalid:
+            return BAD_TOKEN
+        except SessionElsewhere:
+            return ELSEWHERE
+        except AdmissionRefused as refused:
+            d = refused.decision
+            return Denial(429, d.code, f"No session slot is free ({d.reason}).", d.retry_after_s)
+        except AdmissionError as exc:
+            return Denial(429, "policy_at_capacity", f"The policy pipeline is full: {exc}", 1)
+        except StoreUnavailable:
+            return STORE_DOWN
+
+    async def _serve(
+        self, websocket: WebSocket, rs: RobotSession, transport: WebSocketRobotTransport
+    ) -> None:
+        """Frames into the driver until the client leaves or the server closes the link."""
+        driver = rs.driver
+        receiver = asyncio.create_task(
+            self._receive(websocket, driver, transport), name=f"robot-rx-{rs.session_id}"
+        )
+        closed = asyncio.create_task(driver.connection_closed.wait(), name=f"robot-closed-{rs.session_id}")
+        try:
+            await asyncio.wait({receiver, closed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (receiver, closed):
+                task.cancel()
+            await asyncio.gather(receiver, closed, return_exceptions=True)
+
+    async def _receive(
+        self, websocket: WebSocket, driver: RobotDriver, transport: WebSocketRobotTransport
+    ) -> None:
+        try:
+            while True:
+                idle = self.idle_timeout_s if driver.dialect is Dialect.VLLM_OMNI else None
+                try:
+                    async with asyncio.timeout(idle):
+                        message = await websocket.receive()
+                except TimeoutError:
+                    await driver.perform(driver.core.error("idle_timeout", f"no message for {idle:.0f} s"))
+                    with contextlib.suppress(TransportClosed):
+                        await transport.close(1000, "idle timeout")
+                    return
+                if message["type"] == "websocket.disconnect":
+                    transport.disconnect_code = int(message.get("code") or 1005)
+                    return
+                data = message.get("bytes")
+                if data is None:
+                    data = message.get("text")
+                if data is not None:
+                    await driver.handle_frame(data)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            transport.disconnect_code = transport.disconnect_code or 1006
+
+
+async def _healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """A uvicorn server inside another's lifespan: the outer server owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@contextlib.asynccontextmanager
+async def openpi_port(
+    service: RobotService, host: str, port: int | None, log_level: str = "warning"
+) -> AsyncIterator[None]:
+    """``serve --openpi-port N``: the bare openpi endpoint on its own port while inside (None:
+    nothing). Its frame limit is the 64 MiB payload cap (plus slack, so a payload a little over
+    it is read and refused with a clear error rather than cut off by the transport)."""
+    if port is None:
+        yield
+        return
+    from starlette.applications import Starlette
+
+    config = uvicorn.Config(
+        Starlette(routes=service.bare_routes()),
+        host=host,
+        port=port,
+        ws="websockets-sansio",
+        ws_max_size=service.max_payload_bytes + FRAME_SLACK,
+        ws_per_message_deflate=False,
+        log_level=log_level,
+        lifespan="off",
+    )
+    server = _EmbeddedServer(config)
+    task = asyncio.create_task(server.serve(), name=f"openpi-port-{port}")
+    try:
+        while not server.started:
+            if task.done():
+                task.result()  # raises why it could not start (e.g. the port is taken)
+                raise RuntimeError(f"the openpi port {port} did not start")
+            await asyncio.sleep(0.01)
+        yield
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
