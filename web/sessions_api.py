@@ -12,6 +12,7 @@ from starlette.routing import BaseRoute, Route
 
 from session.hosting import SessionHost
 from session.identity import Principal, api_key_from_request, authenticate, is_session_id
+from session.robot.hosting import RobotHost
 from session.store.errors import SessionNotFound, StoreUnavailable
 from session.video.hosting import WorldHost
 from web.context import ServerContext
@@ -33,7 +34,7 @@ def _not_found() -> JSONResponse:
 
 async def session_endpoint(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
-    host: SessionHost | WorldHost = ctx.host
+    host: SessionHost | WorldHost | RobotHost = ctx.host
     try:
         principal = await _principal(request)
     except StoreUnavailable:
@@ -44,6 +45,9 @@ async def session_endpoint(request: Request) -> Response:
     world = getattr(request.app.state, "world", None)  # session.video.hosting.WorldHost
     if world is not None and world.live(principal.tenant, session_id) is not None:
         host = world  # a world session live here: same describe/delete interface
+    robot = getattr(request.app.state, "robot", None)  # session.robot.hosting.RobotHost
+    if robot is not None and robot.live(principal.tenant, session_id) is not None:
+        host = robot  # likewise a robot session
     try:
         if not is_session_id(session_id):
             raise SessionNotFound(session_id)

@@ -13,14 +13,22 @@ that says what was expected and what came. Nothing here touches a socket.
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import Any
 
-import msgpack
 import numpy as np
 
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # vLLM-Omni's cap on one observation frame
 MAX_DIMS = 8
 REFUSED_KINDS = {"O": "object", "V": "void/structured", "c": "complex"}
+
+
+def _msgpack() -> ModuleType:
+    """msgpack, imported at the first robot frame rather than with the app: a server (or a test
+    environment) that never serves a robot does not need it."""
+    import msgpack
+
+    return msgpack
 
 
 class WireError(ValueError):
@@ -91,6 +99,7 @@ def unpack(data: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> Any:
         raise WireError(
             "payload_too_large", f"payload of {len(data)} bytes is over the {max_bytes}-byte limit"
         )
+    msgpack = _msgpack()
     try:
         return msgpack.unpackb(
             data, object_hook=_object_hook, raw=False, strict_map_key=False, max_bin_len=max_bytes
@@ -118,5 +127,5 @@ def _default(obj: Any) -> Any:
 
 def pack(value: Any) -> bytes:
     """A frame for ``value`` (maps, lists, str, numbers, numpy arrays and scalars)."""
-    data: bytes = msgpack.packb(value, default=_default, use_bin_type=True)
+    data: bytes = _msgpack().packb(value, default=_default, use_bin_type=True)
     return data

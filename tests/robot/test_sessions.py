@@ -1,0 +1,85 @@
+"""Robot sessions on the session layer beyond one connection: admission slots shared with voice
+sessions, and a session that moves with its policy context when its process goes away (the
+context is in its Redis record; a new process rebuilds it on resume under a new binding)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from websockets.asyncio.client import connect
+
+from tests.conftest_redis import RedisServerProcess, start_tcp_redis
+from tests.live_server import live_server
+from tests.robot.robot_client import RobotClient, observation, refused
+
+KEY = "sk-robot-a"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> RedisServerProcess:
+    server = start_tcp_redis(tmp_path / "redis")
+    yield server  # type: ignore[misc]
+    server.stop()
+
+
+async def test_robots_share_admission_slots_with_voice_sessions(
+    tmp_path: Path, redis: RedisServerProcess
+) -> None:
+    with live_server(
+        tmp_path / "srv",
+        pipeline="null",
+        vad=False,
+        redis_url=redis.url,
+        api_keys=f"{KEY}:tenant-a",
+        max_sessions=2,
+        admission_queue_max=0,
+    ) as server:
+        robot_url = f"{server.ws_url}/v1/realtime/robot/openpi"
+        voice = await connect(f"{server.ws_url}/v1/realtime?model=null", additional_headers=AUTH)
+        await voice.recv()  # session.created: the voice session holds a slot
+        robot = await RobotClient.connect(robot_url, KEY)
+        status, body = await refused(robot_url, AUTH)
+        assert status == 429 and body["error"]["code"] == "server_at_capacity"
+        await voice.close()  # its slot comes back
+        for _ in range(100):
+            try:
+                second = await RobotClient.connect(robot_url, KEY)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the voice session's slot did not come back")
+        assert (await second.infer(observation(second.metadata, 0)))["actions"].shape == (50, 7)
+        await second.close()
+        await robot.close()
+
+
+async def test_a_session_moves_to_a_new_process_with_its_context(
+    tmp_path: Path, redis: RedisServerProcess
+) -> None:
+    settings = dict(pipeline="null", vad=False, redis_url=redis.url, api_keys=f"{KEY}:tenant-a")
+    with live_server(tmp_path / "a", **settings) as first:  # type: ignore[arg-type]
+        url = f"{first.ws_url}/v1/realtime/robot/openpi"
+        straight = await RobotClient.connect(url, KEY)
+        meta = straight.metadata
+        expected = [
+            (await straight.infer(observation(meta, i, prompt="stack the blocks")))["actions"]
+            for i in range(3)
+        ]
+        await straight.close()
+        robot = await RobotClient.connect(url, KEY)
+        for i in range(2):
+            await robot.infer(observation(meta, i, prompt="stack the blocks"))
+        session_id, token = robot.session_id, robot.token
+        # the process goes away (shutdown: the session is parked with its context in Redis)
+    with live_server(tmp_path / "b", **settings) as second:  # type: ignore[arg-type]
+        url = f"{second.ws_url}/v1/realtime/robot/openpi?session_id={session_id}"
+        back = await RobotClient.connect(url, KEY, {"X-Omni-Resume-Token": token})
+        assert back.metadata["omni_session"]["inferences"] == 2
+        third = await back.infer(observation(meta, 2))  # no prompt field: the stored prompt holds
+        np.testing.assert_allclose(third["actions"], expected[2], atol=1e-5)
+        await back.close()
