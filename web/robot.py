@@ -12,8 +12,10 @@ Identity as for voice sessions: ``Authorization: Api-Key <key>`` (what openpi's 
 for ``api_key``) or ``Bearer <key>`` → tenant; open mode (no keys) is tenant ``default``.
 Every refusal comes before the upgrade, as JSON with an HTTP status (401, 403, 404, 409, 429,
 503). A new session gets ``X-Omni-Session-Id`` / ``X-Omni-Resume-Token`` on its upgrade
-response and the same in the metadata map's ``omni_session`` entry (openpi's client only
-exposes the metadata); a dropped robot resumes with ``?session_id=…`` and the token in
+response, and, when it asks for the extensions (``?omni_extensions=1`` or
+``X-Omni-Extensions: 1``, web/omni_extensions.py), the same in the metadata map's
+``omni_session`` entry (openpi's client exposes only the metadata, and takes a URL with a
+query as its host); a dropped robot resumes with ``?session_id=…`` and the token in
 ``X-Omni-Resume-Token`` or ``?resume_token=`` (openpi's client cannot set headers but a URL).
 """
 
@@ -38,6 +40,7 @@ from session.robot.driver import RobotDriver, RobotObserver, RuntimeProvider, Tr
 from session.robot.hosting import AdmissionRefused, RobotHost, RobotSession, SessionElsewhere
 from session.robot.wire import MAX_PAYLOAD_BYTES, pack
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
+from web.omni_extensions import SESSION_ID_HEADER, raw_headers, resume_headers, wants_extensions
 from web.video import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STORE_DOWN, UNAUTHORIZED, Denial
 
 log = logging.getLogger(__name__)
@@ -162,12 +165,14 @@ class RobotService:
         rs.driver.core.explicit_dialect = asked is not None
         rs.driver.core.dialect = dialect
         transport = WebSocketRobotTransport(websocket)
-        headers = {"X-Omni-Session-Id": rs.session_id}
-        if token is not None:
-            headers["X-Omni-Resume-Token"] = token
+        # a resume asks for the extensions by itself (only a resume-aware client holds a token)
+        extensions = token is None or wants_extensions(websocket.query_params, websocket.headers)
+        headers = (
+            resume_headers(rs.session_id, token) if token is not None else {SESSION_ID_HEADER: rs.session_id}
+        )
         try:
-            await websocket.accept(headers=[(k.lower().encode(), v.encode()) for k, v in headers.items()])
-            opening = self._opening(rs, token)
+            await websocket.accept(headers=raw_headers(headers))
+            opening = self._opening(rs, token, extensions)
             attached = await (
                 host.open(rs, transport, opening) if token else host.resume(rs, transport, opening)
             )
@@ -176,7 +181,11 @@ class RobotService:
         finally:
             await asyncio.shield(host.connection_ended(rs, transport, transport.disconnect_code))
 
-    def _opening(self, rs: RobotSession, token: str | None) -> bytes:
+    def _opening(self, rs: RobotSession, token: str | None, extensions: bool) -> bytes:
+        """The metadata frame; ``omni_session`` (the resume data) only for a client that asks
+        (web/omni_extensions.py): a stock openpi client gets the policy's metadata alone."""
+        if not extensions:
+            return pack(self.metadata)
         info: dict[str, Any] = {"session_id": rs.session_id, "expires_at": int(rs.record.expires_at)}
         if token is not None:
             info["resume_token"] = token

@@ -56,11 +56,14 @@ class RobotClient:
 
     @property
     def session_id(self) -> str:
-        return str(self.metadata["omni_session"]["session_id"])
+        """From the 101 (what a client that did not ask for the extensions reads)."""
+        assert self.ws.response is not None
+        return str(self.ws.response.headers["X-Omni-Session-Id"])
 
     @property
     def token(self) -> str:
-        return str(self.metadata["omni_session"]["resume_token"])
+        assert self.ws.response is not None
+        return str(self.ws.response.headers["X-Omni-Resume-Token"])
 
     @classmethod
     async def connect(cls, url: str, key: str | None, headers: dict[str, str] | None = None) -> RobotClient:

@@ -35,7 +35,11 @@ async def on_server(server: LiveServer, coro: Any) -> Any:
 async def test_infer_reset_and_session_id(robot_server: LiveServer) -> None:
     robot = await open_robot(robot_server)
     meta = robot.metadata
-    assert meta["omni_session"]["resume_token"].startswith("rt_")
+    assert "omni_session" not in meta and robot.token.startswith("rt_")  # resume data on the 101
+    asked = await open_robot(robot_server, query="?omni_extensions=1")
+    assert asked.metadata["omni_session"]["session_id"] == asked.session_id
+    assert asked.metadata["omni_session"]["resume_token"] == asked.token
+    await asked.close()
     reply = await robot.infer(observation(meta, 0, session_id=robot.session_id))
     assert reply["actions"].shape == (50, 7) and reply["actions"].dtype == np.float32
     assert reply["session_id"] == robot.session_id and reply["server_timing"]["infer_ms"] > 0
