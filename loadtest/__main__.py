@@ -4,6 +4,7 @@
     python -m loadtest compare --config "A=--pipeline x" --config "B=--pipeline x --edge-mode a->b=full"
     python -m loadtest capacity --server-args "--pipeline voice-cascade" --slo "ttfa_p95_ms<=1500,..."
     python -m loadtest report docs/loadtest/null-ws.json     # redraw Markdown and plots
+    python -m loadtest run --scenario robot --sessions 1,8,32  # robots at 10/50 Hz, batched vs not
 
 Exit status: 0 when every objective given with ``--slo`` held (``run``, ``compare``), 1 when one
 failed, 2 for bad arguments.
@@ -23,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.commands import comparison, find_capacity, run_levels, server_target, speech_bank
-from loadtest.results import load, new_results, write_outputs
+from loadtest.results import dumps, load, new_results, write_outputs
+from loadtest.robot import add_robot_args, run_robot_scenario
 from loadtest.server_process import ConfigSpec
 from loadtest.slo import parse_slo
 from loadtest.workload import add_workload_args, workload_from_args
@@ -63,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the workload at one or more concurrency levels")
     _server(run)
     add_workload_args(run)
+    add_robot_args(run)
     _common(run)
     cmp = sub.add_parser("compare", help="two server configurations in turn, same workload, ratios")
     cmp.add_argument(
@@ -105,6 +108,8 @@ def _run_async(coro: Coroutine[Any, Any, int]) -> int:
 
 
 async def _cmd_run(args: argparse.Namespace, results: dict[str, Any]) -> int:
+    if args.scenario == "robot":  # its own runner: robot control loops, two server configs
+        return await run_robot_scenario(args, results, _log)
     workload = workload_from_args(args)
     objectives = parse_slo(args.slo)
     bank = speech_bank(workload, args.piper_cache)
@@ -195,6 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, NotImplementedError) as exc:
         print(f"loadtest: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "scenario", None) == "robot":  # its report is written by loadtest.robot
+        args.out.mkdir(parents=True, exist_ok=True)
+        json_path = args.out / f"{name}.json"
+        json_path.write_text(dumps(results))
+        _log(f"results: {json_path}")
+        return code
     written = write_outputs(results, args.out, args.plots or args.out)
     _log(f"results: {written['json']}\nreport:  {written['markdown']}")
     return code

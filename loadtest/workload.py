@@ -13,7 +13,7 @@ from typing import Any, Literal
 SpeechSource = Literal["piper", "tone"]
 TurnDetection = Literal["server_vad", "manual"]
 
-SCENARIOS = ("voice-ws", "voice-webrtc", "world")
+SCENARIOS = ("voice-ws", "voice-webrtc", "world", "robot")
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from runtime.progress import AdmissionError
 from session.identity import RESUME_HEADER, Principal, is_session_id
@@ -294,6 +295,23 @@ class RobotService:
 
 async def _healthz(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
+
+
+class RobotFrameLimit(WebSocketsSansIOProtocol):
+    """uvicorn's sans-I/O WebSocket protocol with the robot path's own frame limit.
+
+    The server-wide limit (``max_message_bytes``, 2 MiB) suits JSON voice and world events; a
+    robot observation may be up to the 64 MiB payload cap. websockets reads ``max_size`` per
+    frame, so raising it once the handshake named the robot path gives that one route its
+    limit (plus slack: a payload just over the cap is read and refused with a clear error)
+    while every other connection keeps the small one."""
+
+    robot_max_size = MAX_PAYLOAD_BYTES + FRAME_SLACK
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        if str(event.path).partition("?")[0] == ROBOT_PATH and self.conn.max_size is not None:
+            self.conn.max_size = max(self.conn.max_size, self.robot_max_size)
 
 
 class _EmbeddedServer(uvicorn.Server):

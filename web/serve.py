@@ -11,6 +11,7 @@ import uvicorn
 from web.app import create_app
 from web.auth import is_loopback_host
 from web.replica import DrainingServer
+from web.robot import RobotFrameLimit
 from web.settings import ServerSettings
 
 log = logging.getLogger("omniduplex")
@@ -31,7 +32,7 @@ def uvicorn_config(settings: ServerSettings, log_level: str = "info") -> uvicorn
         create_app(settings),
         host=settings.host,
         port=settings.port,
-        ws="websockets-sansio",
+        ws=RobotFrameLimit,  # websockets-sansio, with the robot route's 64 MiB frame limit
         ws_max_size=settings.max_message_bytes,
         ws_ping_interval=20.0,
         ws_ping_timeout=20.0,
