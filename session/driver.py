@@ -36,6 +36,7 @@ from runtime.orchestrator import Orchestrator
 from runtime.payloads import AudioChunk, TextDelta, Transcript
 from runtime.progress import AdmissionError, RequestStatus
 from session.link import LinkEnd, Transport, TransportLink
+from session.live_request import LiveEntry, LiveRequest
 from session.realtime.core import RealtimeSessionCore
 from session.realtime.effects import (
     CancelResponse,
@@ -43,6 +44,7 @@ from session.realtime.effects import (
     Close,
     CoreOutput,
     DetectSpeech,
+    LiveAudio,
     PlayAudio,
     PrepareTranscript,
     StartResponse,
@@ -153,6 +155,9 @@ class DriverOptions:
     epoch: Callable[[], float] = time.time
     observer: DriverObserver | None = None  # metrics hooks
     turn_gate: TurnGate | None = None  # per-replica bound on generating responses (shared)
+    # The pipeline takes its own turns (a full-duplex model): the session opens a live request
+    # there and streams its audio in (session/live_request.py); the core has `live_responses`.
+    live: LiveEntry | None = None
 
 
 _TRANSCRIPTION_THREADS = 2
@@ -227,6 +232,12 @@ class RealtimeDriver:
         self.stats = _Stats()
         # The latest PrepareTranscript: its key and the transcription (None if it failed).
         self._prepared: tuple[tuple[str, int], asyncio.Task[str | None]] | None = None
+        self.live: LiveRequest | None = None
+        if self.options.live is not None and orchestrator is not None:
+            self.live = LiveRequest(
+                orchestrator, self.options.live, core, self.apply, self.now,
+                session_key=self.options.session_key,
+            )
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -241,6 +252,8 @@ class RealtimeDriver:
         self._started = True
         self._spawn(self._vad_worker(), "vad")
         self._spawn(self._timer(), "timer")
+        if self.live is not None:
+            self._spawn(self.live.run(), "live")
         if not self.core.started:
             self.apply(self.core.start(self.now(), self.options.epoch() if epoch is None else epoch))
 
@@ -427,6 +440,8 @@ class RealtimeDriver:
                     self._audio_sink.clear(effect.response_id)
             elif isinstance(effect, Close):
                 self.request_close(effect.code, effect.reason)
+            elif isinstance(effect, LiveAudio) and self.live is not None:
+                self.live.push(effect)
 
     async def _vad_worker(self) -> None:
         while True:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from session.driver import DriverOptions, RealtimeDriver, SessionLog
 from session.identity import new_session_id
+from session.live_request import LiveEntry
 from session.realtime.config import SessionConfig
 from session.realtime.core import CoreOptions, RealtimeSessionCore
 
@@ -29,7 +30,20 @@ def core_options(
         audio_out_via_track=audio_out_via_track,
         pipeline_transcribes_input=ctx.pipeline_transcribes_input,
         session_id=session_id,
+        live_responses=live_entry(ctx) is not None,
     )
+
+
+def live_entry(ctx: ServerContext) -> LiveEntry | None:
+    """Where sessions open their live request, when the pipeline takes its own turns (its live
+    entry provides "responses": a full-duplex model); None for pipelines the session drives."""
+    orch = getattr(ctx, "orchestrator", None)  # contexts built by hand may lack one
+    if orch is None:
+        return None
+    caps = orch.capabilities()
+    if not caps.live_responses or caps.live_entry is None:
+        return None
+    return LiveEntry(caps.live_entry, caps.input_rate)
 
 
 def build_driver(
@@ -60,7 +74,9 @@ def build_driver(
         transcriber=ctx.speech.asr,
         audio_sink=audio_sink,
         log=log,
-        options=DriverOptions(session_key=core.session_id, observer=ctx.metrics, turn_gate=ctx.turn_gate),
+        options=DriverOptions(
+            session_key=core.session_id, observer=ctx.metrics, turn_gate=ctx.turn_gate, live=live_entry(ctx)
+        ),
     )
 
 

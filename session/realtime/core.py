@@ -88,6 +88,11 @@ class CoreOptions:
     audio_store: AudioStore | None = None
     session_id: str | None = None
     new_id: IdFactory = random_id
+    # The pipeline takes its own turns (a native full-duplex model): input audio goes out as
+    # `LiveAudio` effects for its live request, responses open when it starts speaking
+    # (`on_live_response_started`), the user's audio is committed as user items then; no
+    # server VAD, and `response.create` is refused.
+    live_responses: bool = False
 
 
 class RealtimeSessionCore(UserInput):
@@ -264,13 +269,14 @@ class RealtimeSessionCore(UserInput):
     def on_response_done(
         self,
         response_id: str,
-        status: Literal["completed", "failed", "cancelled"],
+        status: Literal["completed", "failed", "cancelled", "incomplete"],
         error: str | None = None,
         *,
         now: float,
         usage: dict[str, Any] | None = None,
     ) -> CoreOutput:
-        """The pipeline finished `response_id`. Ignored for responses the core already ended."""
+        """The pipeline finished `response_id` ("incomplete": a live pipeline cut it at its
+        length limit). Ignored for responses the core already ended."""
         run = self._active
         if run is not None and run.id == response_id:
             final: ResponseStatus = "cancelled" if status == "cancelled" else status
@@ -414,6 +420,13 @@ class RealtimeSessionCore(UserInput):
                 audio_end_ms=event.audio_end_ms,
             )
         elif isinstance(event, ResponseCreate):
+            if self.options.live_responses:
+                raise ProtocolError(
+                    E.INVALID_EVENT,
+                    "This session's model decides when to speak (a full-duplex pipeline): "
+                    "response.create is not supported.",
+                    param="type",
+                )
             self._start_response(event, now)
         elif isinstance(event, ResponseCancel):
             self._response_cancel(event, now)
@@ -426,6 +439,8 @@ class RealtimeSessionCore(UserInput):
         self._out.event("session.updated", session=self.session_object())
 
     def _apply_turn_detection(self) -> None:
+        if self.options.live_responses:
+            self.config.turn_detection = None  # the model takes the turns: no server VAD
         td = self.config.turn_detection
         self._input.set_vad(td is not None)
         if td is None:
@@ -467,6 +482,7 @@ class RealtimeSessionCore(UserInput):
         now: float,
         *,
         transcript_key: tuple[str, int] | None = None,
+        live: bool = False,
     ) -> None:
         if self._active is not None:
             raise ProtocolError(
@@ -509,7 +525,8 @@ class RealtimeSessionCore(UserInput):
             transcript_key != self._prepared or stats.audio_item_ids != [transcript_key[0]]
         ):
             transcript_key = None  # the prompt's audio is not (only) what was transcribed ahead
-        self._out.effect(StartResponse(response_id, params, transcript_key=transcript_key))
+        if not live:  # a live response is already being made by the live request
+            self._out.effect(StartResponse(response_id, params, transcript_key=transcript_key))
 
     def _response_cancel(self, event: ResponseCancel, now: float) -> None:
         if self._active is None or (event.response_id is not None and event.response_id != self._active.id):

@@ -96,6 +96,17 @@ class Close:
     reason: str = ""
 
 
+@dataclass(slots=True)
+class LiveAudio:
+    """Input audio for the session's live request (pipelines that take their own turns, e.g.
+    a full-duplex model): the samples of one append, decoded from the wire (float32 mono at
+    `rate`, the wire's or the track's rate). The driver resamples once, to the pipeline's
+    input rate, and appends them to the live request."""
+
+    samples: np.ndarray
+    rate: int
+
+
 Effect = (
     StartResponse
     | PrepareTranscript
@@ -105,6 +116,7 @@ Effect = (
     | PlayAudio
     | ClearAudioOutput
     | Close
+    | LiveAudio
 )
 
 
@@ -119,3 +131,4 @@ class CoreOutput:
     def extend(self, other: CoreOutput) -> None:
         self.events.extend(other.events)
         self.effects.extend(other.effects)
+

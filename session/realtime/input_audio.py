@@ -57,17 +57,18 @@ class InputAudio:
         self.format = fmt
         self._resampler = StreamingResampler(fmt.rate, VAD_RATE)
 
-    def append_wire(self, data: bytes) -> None:
+    def append_wire(self, data: bytes) -> np.ndarray:
         """Decode wire bytes (raises `AudioFormatError`) and append them (resampled later,
-        in a batch: see the module docstring)."""
+        in a batch: see the module docstring). Returns the decoded int16 samples."""
         pcm = self.format.decode_int16(data)
         if not len(pcm):
-            return
+            return pcm
         self._raw.append(pcm)
         self._raw_samples += len(pcm)
         rate = self.format.rate
         if self._raw_samples >= rate or (self.vad_enabled and self._raw_samples * VAD_RATE >= FRAME * rate):
             self._settle()
+        return pcm
 
     def _settle(self) -> None:
         """Resample the appends still waiting as int16 onto the timeline."""

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from media.audio import AudioFormatError, b64decode_audio, float32_to_int16_exact
+from media.audio import AudioFormatError, b64decode_audio, float32_to_int16_exact, int16_to_float32
 from session.realtime import errors as E
 from session.realtime.config import SessionConfig, TurnDetection
 from session.realtime.conversation import Content, Conversation, Item
-from session.realtime.effects import CoreOutput, PrepareTranscript, TranscribeInput
+from session.realtime.effects import CoreOutput, LiveAudio, PrepareTranscript, TranscribeInput
 from session.realtime.errors import ProtocolError
 from session.realtime.ids import IdFactory
 from session.realtime.input_audio import FRAME, SAMPLES_PER_MS, InputAudio, ms_of
@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from session.realtime.events import ResponseCreate
 
 MIN_COMMIT_MS = 100
+# With a pipeline that takes its own turns, user audio is committed when the model starts
+# speaking, and at the latest every this many ms (items and the buffer stay bounded).
+LIVE_COMMIT_MAX_MS = 30_000
 
 
 class UserInput(ABC):
@@ -70,15 +73,50 @@ class UserInput(ABC):
         now: float,
         *,
         transcript_key: tuple[str, int] | None = None,
+        live: bool = False,
     ) -> None:
         ...
 
     def feed_input_audio(self, samples: np.ndarray, rate: int, now: float) -> CoreOutput:
         """Mic audio from a media track (WebRTC), float32 mono at `rate`."""
         if not self.closed:
-            self._input.append_samples(np.asarray(samples, dtype=np.float32), rate)
+            samples = np.asarray(samples, dtype=np.float32)
+            self._input.append_samples(samples, rate)
             self._request_vad()
+            if self.options.live_responses:
+                self._live_input(samples, rate)
         return self._out.drain()
+
+    def on_live_response_started(self, now: float) -> tuple[str | None, CoreOutput]:
+        """A pipeline that takes its own turns began speaking: the user's audio since the last
+        commit becomes a user item (as server VAD would commit it), then a response opens whose
+        output the live request streams (no StartResponse). Returns its id, or None when the
+        session is closed or a response is already active (its output is then ignored)."""
+        if self.closed or self._active is not None:
+            return None, self._out.drain()
+        self._live_commit()
+        self._start_response(None, now, live=True)
+        return (self._active.id if self._active is not None else None), self._out.drain()
+
+    def live_error(self, code: str, message: str, *, server: bool = True) -> CoreOutput:
+        """An `error` event about the live request (it failed: `server_error`; or the client
+        outran it: `invalid_request_error`). The session stays usable."""
+        err = ProtocolError(code, message, type=E.SERVER_ERROR if server else E.INVALID_REQUEST)
+        self._out.error(err)
+        return self._out.drain()
+
+    def _live_input(self, samples: np.ndarray, rate: int) -> None:
+        self._out.effect(LiveAudio(samples, rate))
+        if self._input.duration_ms >= LIVE_COMMIT_MAX_MS:
+            self._live_commit()  # a user who talks on and on: bounded items, bounded buffer
+
+    def _live_commit(self) -> None:
+        self._input.flush()
+        if self._input.duration_ms < MIN_COMMIT_MS:
+            return
+        audio = self._input.take(self._input.start, self._input.end)
+        self._input.clear()
+        self._commit(self._new_id("item"), audio, respond=False)
 
     def feed_vad(
         self, probabilities: Sequence[float], now: float, *, start_sample: int | None = None
@@ -156,12 +194,14 @@ class UserInput(ABC):
 
     def _append(self, audio: str) -> None:
         try:
-            self._input.append_wire(b64decode_audio(audio))
+            pcm = self._input.append_wire(b64decode_audio(audio))
         except AudioFormatError as exc:
             raise ProtocolError(
                 E.INVALID_VALUE, f"Invalid value for 'audio': {exc}.", param="audio"
             ) from None
         self._request_vad()
+        if self.options.live_responses and len(pcm):
+            self._live_input(int16_to_float32(pcm), self._input.format.rate)
 
     def _request_vad(self) -> None:
         frames = self._input.next_frames()
