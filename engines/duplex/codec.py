@@ -7,12 +7,14 @@ it). Here those per-layer padding states live in per-slot buffers and the transf
 :class:`~engines.duplex.slot_kv.SlotKV`, so the frames of every session in a step are encoded
 in one batched call.
 
-The *decoder* side has a streaming transformer but no streaming state for its SEANet
-convolutions, so each step decodes the new frame with ``decode_context`` frames (at the
-transformer's 25 Hz) of left context kept per slot and keeps only the new frame's samples.
-The SEANet decoder is causal with a finite receptive field, so with enough context this is the
-whole-signal decode of that frame (checked in the tests) at a fixed cost per frame; only the
-first frames of a session differ (their left context is zeros, not "nothing").
+The *decoder* side has a streaming transformer but ``transformers`` runs its SEANet
+convolutions on whole signals only. Here they are stepped one frame at a time with Moshi's
+streaming rules: each causal ``MimiConv1d`` (and those inside the residual blocks) gets the
+left padding it kept from the previous frame through the same ``padding_cache`` hook the
+encoder uses, and each causal transposed convolution adds the overlapping tail of the previous
+frame's output (without its bias) to the start of this one and keeps its own tail. So every
+frame decodes to exactly the samples a whole-signal decode gives (checked in the tests), at
+the cost of one frame.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.models.mimi.modeling_mimi import MimiConv1dPaddingCache
+from transformers.models.mimi.modeling_mimi import (
+    MimiConv1d,
+    MimiConv1dPaddingCache,
+    MimiConvTranspose1d,
+    MimiResnetBlock,
+)
 
 from engines.duplex.slot_kv import SlotKV
 
@@ -45,17 +52,48 @@ class _SlotPaddingCache(MimiConv1dPaddingCache):
         return super().update(hidden_states, layer_idx)
 
 
+class _CallOrderPaddingCache:
+    """Padding states of the decoder's causal convolutions, in the order they are called (its
+    convolutions carry no ``layer_idx``; the order of one forward pass is fixed)."""
+
+    def __init__(self, states: list[torch.Tensor]) -> None:
+        self.states = states
+        self._next = 0
+
+    def update(self, hidden_states: torch.Tensor, layer_idx: int | None) -> torch.Tensor:
+        i, self._next = self._next, self._next + 1
+        previous = self.states[i]
+        keep = previous.shape[-1]
+        joined = torch.cat([previous, hidden_states], dim=-1)
+        self.states[i] = joined[..., joined.shape[-1] - keep :]
+        return previous
+
+
+def _decoder_convs(seanet: Any) -> list[Any]:
+    """The causal MimiConv1d layers of a SEANet decoder in call order (residual blocks inside)."""
+    convs: list[Any] = []
+    for layer in seanet.layers:
+        if isinstance(layer, MimiConv1d):
+            convs.append(layer)
+        elif isinstance(layer, MimiResnetBlock):
+            convs += [m for m in layer.block if isinstance(m, MimiConv1d)]
+            if isinstance(layer.shortcut, MimiConv1d):
+                convs.append(layer.shortcut)
+    return convs
+
+
 class MimiStreams:
     """Per-slot streaming encode/decode state around one ``MimiModel``."""
 
-    def __init__(self, mimi: Any, *, slots: int, num_codebooks: int, decode_context: int = 8) -> None:
+    def __init__(self, mimi: Any, *, slots: int, num_codebooks: int) -> None:
         cfg = mimi.config
         self.mimi = mimi
         self.num_codebooks = num_codebooks
         self.sample_rate = int(cfg.sampling_rate)
         self.frame_size = round(cfg.sampling_rate / cfg.frame_rate)  # 1920 at 24 kHz / 12.5 Hz
-        self.decode_context = decode_context
         enc, dec = mimi.encoder, mimi.decoder
+        if not cfg.use_causal_conv or cfg.trim_right_ratio != 1.0 or cfg.pad_mode != "constant":
+            raise ValueError("streaming Mimi needs causal convolutions, trim_right_ratio 1 and zero padding")
         self._hop = round(cfg.sampling_rate / cfg.encodec_frame_rate)  # samples per 25 Hz step
         self._steps_per_frame = self.frame_size // self._hop
         convs = [enc.encoder_seanet.get_submodule(n) for n in enc.encoder_seanet._conv1d_layer_names]
@@ -76,13 +114,19 @@ class MimiStreams:
         self._dec_kv = kv(dec.config)
         hidden = dec.config.hidden_size
         self._prev_latent = torch.zeros(slots, hidden, 1)
-        self._dec_ctx = torch.zeros(slots, hidden, decode_context)
+        seanet = dec.decoder_seanet
+        convs = _decoder_convs(seanet)
+        self._dec_pad = [torch.zeros(slots, c.in_channels, int(c.padding_total)) for c in convs]
+        self._dec_tails = [
+            torch.zeros(slots, layer.conv.out_channels, layer.conv.kernel_size[0] - layer.conv.stride[0])
+            for layer in seanet.layers
+            if isinstance(layer, MimiConvTranspose1d)
+        ]
 
     @property
     def state_bytes(self) -> int:
-        pads = sum(p.numel() * p.element_size() for p in self._pad)
-        ctx = (self._prev_latent.numel() + self._dec_ctx.numel()) * 4
-        return pads + ctx + self._enc_kv.nbytes + self._dec_kv.nbytes
+        buffers = [*self._pad, *self._dec_pad, *self._dec_tails, self._prev_latent]
+        return sum(b.numel() * b.element_size() for b in buffers) + self._enc_kv.nbytes + self._dec_kv.nbytes
 
     def reset(self, slot: int) -> None:
         for pad in self._pad:
@@ -91,7 +135,8 @@ class MimiStreams:
         self._enc_kv.reset(slot)
         self._dec_kv.reset(slot)
         self._prev_latent[slot] = 0
-        self._dec_ctx[slot] = 0
+        for state in (*self._dec_pad, *self._dec_tails):
+            state[slot] = 0
 
     def encode(self, slots: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
         """float32 [B, frame_size] (one frame per slot) → codes int64 [B, num_codebooks]."""
@@ -128,9 +173,30 @@ class MimiStreams:
         out = dec.decoder_transformer(
             up.transpose(1, 2), attention_mask=mask, position_ids=pos, cache=self._dec_kv, use_cache=True
         )
-        new = out.last_hidden_state.transpose(1, 2)
-        window = torch.cat([self._dec_ctx.index_select(0, slots), new], dim=-1)
-        if self.decode_context:
-            self._dec_ctx.index_copy_(0, slots, window[..., -self.decode_context :].contiguous())
-        audio = dec.decoder_seanet(window)[:, 0, -self.frame_size :]
-        return audio
+        audio = self._seanet_step(slots, out.last_hidden_state.transpose(1, 2))
+        return audio[:, 0]
+
+    def _seanet_step(self, slots: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """One frame through the SEANet decoder with per-slot streaming state."""
+        cache = _CallOrderPaddingCache([pad.index_select(0, slots) for pad in self._dec_pad])
+        tail_index = 0
+        for layer in self.mimi.decoder.decoder_seanet.layers:
+            if isinstance(layer, (MimiConv1d, MimiResnetBlock)):
+                hidden = layer(hidden, padding_cache=cache)
+            elif isinstance(layer, MimiConvTranspose1d):
+                state = self._dec_tails[tail_index]
+                tail_index += 1
+                full = layer.conv(hidden)  # [B, C, (T - 1) * stride + kernel]
+                overlap = state.shape[-1]
+                full[..., :overlap] += state.index_select(0, slots)
+                emitted = hidden.shape[-1] * layer.conv.stride[0]
+                tail = full[..., emitted:]
+                if layer.conv.bias is not None:  # the next frame adds its own bias there
+                    tail = tail - layer.conv.bias[None, :, None]
+                state.index_copy_(0, slots, tail.contiguous())
+                hidden = full[..., :emitted]
+            else:
+                hidden = layer(hidden)
+        for pad, new in zip(self._dec_pad, cache.states, strict=True):
+            pad.index_copy_(0, slots, new.contiguous())
+        return hidden

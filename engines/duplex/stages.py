@@ -15,17 +15,19 @@ set (then every frame's audio does: a client that plays the raw duplex stream).
 Clock: a frame is stepped as soon as 1,920 samples of it are buffered (the user's audio is
 the clock, so a client streaming a file runs the model faster than real time, one frame a
 step); when the user's audio stops for ``idle_grace_ms`` past a frame's time, the model is
-stepped on silence every 80 ms, so it can keep talking while the user is quiet. Audio more
+stepped on silence every 80 ms, so it can keep talking while the user is quiet, for up to
+``idle_stop_s`` (5 s) without any input: then it pauses until audio comes again (a client that
+went away, or stopped streaming, costs no model time). Audio more
 than ``max_buffer_s`` ahead of the model fails the request with a clear error (bounded per
 session). ``AudioInput(final=True)`` ends the request once its buffered frames are stepped.
 
 Options: ``model`` (``tiny`` or a local checkpoint directory, see :mod:`engines.duplex.config`),
 ``seed``, ``context`` (frames of temporal KV: 250 = 20 s; Moshi 3000), ``max_sessions``
 (KV slots, one per live request; a request past them fails with a clear error),
-``decode_context``, ``acoustic_delay`` (1), sampling (``text_temperature``, ``text_top_k``,
+``acoustic_delay`` (1), sampling (``text_temperature``, ``text_top_k``,
 ``audio_temperature``, ``audio_top_k``, ``text_pad_bias``: a silence prior for random
 weights only, 0 for real ones), ``end_pad_frames``, ``max_response_frames``,
-``idle_grace_ms``, ``max_buffer_s``, ``stream_silence``, ``threads`` (torch intra-op
+``idle_grace_ms``, ``idle_stop_s``, ``max_buffer_s``, ``stream_silence``, ``threads`` (torch intra-op
 threads of the worker, 1 by default so a step does not fight the event loop for cores).
 Submit params: ``seed`` (per-session sampling seed). ``update(Conditioning)`` values are
 accepted and ignored (the base Moshi model takes no text prompt).
@@ -63,6 +65,8 @@ class DuplexState:
     buffered_samples: int = 0
     frames: int = 0  # model frames stepped
     last_step: float = 0.0
+    last_input: float = 0.0  # when audio last arrived
+    on_silence: bool = False  # the last step ran on silence (the next is due one frame later)
     ending: bool = False  # AudioInput(final=True) seen
     released: bool = False
 
@@ -89,7 +93,6 @@ class DuplexEngine(Engine):
         self.seed = int(o.get("seed", 0))
         self.context = int(o.get("context", 250))
         self.max_sessions = int(o.get("max_sessions", 64))
-        self.decode_context = int(o.get("decode_context", 8))
         self.acoustic_delay = int(o.get("acoustic_delay", 1))
         self.sampling = Sampling(
             text_temperature=float(o.get("text_temperature", 0.7)), text_top_k=int(o.get("text_top_k", 25)),
@@ -99,6 +102,7 @@ class DuplexEngine(Engine):
         self.end_pad_frames = int(o.get("end_pad_frames", 6))
         self.max_response_frames = int(o.get("max_response_frames", 250))
         self.idle_grace_s = float(o.get("idle_grace_ms", 120)) / 1000
+        self.idle_stop_s = float(o.get("idle_stop_s", 5))
         self.max_buffer_s = float(o.get("max_buffer_s", 10))
         self.stream_silence = bool(o.get("stream_silence", False))
         self.threads = int(o.get("threads", 1))
@@ -116,8 +120,7 @@ class DuplexEngine(Engine):
             torch.set_num_threads(self.threads)
         model, _ = build_model(self.model_name, seed=self.seed, context=self.context)
         self._codec = MimiStreams(
-            model.audio_encoder, slots=self.max_sessions, num_codebooks=NUM_CODEBOOKS,
-            decode_context=self.decode_context,
+            model.audio_encoder, slots=self.max_sessions, num_codebooks=NUM_CODEBOOKS
         )
         if self._codec.sample_rate != SAMPLE_RATE:
             raise ValueError(f"duplex engine expects a 24 kHz Mimi (got {self._codec.sample_rate})")
@@ -151,7 +154,7 @@ class DuplexEngine(Engine):
             stretches=SpeechStretches(
                 end_pad_frames=self.end_pad_frames, max_frames=self.max_response_frames
             ),
-            last_step=self._clock(),
+            last_step=self._clock(), last_input=self._clock(),
         )
 
     def finish(self, state: Any, *, cancelled: bool) -> None:
@@ -170,10 +173,14 @@ class DuplexEngine(Engine):
         frames: list[np.ndarray] = []
         for i, item in enumerate(batch):
             state: DuplexState = item.state
-            self._absorb(state, item.inputs)
+            if self._absorb(state, item.inputs):
+                state.last_input = now
             frame = state.take_frame(codec.frame_size)
-            if frame is None and not state.ending and now >= state.last_step + frame_s + self.idle_grace_s:
+            if frame is not None:
+                state.on_silence = False
+            elif self._steps_on_silence(state, now, frame_s):
                 frame = np.zeros(codec.frame_size, dtype=np.float32)  # the user is quiet: step on silence
+                state.on_silence = True
             if frame is not None:
                 rows.append(i)
                 frames.append(frame)
@@ -183,7 +190,19 @@ class DuplexEngine(Engine):
             self._pace(item.state, out, codec.frame_size, frame_s)
         return outputs
 
-    def _absorb(self, state: DuplexState, inputs: list[Payload]) -> None:
+    def _silence_due(self, state: DuplexState, frame_s: float) -> float:
+        """When the next frame runs on silence: the user's audio is `idle_grace` late, then
+        every frame (80 ms) while it stays away."""
+        return state.last_step + frame_s + (0.0 if state.on_silence else self.idle_grace_s)
+
+    def _steps_on_silence(self, state: DuplexState, now: float, frame_s: float) -> bool:
+        if state.ending or now - state.last_input > self.idle_stop_s:
+            return False
+        return now >= self._silence_due(state, frame_s)
+
+    def _absorb(self, state: DuplexState, inputs: list[Payload]) -> bool:
+        """Buffer the audio inputs; True if any audio came."""
+        got = False
         for payload in inputs:
             if not isinstance(payload, AudioInput):
                 continue  # control inputs have no meaning to a model that owns its turns
@@ -193,6 +212,7 @@ class DuplexEngine(Engine):
                 )
             samples = np.asarray(payload.samples, dtype=np.float32).reshape(-1)
             if samples.size:
+                got = True
                 state.buffered.append(samples)
                 state.buffered_samples += int(samples.size)
             state.ending = state.ending or payload.final
@@ -201,6 +221,7 @@ class DuplexEngine(Engine):
                 f"input audio is {state.buffered_samples / SAMPLE_RATE:.1f} s ahead of the model "
                 f"(at most {self.max_buffer_s:g} s): send it in real time"
             )
+        return got
 
     def _run(
         self, batch: Sequence[StepInput], outputs: list[StepOutput], rows: list[int],
@@ -244,4 +265,7 @@ class DuplexEngine(Engine):
             return
         if state.buffered_samples >= frame_size:
             return  # another frame is waiting: step again at once
-        out.not_before = state.last_step + frame_s + self.idle_grace_s
+        if self._clock() - state.last_input > self.idle_stop_s:
+            out.wait_for_input = True  # paused: no input for idle_stop_s
+            return
+        out.not_before = self._silence_due(state, frame_s)

@@ -42,29 +42,21 @@ def test_streaming_encode_equals_whole_signal_encode(model: object) -> None:
     assert torch.equal(torch.stack(frames, dim=-1), whole)
 
 
-def test_windowed_decode_equals_whole_decode_after_warmup(model: object) -> None:
+def test_streaming_decode_equals_whole_signal_decode(model: object) -> None:
+    """Frame by frame, every slot's audio is the whole-signal decode's, from the first frame."""
     mimi = model.audio_encoder  # type: ignore[attr-defined]
-    codec = MimiStreams(mimi, slots=4, num_codebooks=NUM_CODEBOOKS, decode_context=8)
+    codec = MimiStreams(mimi, slots=4, num_codebooks=NUM_CODEBOOKS)
     gen = torch.Generator().manual_seed(2)
     codes = torch.randint(0, mimi.config.codebook_size, (2, NUM_CODEBOOKS, 10), generator=gen)
     slots = torch.tensor([3, 1])
     with torch.inference_mode():
         whole = mimi.decode(codes).audio_values[:, 0]
+        # another session in slot 0 is mid-stream: its state must not leak into ours
+        codec.decode(torch.tensor([0]), codes[:1, :, 0])
         streamed = torch.cat([codec.decode(slots, codes[:, :, i]) for i in range(10)], dim=-1)
     assert streamed.shape == whole.shape
-    # the first frame's left context is zeros rather than nothing; every later frame is exact
-    assert torch.allclose(streamed[:, FRAME:], whole[:, FRAME:], atol=1e-4)
-
-
-def test_decode_context_covers_the_seanet_decoder_receptive_field(model: object) -> None:
-    """8 steps of left context (the engine's default) decode any latent sequence's last frame
-    as the whole sequence does; 4 would not (so the check above is not vacuous)."""
-    seanet = model.audio_encoder.decoder.decoder_seanet  # type: ignore[attr-defined]
-    hidden = torch.randn(1, seanet.layers[0].conv.in_channels, 20, generator=torch.Generator().manual_seed(4))
-    with torch.inference_mode():
-        whole = seanet(hidden)[..., -FRAME:]
-        assert torch.allclose(seanet(hidden[..., -10:])[..., -FRAME:], whole, atol=1e-4)
-        assert not torch.allclose(seanet(hidden[..., -6:])[..., -FRAME:], whole, atol=1e-2)
+    assert whole.std() > 0.1  # a varying signal, not a constant the check could pass vacuously
+    assert torch.allclose(streamed, whole, atol=1e-4)
 
 
 def test_slot_kv_masks_other_sessions_and_the_window() -> None:

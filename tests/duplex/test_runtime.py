@@ -176,9 +176,25 @@ def test_quiet_user_steps_the_model_on_silence_every_frame() -> None:
         now[0] = out.not_before or now[0]
         out = engine.step([StepInput(state)])[0]
         assert state.frames == i + 1
-        assert out.not_before == pytest.approx(now[0] + 0.2)
+        assert out.not_before == pytest.approx(now[0] + 0.08)  # then every frame while quiet
     chunks = [p for p in out.client if isinstance(p, AudioChunk)]
     assert len(chunks) == 1  # stream_silence: every frame's audio goes out
+
+
+def test_a_long_silent_user_pauses_the_model_until_audio_comes() -> None:
+    engine, now = engine_with_clock(idle_grace_ms=120, idle_stop_s=1)
+    state: DuplexState = engine.start(EngineRequest("r", {}))
+    out = engine.step([StepInput(state)])[0]
+    while out.not_before is not None:
+        now[0] = out.not_before
+        out = engine.step([StepInput(state)])[0]
+    assert out.wait_for_input and 8 <= state.frames <= 12  # ~1 s of silence frames, then paused
+    frames = state.frames
+    now[0] += 60
+    engine.step([StepInput(state)])
+    assert state.frames == frames  # a minute later, still paused
+    out = engine.step([StepInput(state, inputs=[AudioInput(np.zeros(FRAME, np.float32), RATE)])])[0]
+    assert state.frames == frames + 1 and out.not_before is not None  # audio wakes it
 
 
 def test_full_engine_refuses_a_session_past_its_slots() -> None:
