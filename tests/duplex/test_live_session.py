@@ -135,3 +135,16 @@ async def test_audio_faster_than_the_model_takes_it_is_bounded() -> None:
     errors = [e for e in events if e["type"] == "error"]
     assert len(errors) == 1 and errors[0]["error"]["code"] == "input_audio_overflow"
     assert live.dropped_bytes == RATE // 2 * 4  # the third half second: past 1 s waiting
+
+
+def test_a_cancelled_live_response_drops_the_rest_of_the_stretch() -> None:
+    core = live_core()
+    rid, _ = core.on_live_response_started(0.0)
+    assert rid is not None
+    out = core.handle_client_event({"type": "response.cancel"}, 0.1)
+    assert [e["type"] for e in out.events][-1] == "response.done"
+    assert out.events[-1]["response"]["status"] == "cancelled"
+    assert core.on_response_audio(rid, np.full(1920, 0.2, np.float32), RATE, 0.2).events == []
+    assert core.on_response_done(rid, "completed", now=0.3).events == []
+    rid2, started = core.on_live_response_started(0.4)  # the model's next stretch opens a new one
+    assert rid2 not in (None, rid) and started.events[-1]["type"] == "response.created"
