@@ -51,12 +51,13 @@ def available_engines() -> list[str]:
 
 
 def engine_class(name: str) -> type[Engine]:
-    """The engine class for ``name``, importing its module on first use."""
+    """The engine class for ``name``, importing its module on first use. A ``module:QualName``
+    path works too (an engine not declared as an entry point of the installed metadata yet)."""
     with _lock:
         cls = _registered.get(name) or _loaded.get(name)
     if cls is not None:
         return cls
-    target = _entry_point_names().get(name)
+    target = name if ":" in name else _entry_point_names().get(name)
     if target is None:
         raise UnknownEngineError(name, available_engines())
     cls = load_engine_path(target)

@@ -118,7 +118,8 @@ class PipelineSpec:
     def capacity(self) -> int:
         if self.max_concurrency is not None:
             return self.max_concurrency
-        return min(s.budget.max_concurrency * s.replicas for s in self.stages)
+        main = set(self.reachable(self.entry))  # other entries' stages bound their own requests
+        return min(s.budget.max_concurrency * s.replicas for s in self.stages if s.name in main)
 
     def with_edge_modes(self, edge_modes: Mapping[str, str] | None) -> PipelineSpec:
         """This pipeline with some edges' modes overridden (``{"talker->code2wav": "full"}``);
@@ -272,7 +273,7 @@ class _Validator:
         data = self.mapping(data, path, ("name", "engine", "options", "budget", "replicas"))
         name = self.string(self.required(data, "name", path), _join(path, "name"))
         engine = self.string(self.required(data, "engine", path), _join(path, "engine"))
-        if engine not in self.engines:
+        if engine not in self.engines and ":" not in engine:  # module:QualName: checked at start
             raise self.fail(
                 _join(path, "engine"),
                 f"unknown engine {engine!r} (registered: {', '.join(sorted(self.engines)) or 'none'})",

@@ -26,16 +26,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
+from runtime.capabilities import PipelineCapabilities
 from runtime.orchestrator import Orchestrator
 from runtime.payloads import AudioChunk, TextDelta, Transcript
 from runtime.progress import AdmissionError, RequestStatus
 from session.link import LinkEnd, Transport, TransportLink
+from session.live_input import DEFAULT_LIMIT_BYTES, LiveInput
 from session.live_request import LiveEntry, LiveRequest
 from session.realtime.core import RealtimeSessionCore
 from session.realtime.effects import (
@@ -52,21 +53,8 @@ from session.realtime.effects import (
 )
 from session.store.aio import cancel_and_wait
 from session.turn_gate import TurnGate, TurnRejected
-from session.vad_batcher import VadBatcher
 
 log = logging.getLogger(__name__)
-
-
-class VadScorer(Protocol):
-    """Speech probabilities of one audio stream (silero's `VadStream` fits)."""
-
-    def reset(self) -> None: ...
-
-    def speech_probs(self, frames16k: np.ndarray) -> list[float]: ...
-
-
-class Transcriber(Protocol):
-    def transcribe(self, audio16k: np.ndarray) -> str: ...
 
 
 class AudioSink(Protocol):
@@ -158,20 +146,11 @@ class DriverOptions:
     # The pipeline takes its own turns (a full-duplex model): the session opens a live request
     # there and streams its audio in (session/live_request.py); the core has `live_responses`.
     live: LiveEntry | None = None
-
-
-_TRANSCRIPTION_THREADS = 2
-_transcription_pool: ThreadPoolExecutor | None = None
-
-
-def _transcribe_off_loop(transcriber: Transcriber, audio16k: np.ndarray) -> Awaitable[str]:
-    """Transcriptions take hundreds of ms of CPU each: they get their own few threads. On the
-    loop's default executor they would occupy every thread under load and hold up all
-    sessions' VAD scoring (tens of µs per call) behind them. Process-wide, like the models."""
-    global _transcription_pool
-    if _transcription_pool is None:
-        _transcription_pool = ThreadPoolExecutor(_TRANSCRIPTION_THREADS, thread_name_prefix="transcribe")
-    return asyncio.get_running_loop().run_in_executor(_transcription_pool, transcriber.transcribe, audio16k)
+    # What the pipeline offers (`Orchestrator.capabilities()`): the live request's entry (server
+    # VAD needs one providing voice activity) and the transcribe entry. None: neither.
+    capabilities: PipelineCapabilities | None = None
+    server_vad: bool = True  # open the live request for server VAD (off: turns never detected)
+    live_input_bytes: int = DEFAULT_LIMIT_BYTES  # mic audio waiting for the live request
 
 
 @dataclass(slots=True)
@@ -200,8 +179,6 @@ class RealtimeDriver:
         *,
         send: SendEvent | None = None,
         close: CloseTransport | None = None,
-        vad: VadScorer | None = None,
-        transcriber: Transcriber | None = None,
         audio_sink: AudioSink | None = None,
         log: SessionLog | None = None,
         options: DriverOptions | None = None,
@@ -210,13 +187,12 @@ class RealtimeDriver:
         self._orch = orchestrator
         self._send = send
         self._close = close
-        self._vad = vad
-        self._transcriber = transcriber
         self._audio_sink = audio_sink  # `attach` replaces it with the transport's (if any)
         self._track_response: str | None = None  # the last response with audio for a track
         self._log = log
         self.options = options or DriverOptions()
-        self._vad_queue: asyncio.Queue[DetectSpeech] = asyncio.Queue()
+        self._live = self._new_live_input()
+        self._overflow_reported_at: float | None = None  # input overflow errors: one a second
         self._responses: dict[str, _Response] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timer_wake = asyncio.Event()
@@ -250,7 +226,8 @@ class RealtimeDriver:
         if self._started:
             return
         self._started = True
-        self._spawn(self._vad_worker(), "vad")
+        if self._live is not None:
+            self._live.start()
         self._spawn(self._timer(), "timer")
         if self.live is not None:
             self._spawn(self.live.run(), "live")
@@ -337,6 +314,8 @@ class RealtimeDriver:
                     await link.aclose(code, reason, drain_s=drain_s)
                 else:
                     await link.aclose()
+            if self._live is not None:
+                await self._live.close()
             for task in list(self._tasks):
                 await cancel_and_wait(task)
             self._tasks.clear()
@@ -418,7 +397,7 @@ class RealtimeDriver:
                     log.set_open_response(changes.open_response)
         for effect in out.effects:
             if isinstance(effect, DetectSpeech):
-                self._vad_queue.put_nowait(effect)
+                self._detect_speech(effect)
             elif isinstance(effect, StartResponse):
                 self._start_response(effect)
             elif isinstance(effect, PrepareTranscript):
@@ -443,29 +422,67 @@ class RealtimeDriver:
             elif isinstance(effect, LiveAudio) and self.live is not None:
                 self.live.push(effect)
 
-    async def _vad_worker(self) -> None:
-        while True:
-            effect = await self._vad_queue.get()
-            batch = [effect]
-            # Coalesce contiguous pending requests into one thread hop.
-            while not self._vad_queue.empty():
-                nxt = self._vad_queue.get_nowait()
-                if nxt.reset or nxt.start_sample != batch[-1].start_sample + len(batch[-1].samples):
-                    await self._score(batch)
-                    batch = []
-                batch.append(nxt)
-            await self._score(batch)
+    # --- the live request (docs/CONTRACTS.md "Live voice requests") ----------------------
 
-    async def _score(self, batch: list[DetectSpeech]) -> None:
-        if not batch:
+    def _new_live_input(self) -> LiveInput | None:
+        caps = self.options.capabilities
+        if (
+            self._orch is None
+            or caps is None
+            or caps.live_entry is None
+            or not caps.voice_activity
+            or not self.options.server_vad
+        ):
+            return None
+        return LiveInput(
+            self._orch,
+            entry=caps.live_entry,
+            session_key=self.options.session_key,
+            params=self._live_params,
+            on_activity=self._on_voice_activity,
+            on_failed=self._on_live_failed,
+            limit_bytes=self.options.live_input_bytes,
+            name=self.core.session_id,
+        )
+
+    def _live_params(self) -> dict[str, Any]:
+        return {"live": True, "session_id": self.core.session_id}
+
+    def _detect_speech(self, effect: DetectSpeech) -> None:
+        if self._live is None:
+            return  # no VAD in this pipeline (or turned off): server VAD never triggers
+        if self._live.push(effect):
             return
-        vad = self._vad
-        if vad is None:
-            return
-        samples = np.concatenate([e.samples for e in batch]) if len(batch) > 1 else batch[0].samples
-        # With every other session's frames in one thread hop (see session/vad_batcher.py).
-        probs = await VadBatcher.for_running_loop().score(vad, samples, reset=batch[0].reset)
-        self.apply(self.core.feed_vad(probs, self.now(), start_sample=batch[0].start_sample))
+        now = self.now()
+        if self._overflow_reported_at is not None and now - self._overflow_reported_at < 1.0:
+            return  # one error a second at most: a client streaming a file would get one per append
+        self._overflow_reported_at = now
+        message = (
+            "Input audio arrives faster than it can be processed: "
+            f"{self._live.limit_bytes} bytes are waiting; audio past that was dropped."
+        )
+        self.apply(self.core.report_error("input_audio_overflow", message, server=False))
+
+    def _on_voice_activity(self, start_sample: int, probs: list[float]) -> None:
+        self.apply(self.core.feed_vad(probs, self.now(), start_sample=start_sample))
+
+    def _on_live_failed(self, error: str) -> None:
+        log.warning("session %s: live request failed: %s", self.core.session_id, error)
+        self.apply(self.core.report_error("live_request_failed", f"Input processing failed: {error}"))
+
+    async def _transcribe_audio(self, audio: np.ndarray) -> str:
+        """Transcribe one stretch of 16 kHz audio on the pipeline's transcribe entry."""
+        caps = self.options.capabilities
+        if self._orch is None or caps is None or caps.transcribe_entry is None:
+            raise RuntimeError("no transcription model")
+        handle = await self._orch.submit(
+            {"audio": audio}, session_key=self.options.session_key, entry=caps.transcribe_entry
+        )
+        payloads, status = await handle.collect()
+        if status.status != "completed":
+            raise RuntimeError(status.error or f"transcription {status.status}")
+        finals = [p.text for p in payloads if isinstance(p, Transcript) and p.final]
+        return finals[-1] if finals else ""
 
     async def _timer(self) -> None:
         while True:
@@ -481,28 +498,24 @@ class RealtimeDriver:
                 self.apply(self.core.tick(self.now()))
 
     async def _transcribe(self, effect: TranscribeInput) -> None:
-        if self._transcriber is None:
-            self.apply(self.core.on_input_transcript_failed(effect.item_id, "no transcription model"))
-            return
-        transcriber = self._transcriber
         try:
-            text = await _transcribe_off_loop(transcriber, effect.audio)
+            text = await self._transcribe_audio(effect.audio)
         except Exception as exc:  # a model failure fails this transcription only
-            log.exception("transcription failed")
+            log.warning("transcription failed: %s", exc)
             self.apply(self.core.on_input_transcript_failed(effect.item_id, str(exc)))
             return
         self.apply(self.core.on_input_transcript(effect.item_id, text, now=self.now()))
 
     def _prepare_transcript(self, effect: PrepareTranscript) -> None:
-        transcriber = self._transcriber
-        if transcriber is None:
+        caps = self.options.capabilities
+        if caps is None or caps.transcribe_entry is None:
             return
 
         async def transcribe() -> str | None:
             try:
-                return await _transcribe_off_loop(transcriber, effect.audio)
-            except Exception:  # the response then transcribes in the pipeline as usual
-                log.exception("transcription ahead of the turn's end failed")
+                return await self._transcribe_audio(effect.audio)
+            except Exception as exc:  # the response then transcribes in the pipeline as usual
+                log.warning("transcription ahead of the turn's end failed: %s", exc)
                 return None
 
         self.stats.transcripts_prepared += 1

@@ -1,6 +1,8 @@
-"""What one server process holds: the pipeline's orchestrator, Redis, credentials, speech models.
+"""What one server process holds: the pipeline's orchestrator, Redis, credentials.
 
-Built once in the app's lifespan; the routes only translate bytes to calls on it.
+Built once in the app's lifespan; the routes only translate bytes to calls on it. Every model
+(VAD and ASR included) runs in the orchestrator; what the pipeline offers a session comes from
+`Orchestrator.capabilities()`, never from engine names.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
+from runtime.capabilities import PipelineCapabilities
 from runtime.orchestrator import Orchestrator
 from runtime.spec import PipelineSpec, load_pipeline
 from session.identity import ApiKeyMap, EphemeralKeys
@@ -47,35 +50,6 @@ REDIS_CLIENT_OPTIONS: dict[str, Any] = {
 GC_THRESHOLDS = (20_000, 10, 10)
 
 
-@dataclass(slots=True)
-class SpeechModels:
-    """Models the session driver uses outside the pipeline (loaded once, shared)."""
-
-    vad: Any = None  # engines.speech.vad.SileroVad
-    asr: Any = None  # engines.speech.asr.WhisperAsr
-
-    def new_vad_stream(self) -> Any:
-        return None if self.vad is None else self.vad.new_stream()
-
-
-def _load_speech_models(settings: ServerSettings) -> SpeechModels:
-    models = SpeechModels()
-    if settings.vad:
-        try:
-            from engines.speech.vad import SileroVad
-
-            models.vad = SileroVad()
-        except Exception:  # the speech extra is optional
-            log.warning("Silero VAD unavailable: server_vad turn detection will not trigger", exc_info=True)
-    try:
-        from engines.speech.asr import AsrConfig, shared_asr
-
-        models.asr = shared_asr(AsrConfig())
-    except Exception:
-        log.warning("faster-whisper unavailable: input transcription disabled", exc_info=True)
-    return models
-
-
 def pipeline_spec(settings: ServerSettings) -> PipelineSpec:
     spec = load_pipeline(settings.pipeline).with_edge_modes(settings.edge_modes or None)
     if not settings.llm:
@@ -97,7 +71,7 @@ class ServerContext:
     orchestrator: Orchestrator
     redis: Redis
     ephemeral: EphemeralKeys
-    speech: SpeechModels
+    capabilities: PipelineCapabilities = field(default_factory=PipelineCapabilities)
     sessions: dict[str, Any] = field(default_factory=dict)  # session id → live driver
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     ready: bool = False
@@ -111,7 +85,7 @@ class ServerContext:
 
     @property
     def pipeline_transcribes_input(self) -> bool:
-        return any(stage.engine == "speech.asr" for stage in self.spec.stages)
+        return self.capabilities.response_transcribes_input
 
 
 @contextlib.asynccontextmanager
@@ -139,7 +113,6 @@ async def server_context(settings: ServerSettings) -> Any:
         redis_connection(settings.redis_url, data_dir=settings.data_dir, **REDIS_CLIENT_OPTIONS) as redis,
         audio_spool(settings) as spool,
     ):
-        speech = await asyncio.to_thread(_load_speech_models, settings)
         orchestrator = Orchestrator.from_spec(spec)
         await orchestrator.start()
         ctx = ServerContext(
@@ -149,7 +122,7 @@ async def server_context(settings: ServerSettings) -> Any:
             orchestrator=orchestrator,
             redis=redis,
             ephemeral=EphemeralKeys(redis),
-            speech=speech,
+            capabilities=orchestrator.capabilities(),
             audio_spool=spool,
         )
         ctx.metrics.bind_runtime(orchestrator.metrics)

@@ -82,6 +82,11 @@ def initial_config(ctx: ServerContext, model: str | None, principal: Principal) 
     return config
 
 
+# Client frames kept while a session waits in the admission queue (~10 s of 24 kHz PCM16
+# appends in base64); past it the connection is closed with 1008.
+QUEUED_INPUT_MAX_BYTES = 1 << 20
+
+
 class WebSocketTransport:
     """A starlette WebSocket as a session `Transport`; remembers how the client left."""
 
@@ -89,6 +94,7 @@ class WebSocketTransport:
         self.websocket = websocket
         self.disconnect_code: int | None = None
         self.pending: deque[str] = deque()  # frames read while waiting in the admission queue
+        self.pending_bytes = 0  # ... their size, bounded by QUEUED_INPUT_MAX_BYTES
 
     @property
     def connected(self) -> bool:
@@ -106,7 +112,9 @@ class WebSocketTransport:
 
     async def receive(self) -> str | None:
         if self.pending:
-            return self.pending.popleft()
+            text = self.pending.popleft()
+            self.pending_bytes -= len(text)
+            return text
         return await self.read()
 
     async def read(self) -> str | None:
@@ -258,7 +266,14 @@ async def _wait_in_queue(
             text = reader.result()
             if text is None:
                 break
+            if transport.pending_bytes + len(text) > QUEUED_INPUT_MAX_BYTES:
+                # Streaming a file while queued: keeping it would grow without bound, and
+                # dropping some of it would lose the client's input silently.
+                await transport.close(1008, "too much input while waiting in the admission queue")
+                transport.disconnect_code = 1008
+                break
             transport.pending.append(text)
+            transport.pending_bytes += len(text)
     except Exception:
         log.warning("session %s: admission wait failed", sid, exc_info=True)
     finally:

@@ -70,12 +70,15 @@ def build_driver(
         ctx.orchestrator,
         send=send,
         close=close,
-        vad=ctx.speech.new_vad_stream(),
-        transcriber=ctx.speech.asr,
         audio_sink=audio_sink,
         log=log,
         options=DriverOptions(
-            session_key=core.session_id, observer=ctx.metrics, turn_gate=ctx.turn_gate, live=live_entry(ctx)
+            session_key=core.session_id,
+            observer=ctx.metrics,
+            turn_gate=ctx.turn_gate,
+            capabilities=ctx.capabilities,
+            server_vad=ctx.settings.vad,
+            live=live_entry(ctx),
         ),
     )
 

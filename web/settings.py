@@ -44,7 +44,7 @@ class ServerSettings:
     turn_queue_s: float = 2.0  # a turn waits this long for a slot, then fails
     turn_queue_max: int = 64  # turns waiting at once; beyond it a turn fails at once
     ephemeral_ttl_s: float = 600.0
-    vad: bool = True  # load Silero for server_vad (tests of pure protocol paths may turn it off)
+    vad: bool = True  # server_vad: sessions open a live request on the pipeline's VAD stage (off: no turns)
     stun: list[str] = field(default_factory=list)
     turn: list[str] = field(default_factory=list)
     edge_modes: dict[str, str] = field(default_factory=dict)  # "from->to" → mode, for every request

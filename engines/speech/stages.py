@@ -97,6 +97,8 @@ class AsrEngine(Engine):
     ``short_encode`` (true: encode only the utterance, not a padded 30 s window; see
     :mod:`engines.speech.asr`)."""
 
+    provides = frozenset({"input_transcription"})
+
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
         self.config = AsrConfig(

@@ -318,6 +318,17 @@ class RealtimeSessionCore(UserInput):
             self.closed = True
         return self._out.drain()
 
+    def report_error(
+        self, code: str, message: str, *, event_id: str | None = None, server: bool = True
+    ) -> CoreOutput:
+        """An `error` event for something the server side hit on this session's behalf (its
+        live request failed, input audio overflowed): `server_error` type unless `server` is
+        False. The session goes on."""
+        if not self.closed:
+            kind = E.SERVER_ERROR if server else E.INVALID_REQUEST
+            self._out.error(ProtocolError(code, message, type=kind), event_id)
+        return self._out.drain()
+
     def cancel_response(self, now: float) -> CoreOutput:
         """Cancel the active response for the server's own reasons (the client left past
         its disconnect grace): `response.done` cancelled, as if the client had cancelled."""

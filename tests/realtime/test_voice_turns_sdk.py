@@ -124,7 +124,7 @@ async def test_push_to_talk_turn(server: LiveServer) -> None:
         assert assistant.role == "assistant" and assistant.status == "completed"
         assert words(assistant.content[0].transcript) == words(ECHO)
         assert words(transcript_deltas(turn)) == words(ECHO)
-        assert await input_transcript(events, turn, user_item.id) == SENTENCE
+        assert words(await input_transcript(events, turn, user_item.id)) == words(SENTENCE)
 
         audio = response_audio(turn)
         assert 1.0 < audio.size / WIRE_RATE < 10.0  # "You said: ..." is ~3.5 s of speech

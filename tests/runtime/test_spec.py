@@ -153,7 +153,8 @@ def test_load_by_name_and_unknown_name() -> None:
     names = available_pipelines()
     assert "qwen3-omni-tiny" in names
     spec = load_pipeline("qwen3-omni-tiny")
-    assert [s.name for s in spec.stages] == ["thinker", "talker", "code2wav"]
+    assert spec.reachable(spec.entry) == ["thinker", "talker", "code2wav"]
+    assert spec.entries == {"live": "vad", "transcribe": "transcribe"}  # the session's VAD and ASR
     talker_edge = spec.outgoing("talker")[0]
     assert (talker_edge.chunk.first, talker_edge.chunk.steady, talker_edge.chunk.left_context) == (4, 25, 25)
     unknown = r"no-such-pipeline: unknown pipeline \(available: .*qwen3-omni-tiny"

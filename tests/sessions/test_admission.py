@@ -111,6 +111,28 @@ async def test_queue_deadline_refuses_with_error_and_1013(server: LiveServer) ->
     await until(lambda: all_zero(server), within_s=10)
 
 
+async def test_input_while_queued_is_bounded_by_bytes(server: LiveServer) -> None:
+    """A client streaming audio while it waits in the admission queue: frames are kept for
+    the session up to QUEUED_INPUT_MAX_BYTES; past that the connection is closed with 1008 and
+    a reason (never an unbounded buffer), and its queue place is given back."""
+    from web.realtime_ws import QUEUED_INPUT_MAX_BYTES
+
+    append = json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 64_000})
+    async with (
+        opened(server),
+        opened(server),
+        websockets.connect(realtime_url(server), open_timeout=10, max_size=None) as ws,
+        ServerEvents(ws.recv) as events,
+    ):
+        assert (await events.next(10)).type == "omni.admission.queued"
+        for _ in range(QUEUED_INPUT_MAX_BYTES // len(append) + 2):
+            await ws.send(append)
+        assert await events.close_code(within_s=5) == 1008
+        assert ws.close_reason == "too much input while waiting in the admission queue"
+        assert "session.created" not in events.types()
+    await until(lambda: all_zero(server), within_s=10)
+
+
 async def test_full_queue_is_429_with_retry_after_before_upgrade(server: LiveServer) -> None:
     async with (
         opened(server),
