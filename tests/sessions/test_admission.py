@@ -121,7 +121,7 @@ async def test_input_while_queued_is_bounded_by_bytes(server: LiveServer) -> Non
     async with (
         opened(server),
         opened(server),
-        websockets.connect(realtime_url(server), open_timeout=10, max_size=None) as ws,
+        websockets.connect(realtime_url(server, omni_extensions="1"), open_timeout=10, max_size=None) as ws,
         ServerEvents(ws.recv) as events,
     ):
         assert (await events.next(10)).type == "omni.admission.queued"
