@@ -21,7 +21,7 @@ setup: $(STAMP)
 # without declaring it).
 OPENPI_VENV := .venv-openpi
 $(OPENPI_VENV)/.installed:
-	$(PYTHON) -m venv --clear $(OPENPI_VENV)
+	$(PYTHON) -m venv $(OPENPI_VENV)
 	$(OPENPI_VENV)/bin/python -m pip install -q openpi-client==0.1.2 typing_extensions
 	touch $@
 

@@ -55,7 +55,7 @@ from web.auth import is_loopback_host
 from web.cors import CorsMiddleware, origin_policy
 from web.gateway_http import HttpForwarder, ReplicaHttpUnreachable, to_response
 from web.gateway_routing import NoReplicaAvailable, Router
-from web.gateway_ws import RealtimeRelayEndpoint, world_error
+from web.gateway_ws import RealtimeRelayEndpoint, robot_error, world_error
 from web.replica import admin_denial, registry_json
 
 log = logging.getLogger("omniduplex.gateway")
@@ -337,6 +337,8 @@ def routes() -> list[BaseRoute]:
         Route("/v1/realtime/video/calls", create_call, methods=["POST"]),
         Route("/v1/realtime/video/calls/{call_id}", call_action, methods=["DELETE"]),
         WebSocketRoute("/v1/realtime/video", RealtimeRelayEndpoint(world_error)),
+        # Robot policy sessions: routed alike (frames relayed as they come, binary included).
+        WebSocketRoute("/v1/realtime/robot/openpi", RealtimeRelayEndpoint(robot_error)),
     ]
 
 

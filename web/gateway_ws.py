@@ -184,6 +184,11 @@ def world_error(code: str, message: str) -> dict[str, Any]:
     return WorldErrorEvent(code=code, message=message).to_dict()
 
 
+def robot_error(code: str, message: str) -> dict[str, Any]:
+    """A robot session's error (vLLM-Omni's map; an openpi client sees the text frame as one)."""
+    return {"type": "error", "code": code, "message": message}
+
+
 class RealtimeRelayEndpoint:
     """The ASGI endpoint (raw, so the relay loops call uvicorn's receive/send directly).
 

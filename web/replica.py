@@ -305,7 +305,8 @@ def _membership_of(scope: Scope) -> ReplicaMembership | None:
     return replica if isinstance(replica, ReplicaMembership) else None
 
 
-SESSION_SOCKETS = frozenset({"/v1/realtime", "/v1/realtime/video"})  # voice, world
+# voice, world, robot
+SESSION_SOCKETS = frozenset({"/v1/realtime", "/v1/realtime/video", "/v1/realtime/robot/openpi"})
 SESSION_CALLS = frozenset({"/v1/realtime/calls", "/v1/realtime/video/calls"})
 
 

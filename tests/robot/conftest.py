@@ -21,18 +21,24 @@ from tests.conftest_redis import RedisServerProcess, start_tcp_redis
 from tests.live_server import LiveServer, free_port, live_server
 
 REPO = Path(__file__).resolve().parents[2]
-OPENPI_VENV = Path(os.environ.get("OMNIDUPLEX_OPENPI_VENV", REPO / ".venv-openpi"))
+# An empty variable means "unset": Path("") is the working directory, never a venv to create.
+OPENPI_VENV = Path(os.environ.get("OMNIDUPLEX_OPENPI_VENV") or REPO / ".venv-openpi").resolve()
 OPENPI_REQUIREMENTS = ["openpi-client==0.1.2", "typing_extensions"]  # 0.1.2 imports it undeclared
 KEYS = {"sk-robot-a": "tenant-a", "sk-robot-b": "tenant-b"}
 GRACE_S = 3.0
 
 
 def openpi_python() -> Path:
-    """The openpi-client venv's interpreter, creating the venv when it is missing."""
+    """The openpi-client venv's interpreter, creating the venv when it is missing. It is made
+    only in a directory that does not exist yet or is a (half-made) venv: never over a folder
+    with anything else in it (``venv --clear`` would empty it)."""
     python = OPENPI_VENV / "bin" / "python"
     ready = OPENPI_VENV / ".installed"
     if not ready.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(OPENPI_VENV)], check=True, timeout=300)
+        leftovers = {p.name for p in OPENPI_VENV.iterdir()} if OPENPI_VENV.is_dir() else set()
+        if leftovers - {"bin", "include", "lib", "lib64", "pyvenv.cfg", "share"}:
+            raise RuntimeError(f"{OPENPI_VENV} is not a venv; point OMNIDUPLEX_OPENPI_VENV elsewhere")
+        subprocess.run([sys.executable, "-m", "venv", str(OPENPI_VENV)], check=True, timeout=300)
         subprocess.run(
             [str(python), "-m", "pip", "install", "-q", *OPENPI_REQUIREMENTS], check=True, timeout=600
         )
