@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -29,6 +30,8 @@ from web.sessions_api import session_routes
 from web.settings import ServerSettings
 from web.video import VideoService
 from web.webrtc import WebRtcService
+
+log = logging.getLogger(__name__)
 
 
 def ctx_of(request: Request) -> ServerContext:
@@ -145,15 +148,21 @@ def robot_identify(ctx: ServerContext) -> Callable[[HTTPConnection], Awaitable[P
     return identify
 
 
+def robot_metadata(pipeline: str) -> dict[str, Any] | None:
+    """The robot policy's metadata from its pipeline YAML (the policy itself loads on first
+    use); None, logged, when it cannot be read: robots are then refused (503), and nothing
+    else of the server depends on it."""
+    try:
+        return policy_metadata(load_pipeline(pipeline))
+    except Exception:
+        log.warning("robot pipeline %r unavailable: robot sessions are refused", pipeline, exc_info=True)
+        return None
+
+
 def create_app(settings: ServerSettings) -> Starlette:
     webrtc = WebRtcService(settings)
     pool = OrchestratorPool()
-    robot_spec = load_pipeline(settings.robot_pipeline)  # only the YAML: the policy loads on first use
-    robot = RobotService(
-        pool,
-        policy_metadata(robot_spec),
-        pipeline=settings.robot_pipeline,
-    )
+    robot = RobotService(pool, robot_metadata(settings.robot_pipeline), pipeline=settings.robot_pipeline)
     video = VideoService(
         pool,
         ice_servers=parse_ice_servers(settings.stun, settings.turn),

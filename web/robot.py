@@ -94,7 +94,7 @@ class RobotService:
     def __init__(
         self,
         runtimes: RuntimeProvider,
-        metadata: dict[str, Any],
+        metadata: dict[str, Any] | None,
         *,
         pipeline: str,
         identify: Identify | None = None,
@@ -112,6 +112,8 @@ class RobotService:
         self.host: RobotHost | None = None  # set by the app once the session layer is up
 
     def new_driver(self, session_id: str, context: PolicyContext, dialect: Dialect) -> RobotDriver:
+        if self.metadata is None:
+            raise RuntimeError("no robot policy is configured")
         core = RobotSessionCore(
             self.metadata, session_id, dialect=dialect, context=context, max_bytes=self.max_payload_bytes
         )
@@ -139,6 +141,10 @@ class RobotService:
 
     async def _endpoint(self, websocket: WebSocket, default: Dialect) -> None:
         host = self.host
+        if self.metadata is None:
+            denial = Denial(503, "robot_unavailable", "This server has no robot policy (see its log).")
+            await websocket.send_denial_response(denial.response())
+            return
         if host is None:
             await websocket.send_denial_response(
                 Denial(503, "not_ready", "The server is starting.", 1).response()
@@ -185,6 +191,7 @@ class RobotService:
     def _opening(self, rs: RobotSession, token: str | None, extensions: bool) -> bytes:
         """The metadata frame; ``omni_session`` (the resume data) only for a client that asks
         (web/omni_extensions.py): a stock openpi client gets the policy's metadata alone."""
+        assert self.metadata is not None  # checked before the upgrade
         if not extensions:
             return pack(self.metadata)
         info: dict[str, Any] = {"session_id": rs.session_id, "expires_at": int(rs.record.expires_at)}

@@ -83,3 +83,12 @@ async def test_a_session_moves_to_a_new_process_with_its_context(
         third = await back.infer(observation(meta, 2))  # no prompt field: the stored prompt holds
         np.testing.assert_allclose(third["actions"], expected[2], atol=1e-5)
         await back.close()
+
+
+async def test_a_server_without_a_robot_policy_serves_the_rest_and_refuses_robots(tmp_path: Path) -> None:
+    with live_server(tmp_path / "srv", pipeline="null", vad=False, robot_pipeline="no-such-policy") as server:
+        status, body = await refused(f"{server.ws_url}/v1/realtime/robot/openpi", {})
+        assert status == 503 and body["error"]["code"] == "robot_unavailable"
+        voice = await connect(f"{server.ws_url}/v1/realtime?model=null")
+        assert '"session.created"' in str(await voice.recv())
+        await voice.close()
