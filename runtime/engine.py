@@ -59,6 +59,9 @@ class StepOutput:
     # a paced engine (real-time audio, a video frame rate) says when it next has work, so a
     # stage steps only the requests that are due instead of polling every live one.
     not_before: float | None = None
+    # Engine counters to add up per stage (e.g. ``prompt`` and ``prompt_cached`` tokens of a
+    # prefix-caching engine); the runtime sums them and exporters publish the totals.
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 class Engine(ABC):
@@ -88,3 +91,6 @@ class Engine(ABC):
 
     def finish(self, state: Any, *, cancelled: bool) -> None:  # noqa: B027 - optional hook
         """Release per-request resources (done, failed or cancelled)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what ``load`` acquired (an engine process, say) when the replica closes."""

@@ -40,6 +40,11 @@ class StageMetrics:
         self.queue_depth = [0] * replicas
         self.live = [0] * replicas
         self.outcomes: dict[str, int] = {"completed": 0, "failed": 0, "cancelled": 0}
+        self.counters: dict[str, int] = {}  # engine counters (StepOutput.counters), summed
+
+    def add_counters(self, counters: dict[str, int]) -> None:
+        for name, value in counters.items():
+            self.counters[name] = self.counters.get(name, 0) + int(value)
 
     def record_step(self, batch: int, step_s: float) -> None:
         self.steps += 1
@@ -74,6 +79,7 @@ class StageMetrics:
             },
             "time_in_stage_ms": {"p50": percentile(stay, 50) * 1e3, "p99": percentile(stay, 99) * 1e3},
             "requests": dict(self.outcomes),
+            "counters": dict(self.counters),
         }
 
 
@@ -98,6 +104,10 @@ class RuntimeMetrics:
         self.stages[stage].record_request(seconds, outcome)
         for hook in self.hooks:
             hook.on_request(stage, seconds, outcome)
+
+    def counters(self, stage: str, counters: dict[str, int]) -> None:
+        """Engine counters of one step (read by exporters at scrape time)."""
+        self.stages[stage].add_counters(counters)
 
     def queue(self, stage: str, replica: int, depth: int, live: int) -> None:
         metrics = self.stages[stage]

@@ -121,6 +121,21 @@ class PipelineSpec:
         main = set(self.reachable(self.entry))  # other entries' stages bound their own requests
         return min(s.budget.max_concurrency * s.replicas for s in self.stages if s.name in main)
 
+    def with_stage(
+        self, engine: str, *, options: Mapping[str, Any] | None = None, new_engine: str | None = None
+    ) -> PipelineSpec:
+        """This pipeline with every stage of ``engine`` given extra ``options`` (merged over its
+        own) and, with ``new_engine``, run by another engine (``speech.responder`` → ``vllm.responder``)."""
+        if not any(stage.engine == engine for stage in self.stages):
+            raise ValueError(f"pipeline {self.name!r} has no stage with engine {engine!r}")
+        stages = tuple(
+            replace(stage, engine=new_engine or stage.engine, options={**stage.options, **(options or {})})
+            if stage.engine == engine
+            else stage
+            for stage in self.stages
+        )
+        return replace(self, stages=stages)
+
     def with_edge_modes(self, edge_modes: Mapping[str, str] | None) -> PipelineSpec:
         """This pipeline with some edges' modes overridden (``{"talker->code2wav": "full"}``);
         an edge switched to ``full`` drops its ``max_ahead`` (nothing is handed over early)."""

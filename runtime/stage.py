@@ -333,6 +333,8 @@ class Replica:
         timing.outputs += produced
         if produced and timing.first_output_ms is None:
             timing.first_output_ms = (now - slot.admitted_at) * 1e3
+        if item.counters:
+            self._metrics.counters(self.name, item.counters)
         slot.waiting = item.wait_for_input
         slot.not_before = item.not_before
         if item.done:

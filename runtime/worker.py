@@ -68,6 +68,7 @@ class ItemResult:
     wait_for_input: bool = False
     error: str | None = None
     not_before: float | None = None  # StepOutput.not_before (time.monotonic)
+    counters: dict[str, int] = field(default_factory=dict)  # StepOutput.counters
 
 
 @dataclass(slots=True)
@@ -165,6 +166,11 @@ class EngineHost:
     def close(self) -> None:
         for request_id in list(self.states):
             self._finish(request_id, cancelled=True)
+        if self.engine is not None:
+            try:
+                self.engine.close()
+            except Exception:
+                log.exception("stage %s: engine.close failed", self.stage)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -217,7 +223,13 @@ class EngineHost:
         if self._client_kind is not None:
             client = [self._put(request_id, p, self._client_kind, 1) for p in client]
         return ItemResult(
-            request_id, downstream, client, output.done, output.wait_for_input, not_before=output.not_before
+            request_id,
+            downstream,
+            client,
+            output.done,
+            output.wait_for_input,
+            not_before=output.not_before,
+            counters=dict(output.counters),
         )
 
     def _put(self, request_id: str, payload: Payload, kind: str, refs: int) -> Handle:

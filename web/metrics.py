@@ -29,7 +29,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -86,13 +86,22 @@ class _RuntimeStateCollector(Collector):
         live = GaugeMetricFamily(
             f"{PREFIX}_stage_live_requests", "Requests open in a stage replica.", labels=["stage", "replica"]
         )
+        counters = CounterMetricFamily(
+            f"{PREFIX}_stage_engine",
+            "Engine counters summed per stage: for LM stages 'prompt' (prompt tokens) and "
+            "'prompt_cached' (of those, served from the prefix cache: vLLM's num_cached_tokens).",
+            labels=["stage", "counter"],
+        )
         for name, stage in list(self._runtime.stages.items()):
             for replica, value in enumerate(list(stage.queue_depth)):
                 depth.add_metric([name, str(replica)], value)
             for replica, value in enumerate(list(stage.live)):
                 live.add_metric([name, str(replica)], value)
+            for counter, total in list(stage.counters.items()):
+                counters.add_metric([name, counter], total)
         yield depth
         yield live
+        yield counters
 
 
 class _RuntimeHook:

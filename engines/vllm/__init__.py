@@ -1,0 +1,1 @@
+"""vLLM stage engines (see stages.py) and the engine process they drive (host.py)."""
