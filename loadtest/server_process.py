@@ -116,6 +116,8 @@ class ServerProcess:
             self._data_dir,
             "--log-level",
             "warning",
+            # load runs measure the server, not a language model: the echo unless asked
+            *([] if "--responder" in self.config.args else ["--responder", "echo"]),
             *self.config.args,
         ]
 

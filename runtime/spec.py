@@ -122,14 +122,25 @@ class PipelineSpec:
         return min(s.budget.max_concurrency * s.replicas for s in self.stages if s.name in main)
 
     def with_stage(
-        self, engine: str, *, options: Mapping[str, Any] | None = None, new_engine: str | None = None
+        self,
+        engine: str,
+        *,
+        options: Mapping[str, Any] | None = None,
+        new_engine: str | None = None,
+        budget: Mapping[str, Any] | None = None,
     ) -> PipelineSpec:
-        """This pipeline with every stage of ``engine`` given extra ``options`` (merged over its
-        own) and, with ``new_engine``, run by another engine (``speech.responder`` → ``vllm.responder``)."""
+        """This pipeline with every stage of ``engine`` given extra ``options`` and ``budget``
+        fields (merged over its own) and, with ``new_engine``, run by another engine
+        (``speech.responder`` → ``vllm.responder``)."""
         if not any(stage.engine == engine for stage in self.stages):
             raise ValueError(f"pipeline {self.name!r} has no stage with engine {engine!r}")
         stages = tuple(
-            replace(stage, engine=new_engine or stage.engine, options={**stage.options, **(options or {})})
+            replace(
+                stage,
+                engine=new_engine or stage.engine,
+                options={**stage.options, **(options or {})},
+                budget=replace(stage.budget, **(budget or {})),
+            )
             if stage.engine == engine
             else stage
             for stage in self.stages

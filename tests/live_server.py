@@ -60,6 +60,9 @@ def live_server(data_dir: Path, **overrides: Any) -> Iterator[LiveServer]:
     unknown = set(overrides) - names
     if unknown:
         raise TypeError(f"unknown ServerSettings fields: {sorted(unknown)}")
+    # The echo responder ("You said: ...") unless a test asks for the default LM: deterministic
+    # answers, and no language model to load for every server a test starts.
+    overrides.setdefault("responder", "echo")
     settings = ServerSettings(port=free_port(), data_dir=str(data_dir), **overrides)
     server = uvicorn.Server(uvicorn_config(settings, log_level="warning"))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

@@ -12,7 +12,19 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--pipeline", default="voice-cascade", help="pipeline name or YAML path")
-    p.add_argument("--llm", default=None, help="local transformers causal LM dir for the responder")
+    p.add_argument(
+        "--responder",
+        choices=("llm", "echo"),
+        default=None,
+        help="voice-cascade responder: llm (default: SmolLM2-135M-Instruct, or --llm) or echo",
+    )
+    p.add_argument("--llm", default=None, help="causal LM dir for the responder (default: bundled SmolLM2)")
+    p.add_argument(
+        "--llm-engine",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="run the responder LM on transformers (in process) or vLLM (an engine process, .venv-vllm)",
+    )
     p.add_argument("--redis-url", default=None, help="external Redis; default: an embedded redis-server")
     p.add_argument("--data-dir", default="./.omniduplex", help="embedded Redis data directory")
     p.add_argument("--api-keys", default=None, help="key:tenant,... (or env OMNIDUPLEX_API_KEYS)")

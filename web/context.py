@@ -12,7 +12,7 @@ import contextlib
 import gc
 import logging
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
@@ -50,17 +50,35 @@ REDIS_CLIENT_OPTIONS: dict[str, Any] = {
 GC_THRESHOLDS = (20_000, 10, 10)
 
 
+RESPONDER = "speech.responder"
+# The responder on vLLM batches every live turn in one engine: its stage steps them together.
+VLLM_RESPONDER_BATCH = 64
+
+
 def pipeline_spec(settings: ServerSettings) -> PipelineSpec:
+    """The pipeline with the command line's responder choices applied (``--responder``,
+    ``--llm``, ``--llm-engine``) to its ``speech.responder`` stage, if it has one."""
     spec = load_pipeline(settings.pipeline).with_edge_modes(settings.edge_modes or None)
-    if not settings.llm:
+    if not any(stage.engine == RESPONDER for stage in spec.stages):
         return spec
-    stages = [
-        replace(stage, options={**stage.options, "llm": settings.llm})
-        if stage.engine == "speech.responder"
-        else stage
-        for stage in spec.stages
-    ]
-    return replace(spec, stages=type(spec.stages)(stages))
+    options: dict[str, object] = {}
+    if settings.responder:
+        options["responder"] = settings.responder
+    if settings.llm:
+        options["llm"] = settings.llm
+    if settings.llm_engine == "vllm" and settings.responder != "echo":
+        stage = next(s for s in spec.stages if s.engine == RESPONDER)
+        if stage.options.get("responder") == "echo" and "responder" not in options:
+            return spec.with_stage(RESPONDER, options=options)
+        model = options.get("llm") or stage.options.get("llm") or "smollm2"
+        batch = max(stage.budget.max_batch, VLLM_RESPONDER_BATCH)
+        return spec.with_stage(
+            RESPONDER,
+            options={"model": model},
+            new_engine="vllm.responder",
+            budget={"max_batch": batch, "max_concurrency": max(stage.budget.max_concurrency, batch)},
+        )
+    return spec.with_stage(RESPONDER, options=options) if options else spec
 
 
 @dataclass(slots=True)

@@ -12,7 +12,9 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     pipeline: str = "voice-cascade"
-    llm: str | None = None
+    llm: str | None = None  # the responder's LM (None: the pipeline's; voice-cascade: SmolLM2)
+    responder: str | None = None  # "llm" | "echo" (None: the pipeline's)
+    llm_engine: str = "transformers"  # "transformers" | "vllm"
     redis_url: str | None = None  # None: an embedded redis-server in data_dir
     data_dir: str = "./.omniduplex"
     api_keys: str = ""  # "key:tenant,..."; empty: open, loopback only
@@ -68,6 +70,8 @@ class ServerSettings:
             port=get("port", 8000),
             pipeline=get("pipeline", "voice-cascade"),
             llm=get("llm"),
+            responder=get("responder"),
+            llm_engine=get("llm_engine") or "transformers",
             redis_url=get("redis_url"),
             data_dir=get("data_dir", "./.omniduplex"),
             api_keys=get("api_keys") or os.environ.get("OMNIDUPLEX_API_KEYS", ""),

@@ -280,7 +280,16 @@ class RealtimeSessionCore(UserInput):
         run = self._active
         if run is not None and run.id == response_id:
             final: ResponseStatus = "cancelled" if status == "cancelled" else status
-            self._end_response(final, now, reason="client_cancelled", error=error, usage=usage)
+            code = "pipeline_failed"
+            if final == "failed" and error and E.CONTEXT_LENGTH_EXCEEDED in error:
+                # The prompt does not fit the model even after `truncation` did what it may:
+                # the client's request is at fault, so it hears of it as an `error` event too.
+                code = E.CONTEXT_LENGTH_EXCEEDED
+                message = error[error.index(code) :].removeprefix(f"{code}: ")
+                self._out.error(ProtocolError(code, f"Context length exceeded: {message}"))
+            self._end_response(
+                final, now, reason="client_cancelled", error=error, usage=usage, error_code=code
+            )
         return self._out.drain()
 
     def on_playout(self, response_id: str, played_ms: float, now: float) -> CoreOutput:
@@ -515,6 +524,7 @@ class RealtimeSessionCore(UserInput):
             instructions=request.instructions,
             modalities=settings.modalities,
             max_output_tokens=settings.max_output_tokens,
+            truncation=self.config.truncation,
         )
         response_id = self._new_id("resp")
         run = ResponseRun(
@@ -562,10 +572,11 @@ class RealtimeSessionCore(UserInput):
         reason: CancelReason | None = None,
         error: str | None = None,
         usage: dict[str, Any] | None = None,
+        error_code: str = "pipeline_failed",
     ) -> None:
         run = self._active
         assert run is not None
-        run.finish(status, now=now, reason=reason, error=error, reported_usage=usage)
+        run.finish(status, now=now, reason=reason, error=error, error_code=error_code, reported_usage=usage)
         self._active = None
         if run.audio_started_at is not None:
             self._voice_locked = True

@@ -20,6 +20,8 @@ ITEM_NOT_FOUND: Final = "item_not_found"
 DUPLICATE_ITEM_ID: Final = "duplicate_item_id"
 UNSUPPORTED_CONTENT: Final = "unsupported_content_type"
 SESSION_EXPIRED: Final = "session_expired"
+# The pipeline's model could not fit the prompt (an engine failure whose text carries this code).
+CONTEXT_LENGTH_EXCEEDED: Final = "context_length_exceeded"
 
 
 class ProtocolError(Exception):

@@ -105,8 +105,12 @@ def build_submit_params(
     instructions: str,
     modalities: Sequence[str],
     max_output_tokens: int | str,
+    truncation: Any = "auto",
 ) -> tuple[dict[str, Any], PromptStats]:
-    """Pipeline submit params for a response over `items` (in conversation order)."""
+    """Pipeline submit params for a response over `items` (in conversation order). The
+    session's ``truncation`` goes along: an LM engine drops the oldest history entries to fit
+    its context with ``"auto"`` (a retention-ratio object counts as auto) and refuses an
+    over-long prompt with ``"disabled"``."""
     start = len(items)
     while start > 0 and items[start - 1].type == "message" and items[start - 1].role == "user":
         start -= 1
@@ -132,6 +136,7 @@ def build_submit_params(
     params["history"] = history
     params["instructions"] = "\n\n".join(s for s in [instructions, *system] if s)
     params["modalities"] = ["text", "audio"] if "audio" in modalities else ["text"]
+    params["truncation"] = "disabled" if truncation == "disabled" else "auto"
     if isinstance(max_output_tokens, int):
         params["max_tokens"] = max_output_tokens
     stats.text += " ".join(h["text"] for h in history) + params["instructions"]

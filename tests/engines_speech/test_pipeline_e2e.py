@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from runtime.payloads import AudioChunk, Payload, TextDelta, Transcript
+from runtime.spec import load_pipeline
 from tests.engines_speech.conftest import SENTENCE
 
 orchestrator = pytest.importorskip("runtime.orchestrator")
@@ -15,12 +16,18 @@ pytest.importorskip("piper")
 pytest.importorskip("faster_whisper")
 
 
+def echo_cascade() -> orchestrator.Orchestrator:
+    """voice-cascade with the echo responder ("You said: ..."), for exact answers."""
+    spec = load_pipeline("voice-cascade").with_stage("speech.responder", options={"responder": "echo"})
+    return orchestrator.Orchestrator.from_spec(spec)
+
+
 def _of(outputs: list[Payload], kind: type) -> list[Payload]:
     return [p for p in outputs if isinstance(p, kind)]
 
 
 async def test_voice_cascade_audio_in_audio_out(sentence16k: np.ndarray) -> None:
-    async with orchestrator.Orchestrator.from_pipeline("voice-cascade") as orch:
+    async with echo_cascade() as orch:
         t0 = time.monotonic()
         handle = await orch.submit({"audio": sentence16k}, session_key="s1")
         outputs: list[Payload] = []
@@ -43,7 +50,7 @@ async def test_voice_cascade_audio_in_audio_out(sentence16k: np.ndarray) -> None
 
 
 async def test_voice_cascade_text_only(sentence16k: np.ndarray) -> None:
-    async with orchestrator.Orchestrator.from_pipeline("voice-cascade") as orch:
+    async with echo_cascade() as orch:
         handle = await orch.submit({"text": "hello there", "modalities": ["text"]})
         outputs, status = await handle.collect()
     assert status.status == "completed", status.error
@@ -53,7 +60,7 @@ async def test_voice_cascade_text_only(sentence16k: np.ndarray) -> None:
 
 async def test_voice_cascade_cancel_mid_reply() -> None:
     text = ", ".join(["one more clause to speak"] * 20) + "."
-    async with orchestrator.Orchestrator.from_pipeline("voice-cascade") as orch:
+    async with echo_cascade() as orch:
         handle = await orch.submit({"text": text})
         got_audio = 0
         async for out in handle:

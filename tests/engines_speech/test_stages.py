@@ -27,7 +27,7 @@ def asr_engine() -> AsrEngine:
 
 @pytest.fixture(scope="module")
 def responder_engine() -> ResponderEngine:
-    engine = ResponderEngine({"deltas_per_step": 3})
+    engine = ResponderEngine({"responder": "echo", "deltas_per_step": 3})
     engine.load()
     return engine
 
