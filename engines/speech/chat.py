@@ -61,6 +61,7 @@ class Turn:
     instructions: str = ""
     max_tokens: int = 128
     truncation: str = "auto"  # "auto" (drop oldest history) | "disabled"
+    ignore_eos: bool = False  # fixed-length replies (benchmarks)
 
     @staticmethod
     def from_params(user_text: str, params: Mapping[str, Any], default_max_tokens: int = 128) -> Turn:
@@ -76,6 +77,7 @@ class Turn:
             instructions=str(params.get("instructions") or ""),
             max_tokens=int(params.get("max_tokens") or default_max_tokens),
             truncation=truncation_mode(params.get("truncation")),
+            ignore_eos=bool(params.get("ignore_eos", False)),
         )
 
 

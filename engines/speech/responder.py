@@ -102,7 +102,7 @@ class CausalLmResponder:
             if past is None:
                 past = getattr(out, "past_key_values", None)
             next_id = int(out.logits[0, -1].argmax())
-            if next_id in self._stop_ids:
+            if next_id in self._stop_ids and not turn.ignore_eos:
                 break
             input_ids = torch.tensor([[next_id]], dtype=torch.long)
             delta = detok.feed([next_id])

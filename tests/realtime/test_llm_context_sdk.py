@@ -36,7 +36,9 @@ async def test_context_length_exceeded_then_truncation_auto(server: LiveServer) 
         )
         await events.wait_for("session.updated")
         for i in range(8):  # ~8 × 60 tokens of history: more than the 512-token context holds
-            await conn.conversation.item.create(item=message("user", f"question {i}: " + "the lazy dog " * 15))
+            await conn.conversation.item.create(
+                item=message("user", f"question {i}: " + "the lazy dog " * 15)
+            )
             await conn.conversation.item.create(item=message("assistant", "the quick brown fox " * 10))
         await conn.conversation.item.create(item=message("user", "and now?"))
         await conn.response.create(response={"max_output_tokens": 8})
