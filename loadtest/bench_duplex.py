@@ -14,8 +14,12 @@ Measured per N:
   frame produced by the step that consumed it (the model's acoustic delay adds one frame of
   *model* latency on top, not counted here: it is a property of Moshi's token layout).
 
+With ``--engine-only`` it times ``DuplexEngine.step`` alone on one thread for batches of N
+frames (no event loop, no orchestrator): the model's own cost, to tell it from the host's.
+
     python -m loadtest.bench_duplex --sessions 1 4 8 --seconds 10
     python -m loadtest.bench_duplex --sessions 1 4 8 12 16 24 --seconds 10 --out duplex.json
+    python -m loadtest.bench_duplex --engine-only --sessions 1 4 8 16 32
 """
 
 from __future__ import annotations
@@ -114,6 +118,29 @@ async def run(sessions: int, seconds: float, threads: int) -> dict[str, Any]:
     }
 
 
+def engine_only(sessions: int, steps: int = 60) -> dict[str, Any]:
+    """Step N sessions' frames together `steps` times; the step's wall time."""
+    from engines.duplex.stages import DuplexEngine
+    from runtime.engine import EngineRequest, StepInput
+
+    options = dict(load_pipeline("duplex-tiny").stages[0].options)
+    engine = DuplexEngine({**options, "stream_silence": True, "threads": 1, "max_sessions": sessions})
+    engine.load()
+    states = [engine.start(EngineRequest(f"r{i}", {"seed": i})) for i in range(sessions)]
+    frame = (np.random.default_rng(0).standard_normal(FRAME) * 0.1).astype(np.float32)
+    times, cpu = [], []
+    for k in range(steps + 5):
+        began, began_cpu = time.perf_counter(), time.thread_time()
+        engine.step([StepInput(s, inputs=[AudioInput(frame, RATE)]) for s in states])
+        if k >= 5:  # warm-up
+            times.append((time.perf_counter() - began) * 1e3)
+            cpu.append((time.thread_time() - began_cpu) * 1e3)
+    return {
+        "sessions": sessions, "step_ms": summarize(times), "step_cpu_ms": summarize(cpu),
+        "per_session_frame_ms": summarize([t / sessions for t in times]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -121,8 +148,17 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the stage worker")
+    parser.add_argument("--engine-only", action="store_true", help="time DuplexEngine.step alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.engine_only:
+        for n in args.sessions:
+            r = engine_only(n)
+            s, c = r["step_ms"], r["step_cpu_ms"]
+            print(f"engine only N={n:3d} | step wall p50={s['p50']} p99={s['p99']} ms | "
+                  f"step CPU p50={c['p50']} p99={c['p99']} ms | "
+                  f"per session-frame wall p50={r['per_session_frame_ms']['p50']} ms", flush=True)
+        return
     results = []
     for n in args.sessions:
         result = asyncio.run(run(n, args.seconds, args.threads))
