@@ -33,7 +33,10 @@ from session.realtime.effects import CoreOutput, LiveAudio
 
 log = logging.getLogger(__name__)
 
-REOPEN_DELAY_S = 0.5  # after a failure, before opening the live request again
+# After a failure the live request is opened again after 0.5 s, doubling up to 10 s while it
+# keeps failing at once (a full model, a broken engine): a bounded retry, one error each.
+REOPEN_DELAY_S = 0.5
+REOPEN_DELAY_MAX_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +107,16 @@ class LiveRequest:
     async def run(self) -> None:
         """Open the live request, pump input into it and read its progress; reopen it when it
         fails; cancel it when cancelled (the session ends or leaves this process)."""
+        delay = REOPEN_DELAY_S
         while True:
+            began = self._now()
             status = await self._serve_once()
             if status is not None and status.status == "completed":
                 return  # the pipeline ended the conversation itself
-            await asyncio.sleep(REOPEN_DELAY_S)
+            if self._now() - began > REOPEN_DELAY_MAX_S:
+                delay = REOPEN_DELAY_S  # it ran a while: a fresh failure, not a failing loop
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, REOPEN_DELAY_MAX_S)
 
     async def _serve_once(self) -> RequestStatus | None:
         params: dict[str, Any] = {"live": True, "session_id": self._core.session_id}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -148,3 +149,35 @@ def test_a_cancelled_live_response_drops_the_rest_of_the_stretch() -> None:
     assert core.on_response_done(rid, "completed", now=0.3).events == []
     rid2, started = core.on_live_response_started(0.4)  # the model's next stretch opens a new one
     assert rid2 not in (None, rid) and started.events[-1]["type"] == "response.created"
+
+
+async def test_a_full_model_is_retried_with_backoff_not_in_a_loop(monkeypatch: Any) -> None:
+    """More live sessions than the model has slots: the extra one gets an error per attempt,
+    attempts spaced 0.5, 1, 2 ... s apart (here scaled down), never a tight loop."""
+    import session.live_request as live_request
+
+    monkeypatch.setattr(live_request, "REOPEN_DELAY_S", 0.05)
+    spec = load_pipeline("duplex-tiny")
+    stage = spec.stages[0]
+    spec = replace(spec, stages=(replace(stage, options={**stage.options, "max_sessions": 1}),))
+    orch = Orchestrator.from_spec(spec)
+    await orch.start()
+    events: list[dict[str, Any]] = []
+    first = LiveRequest(orch, LiveEntry("duplex", RATE), live_core(), lambda out: None,
+                        asyncio.get_running_loop().time, session_key="a")
+    second = LiveRequest(orch, LiveEntry("duplex", RATE), live_core(), lambda out: events.extend(out.events),
+                         asyncio.get_running_loop().time, session_key="b")
+    tasks = [asyncio.create_task(first.run())]
+    try:
+        await asyncio.sleep(0.3)
+        tasks.append(asyncio.create_task(second.run()))
+        await asyncio.sleep(1.0)
+        errors = [e for e in events if e["type"] == "error"]
+        assert all("slots are in use" in e["error"]["message"] for e in errors)
+        # 0.05 + 0.1 + 0.2 + 0.4 (+ 0.8 > 1 s): 4 or 5 attempts, not hundreds
+        assert 3 <= second.opened <= 6 and len(errors) == second.opened
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await orch.close()
