@@ -94,3 +94,23 @@ async def test_sessions_share_the_model_step_and_end_cleanly(server: LiveServer)
     assert orch.live_requests == []  # every session's live request was cancelled with it
     stage = orch.metrics.snapshot()["stages"]["duplex"]
     assert stage["batch"]["max"] >= 2  # frames of several sessions went through one step
+
+
+async def test_user_items_are_transcribed_when_asked(server: LiveServer) -> None:
+    """With input transcription on, each user item the model's turn committed gets one (Whisper
+    on noise: the text itself means nothing; the event is what is checked)."""
+    async with sdk_session(server, model="duplex-tiny") as (conn, events):
+        await conn.session.update(
+            session={"type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}
+        )
+        await events.wait_for("session.updated", within_s=10)
+        sender = asyncio.create_task(stream_realtime(conn, mic(4.0, 7), chunk_ms=20))
+        committed = await events.wait_for("input_audio_buffer.committed", within_s=30)
+        done = await events.wait_for(
+            "conversation.item.input_audio_transcription.completed",
+            "conversation.item.input_audio_transcription.failed",
+            within_s=60,
+        )
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+    assert done.raw["item_id"] == committed.raw["item_id"]
