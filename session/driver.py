@@ -36,7 +36,6 @@ from runtime.orchestrator import Orchestrator
 from runtime.payloads import AudioChunk, TextDelta, Transcript
 from runtime.progress import AdmissionError, RequestStatus
 from session.link import LinkEnd, Transport, TransportLink
-from session.live_input import DEFAULT_LIMIT_BYTES, LiveInput
 from session.live_request import LiveEntry, LiveRequest
 from session.realtime.core import RealtimeSessionCore
 from session.realtime.effects import (
@@ -143,14 +142,13 @@ class DriverOptions:
     epoch: Callable[[], float] = time.time
     observer: DriverObserver | None = None  # metrics hooks
     turn_gate: TurnGate | None = None  # per-replica bound on generating responses (shared)
-    # The pipeline takes its own turns (a full-duplex model): the session opens a live request
-    # there and streams its audio in (session/live_request.py); the core has `live_responses`.
+    # The session's live request (session/live_request.py): a pipeline that takes its own turns
+    # (the core has `live_responses`), or one whose live entry scores VAD frames (`frames`).
+    # None: no live request (server VAD then never detects a turn).
     live: LiveEntry | None = None
-    # What the pipeline offers (`Orchestrator.capabilities()`): the live request's entry (server
-    # VAD needs one providing voice activity) and the transcribe entry. None: neither.
+    live_input_bytes: int = 1 << 20  # mic audio waiting for the live request (input_audio_overflow)
+    # What the pipeline offers (`Orchestrator.capabilities()`), for the transcribe entry.
     capabilities: PipelineCapabilities | None = None
-    server_vad: bool = True  # open the live request for server VAD (off: turns never detected)
-    live_input_bytes: int = DEFAULT_LIMIT_BYTES  # mic audio waiting for the live request
 
 
 @dataclass(slots=True)
@@ -191,7 +189,6 @@ class RealtimeDriver:
         self._track_response: str | None = None  # the last response with audio for a track
         self._log = log
         self.options = options or DriverOptions()
-        self._live = self._new_live_input()
         self._overflow_reported_at: float | None = None  # input overflow errors: one a second
         self._responses: dict[str, _Response] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -213,6 +210,7 @@ class RealtimeDriver:
             self.live = LiveRequest(
                 orchestrator, self.options.live, core, self.apply, self.now,
                 session_key=self.options.session_key,
+                input_limit_bytes=self.options.live_input_bytes,
             )
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -226,8 +224,6 @@ class RealtimeDriver:
         if self._started:
             return
         self._started = True
-        if self._live is not None:
-            self._live.start()
         self._spawn(self._timer(), "timer")
         if self.live is not None:
             self._spawn(self.live.run(), "live")
@@ -314,8 +310,6 @@ class RealtimeDriver:
                     await link.aclose(code, reason, drain_s=drain_s)
                 else:
                     await link.aclose()
-            if self._live is not None:
-                await self._live.close()
             for task in list(self._tasks):
                 await cancel_and_wait(task)
             self._tasks.clear()
@@ -397,7 +391,8 @@ class RealtimeDriver:
                     log.set_open_response(changes.open_response)
         for effect in out.effects:
             if isinstance(effect, DetectSpeech):
-                self._detect_speech(effect)
+                if self.live is not None:  # else no VAD in this pipeline (or it is off)
+                    self.live.push_frames(effect)
             elif isinstance(effect, StartResponse):
                 self._start_response(effect)
             elif isinstance(effect, PrepareTranscript):
@@ -422,53 +417,7 @@ class RealtimeDriver:
             elif isinstance(effect, LiveAudio) and self.live is not None:
                 self.live.push(effect)
 
-    # --- the live request (docs/CONTRACTS.md "Live voice requests") ----------------------
-
-    def _new_live_input(self) -> LiveInput | None:
-        caps = self.options.capabilities
-        if (
-            self._orch is None
-            or caps is None
-            or caps.live_entry is None
-            or not caps.voice_activity
-            or not self.options.server_vad
-        ):
-            return None
-        return LiveInput(
-            self._orch,
-            entry=caps.live_entry,
-            session_key=self.options.session_key,
-            params=self._live_params,
-            on_activity=self._on_voice_activity,
-            on_failed=self._on_live_failed,
-            limit_bytes=self.options.live_input_bytes,
-            name=self.core.session_id,
-        )
-
-    def _live_params(self) -> dict[str, Any]:
-        return {"live": True, "session_id": self.core.session_id}
-
-    def _detect_speech(self, effect: DetectSpeech) -> None:
-        if self._live is None:
-            return  # no VAD in this pipeline (or turned off): server VAD never triggers
-        if self._live.push(effect):
-            return
-        now = self.now()
-        if self._overflow_reported_at is not None and now - self._overflow_reported_at < 1.0:
-            return  # one error a second at most: a client streaming a file would get one per append
-        self._overflow_reported_at = now
-        message = (
-            "Input audio arrives faster than it can be processed: "
-            f"{self._live.limit_bytes} bytes are waiting; audio past that was dropped."
-        )
-        self.apply(self.core.report_error("input_audio_overflow", message, server=False))
-
-    def _on_voice_activity(self, start_sample: int, probs: list[float]) -> None:
-        self.apply(self.core.feed_vad(probs, self.now(), start_sample=start_sample))
-
-    def _on_live_failed(self, error: str) -> None:
-        log.warning("session %s: live request failed: %s", self.core.session_id, error)
-        self.apply(self.core.report_error("live_request_failed", f"Input processing failed: {error}"))
+    # --- transcription on the pipeline's transcribe entry ----------------------------------
 
     async def _transcribe_audio(self, audio: np.ndarray) -> str:
         """Transcribe one stretch of 16 kHz audio on the pipeline's transcribe entry."""

@@ -1,16 +1,28 @@
-"""A voice session's live request on a pipeline that takes its own turns (a full-duplex model).
+"""A voice session's live request: its microphone audio in, the pipeline's progress out.
 
-The session keeps one request open on the pipeline's live entry for as long as it is served
-here and appends every piece of microphone audio to it (`LiveAudio` effects of the core,
-resampled once to the pipeline's input rate). What the pipeline streams back is mapped onto
-the core: `ResponseStarted` opens a response (`on_live_response_started`: the user's audio so
-far becomes a user item, then `response.created`), `TextDelta` / `AudioChunk` are its
-transcript and audio, `ResponseDone` ends it. A live request that fails gives the client one
-`error` (`server_error`) and is opened again; the session stays usable.
+Streaming input is progress of one request (docs/CONTRACTS.md, "Live voice requests"): the
+session keeps one request open on the pipeline's `live` entry for as long as it is served here
+and appends its audio to it as it arrives. Two kinds of pipeline use it:
 
-Bounds: audio waiting for `append_input` (which itself waits while the runtime holds 256
-unconsumed inputs) is kept up to `input_limit_bytes`; past it new audio is dropped and the
-client gets one `error` (`input_audio_overflow`) per overflow episode.
+- One whose live entry only scores speech (`voice_activity`: the Silero VAD stage, batched
+  across sessions by its replica pool). The core cuts its 16 kHz timeline into whole VAD frames
+  (`DetectSpeech`); they go in as `AudioInput` (a `TurnControl("clear")` ahead of audio that
+  does not continue the audio before) and the `VoiceActivity` that comes back is mapped onto
+  the core's timeline for its server VAD (`feed_vad`). Responses stay requests of their own.
+- One that takes its own turns (`turn_detection` / `responses`: a full-duplex model). Every
+  append goes in (`LiveAudio` effects, resampled once to the pipeline's input rate);
+  `SpeechStarted` / `SpeechStopped` mark the user's turns, `Transcript` transcribes the user's
+  audio, `ResponseStarted` opens a response (`on_live_response_started`: the user's audio so far
+  becomes a user item, then `response.created`), `TextDelta` / `AudioChunk` are its transcript
+  and audio, `ResponseDone` ends it.
+
+Faults: a live request that fails (a stage raised on this session's input, a worker died)
+gives the client an `error` (`server_error`) and is opened again after a short backoff; the
+session stays usable and other sessions' requests are untouched. Bounds: audio pushed and not
+yet taken (queued here, or appended and not yet scored by the VAD stage) is at most
+`input_limit_bytes`; past it new audio is dropped and the client gets an `error`
+(`input_audio_overflow`, at most one a second). `append_input` itself waits while the runtime
+holds 256 unconsumed inputs, so nothing grows without bound.
 """
 
 from __future__ import annotations
@@ -26,10 +38,21 @@ import numpy as np
 
 from media.audio import StreamingResampler
 from runtime.orchestrator import Orchestrator
-from runtime.payloads import AudioChunk, AudioInput, ResponseDone, ResponseStarted, TextDelta
-from runtime.progress import AdmissionError, RequestStatus
+from runtime.payloads import (
+    AudioChunk,
+    AudioInput,
+    ResponseDone,
+    ResponseStarted,
+    SpeechStarted,
+    SpeechStopped,
+    TextDelta,
+    Transcript,
+    TurnControl,
+    VoiceActivity,
+)
+from runtime.progress import RequestStatus
 from session.realtime.core import RealtimeSessionCore
-from session.realtime.effects import CoreOutput, LiveAudio
+from session.realtime.effects import CoreOutput, DetectSpeech, LiveAudio
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +60,32 @@ log = logging.getLogger(__name__)
 # keeps failing at once (a full model, a broken engine): a bounded retry, one error each.
 REOPEN_DELAY_S = 0.5
 REOPEN_DELAY_MAX_S = 10.0
+FRAME = 512  # samples per VAD frame at 16 kHz
+VAD_RATE = 16_000
+OVERFLOW_REPORT_S = 1.0  # input_audio_overflow errors: at most one per this many seconds
 
 
 @dataclass(frozen=True, slots=True)
 class LiveEntry:
-    """Where and how a session opens its live request (from `orch.capabilities()`)."""
+    """Where and how a session opens its live request (from `orch.capabilities()`).
+    `frames`: the entry scores VAD frames (`DetectSpeech` in, `VoiceActivity` out) rather than
+    taking every append at `input_rate` (`LiveAudio`)."""
 
     entry: str
     input_rate: int
+    frames: bool = False
+
+
+@dataclass(slots=True)
+class _Segment:
+    """VAD frames appended in one go: request frame index → core timeline sample."""
+
+    request_frame: int
+    core_start: int
+    frames: int
+
+
+_Input = np.ndarray | DetectSpeech | TurnControl
 
 
 class LiveRequest:
@@ -67,40 +108,68 @@ class LiveRequest:
         self._apply = apply
         self._now = now
         self._session_key = session_key
-        self._limit = input_limit_bytes
-        self._queue: deque[np.ndarray] = deque()
-        self._queued_bytes = 0
+        self.limit_bytes = input_limit_bytes
+        self._queue: deque[_Input] = deque()
+        self._queued_bytes = 0  # audio pushed, not yet appended
+        self._unscored = 0  # VAD frames appended, not yet scored
         self._wake = asyncio.Event()
         self._resampler: StreamingResampler | None = None
-        self._overflowing = False
-        self._request_id: str | None = None
+        self._overflow_reported_at: float | None = None
+        self._segments: deque[_Segment] = deque()  # of the current request (VAD frames)
+        self._sent = 0  # input-rate samples handed on or dropped (where a new request starts)
+        self._base = 0  # ... when the current request opened
+        self.request_id: str | None = None
         self._response_id: str | None = None
         self.opened = 0  # live requests opened (1 + reopens after failures)
+        self.failures = 0
         self.dropped_bytes = 0
+
+    @property
+    def queued_bytes(self) -> int:
+        """Audio pushed and not yet taken: what the bound counts."""
+        return self._queued_bytes + self._unscored * FRAME * 4
 
     # --- input (event loop, no I/O) ------------------------------------------------------
 
     def push(self, effect: LiveAudio) -> None:
+        """Audio of one append (pipelines that take their own turns)."""
         if self._resampler is None or self._resampler.src_rate != effect.rate:
             self._resampler = StreamingResampler(effect.rate, self._entry.input_rate)
         samples = self._resampler.process(effect.samples)
-        if not samples.size:
-            return
-        if self._queued_bytes + samples.nbytes > self._limit:
-            self.dropped_bytes += samples.nbytes
-            if not self._overflowing:
-                self._overflowing = True
-                self._apply(self._core.live_error(
-                    "input_audio_overflow",
-                    f"Input audio is arriving faster than the model takes it: more than {self._limit} "
-                    "bytes are waiting; audio is dropped until it catches up. Send audio in real time.",
-                    server=False,
-                ))
-            return
-        self._overflowing = False
-        self._queue.append(samples)
-        self._queued_bytes += samples.nbytes
+        if samples.size and self._room(samples.nbytes):
+            self._queue_input(samples, samples.nbytes)
+        elif samples.size:
+            self._sent += samples.size  # the timeline moves on without it
+
+    def push_frames(self, effect: DetectSpeech) -> None:
+        """Whole VAD frames of the core's timeline (pipelines that score speech only)."""
+        if self._room(effect.samples.nbytes):
+            self._queue_input(effect, effect.samples.nbytes)
+
+    def control(self, control: TurnControl) -> None:
+        """Manual turn control, in order with the audio (a few small objects, never dropped)."""
+        self._queue_input(control, 0)
+
+    def _queue_input(self, item: _Input, size: int) -> None:
+        self._queue.append(item)
+        self._queued_bytes += size
         self._wake.set()
+
+    def _room(self, size: int) -> bool:
+        if self.queued_bytes + size <= self.limit_bytes:
+            return True
+        self.dropped_bytes += size
+        now = self._now()
+        if self._overflow_reported_at is None or now - self._overflow_reported_at >= OVERFLOW_REPORT_S:
+            # Not one per append: a client streaming a file would get hundreds.
+            self._overflow_reported_at = now
+            self._apply(self._core.live_error(
+                "input_audio_overflow",
+                f"Input audio is arriving faster than it can be processed: more than {self.limit_bytes} "
+                "bytes are waiting; audio is dropped until it catches up. Send audio in real time.",
+                server=False,
+            ))
+        return False
 
     # --- tasks ---------------------------------------------------------------------------
 
@@ -122,11 +191,15 @@ class LiveRequest:
         params: dict[str, Any] = {"live": True, "session_id": self._core.session_id}
         try:
             handle = await self._orch.submit(params, session_key=self._session_key, entry=self._entry.entry)
-        except AdmissionError as exc:
-            self._apply(self._core.live_error("server_error", f"The model is at capacity: {exc}"))
+        except Exception as exc:  # not admitted (the stage is full), or the orchestrator closing
+            self.failures += 1
+            self._apply(self._core.live_error("server_error", f"Input processing is at capacity: {exc}"))
             return None
         self.opened += 1
-        self._request_id = handle.request_id
+        self.request_id = handle.request_id
+        self._segments.clear()
+        self._unscored = 0
+        self._base = self._sent
         pump = asyncio.create_task(self._pump(handle.request_id), name=f"{self._core.session_id}:live-pump")
         status: RequestStatus | None = None
         try:
@@ -138,31 +211,62 @@ class LiveRequest:
         finally:
             pump.cancel()
             await asyncio.gather(pump, return_exceptions=True)
-            self._request_id = None
+            self.request_id = None
+            self._unscored = 0  # what the request held unscored is gone with it
             if status is None:  # we were cancelled (the session ends or leaves): stop the model
                 await self._orch.cancel(handle.request_id)
             ended = "failed" if status is not None and status.status == "failed" else "cancelled"
             self._end_response(ended, None if status is None else status.error)
         if status is not None and status.status == "failed":
+            self.failures += 1
             log.warning("live request of %s failed: %s", self._core.session_id, status.error)
-            self._apply(self._core.live_error("server_error", f"The model failed: {status.error}"))
+            message = f"Input processing failed: {status.error}"
+            self._apply(self._core.live_error("live_request_failed", message))
         return status
 
     async def _pump(self, request_id: str) -> None:
+        frame = 0  # VAD frames appended to this request
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
-                samples = self._queue.popleft()
-                self._queued_bytes -= samples.nbytes
-                if not await self._orch.append_input(request_id, AudioInput(samples, self._entry.input_rate)):
+                item = self._queue.popleft()
+                payload: AudioInput | TurnControl
+                if isinstance(item, TurnControl):
+                    payload = item
+                elif isinstance(item, DetectSpeech):
+                    self._queued_bytes -= item.samples.nbytes
+                    clear = TurnControl("clear")
+                    if item.reset and frame and not await self._orch.append_input(request_id, clear):
+                        return
+                    self._segments.append(_Segment(frame, item.start_sample, item.num_frames))
+                    frame += item.num_frames
+                    self._unscored += item.num_frames
+                    payload = AudioInput(item.samples, VAD_RATE)
+                else:
+                    self._queued_bytes -= item.nbytes
+                    self._sent += item.size
+                    payload = AudioInput(item, self._entry.input_rate)
+                if not await self._orch.append_input(request_id, payload):
                     return
 
     # --- progress → core -----------------------------------------------------------------
 
     def _on_progress(self, out: object) -> None:
         core, now = self._core, self._now()
-        if isinstance(out, ResponseStarted):
+        if isinstance(out, VoiceActivity):
+            self._voice_activity(out)
+        elif isinstance(out, SpeechStarted | SpeechStopped):
+            sample = round(self._base * VAD_RATE / self._entry.input_rate) + out.audio_ms * (VAD_RATE // 1000)
+            if isinstance(out, SpeechStarted):
+                self._apply(core.on_live_speech_started(sample, now))
+            else:
+                self._apply(core.on_live_speech_stopped(sample, now))
+        elif isinstance(out, Transcript):
+            item_id = core.last_user_item_id
+            if item_id is not None:
+                self._apply(core.on_input_transcript(item_id, out.text, final=out.final, now=now))
+        elif isinstance(out, ResponseStarted):
             self._end_response("completed", None)  # a start without a done: close the last one
             self._response_id, result = core.on_live_response_started(now)
             self._apply(result)
@@ -174,6 +278,28 @@ class LiveRequest:
             self._apply(core.on_response_text(self._response_id, out.text, now))
         elif isinstance(out, ResponseDone):
             self._end_response(out.status, out.error)
+
+    def _voice_activity(self, activity: VoiceActivity) -> None:
+        """Map probabilities from request frames onto the core's timeline, run by run."""
+        frame = activity.start_sample // FRAME
+        probs = activity.probs
+        segments = self._segments
+        while probs and segments:
+            seg = segments[0]
+            end = seg.request_frame + seg.frames
+            if frame >= end:
+                segments.popleft()
+                continue
+            offset = frame - seg.request_frame
+            take = min(len(probs), end - frame)
+            self._unscored = max(0, self._unscored - take)
+            self._apply(
+                self._core.feed_vad(probs[:take], self._now(), start_sample=seg.core_start + offset * FRAME)
+            )
+            probs = probs[take:]
+            frame += take
+            if frame >= end:
+                segments.popleft()
 
     def _end_response(self, status: str, error: str | None) -> None:
         rid, self._response_id = self._response_id, None

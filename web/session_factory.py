@@ -30,20 +30,23 @@ def core_options(
         audio_out_via_track=audio_out_via_track,
         pipeline_transcribes_input=ctx.pipeline_transcribes_input,
         session_id=session_id,
-        live_responses=live_entry(ctx) is not None,
+        live_responses=ctx.capabilities.live_responses or ctx.capabilities.turn_detection,
     )
 
 
 def live_entry(ctx: ServerContext) -> LiveEntry | None:
-    """Where sessions open their live request, when the pipeline takes its own turns (its live
-    entry provides "responses": a full-duplex model); None for pipelines the session drives."""
-    orch = getattr(ctx, "orchestrator", None)  # contexts built by hand may lack one
-    if orch is None:
+    """Where sessions open their live request: a pipeline that takes its own turns (its live
+    entry provides "responses": a full-duplex model) gets every append; one whose live entry
+    scores speech ("voice_activity": the VAD stage) gets the core's VAD frames, unless server
+    VAD is turned off. None: no live request."""
+    caps = ctx.capabilities
+    if caps.live_entry is None:
         return None
-    caps = orch.capabilities()
-    if not caps.live_responses or caps.live_entry is None:
-        return None
-    return LiveEntry(caps.live_entry, caps.input_rate)
+    if caps.live_responses or caps.turn_detection:
+        return LiveEntry(caps.live_entry, caps.input_rate)
+    if caps.voice_activity and ctx.settings.vad:
+        return LiveEntry(caps.live_entry, 16000, frames=True)
+    return None
 
 
 def build_driver(
@@ -77,7 +80,6 @@ def build_driver(
             observer=ctx.metrics,
             turn_gate=ctx.turn_gate,
             capabilities=ctx.capabilities,
-            server_vad=ctx.settings.vad,
             live=live_entry(ctx),
         ),
     )

@@ -122,6 +122,7 @@ class RealtimeSessionCore(UserInput):
         self._config_changed = False
         self._stored_response: str | None = None  # the open response id the store has
         self._orphan_response: dict[str, Any] | None = None  # restored: a dead process's
+        self.last_user_item_id: str | None = None  # of the last committed user audio item
         self.closed = False
         self._apply_turn_detection()
 
@@ -325,17 +326,6 @@ class RealtimeSessionCore(UserInput):
             self._out.error(ProtocolError(E.SESSION_EXPIRED, message))
             self._out.effect(Close(1001, "session expired"))
             self.closed = True
-        return self._out.drain()
-
-    def report_error(
-        self, code: str, message: str, *, event_id: str | None = None, server: bool = True
-    ) -> CoreOutput:
-        """An `error` event for something the server side hit on this session's behalf (its
-        live request failed, input audio overflowed): `server_error` type unless `server` is
-        False. The session goes on."""
-        if not self.closed:
-            kind = E.SERVER_ERROR if server else E.INVALID_REQUEST
-            self._out.error(ProtocolError(code, message, type=kind), event_id)
         return self._out.drain()
 
     def cancel_response(self, now: float) -> CoreOutput:

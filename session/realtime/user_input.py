@@ -56,6 +56,7 @@ class UserInput(ABC):
     _transcribed: set[str]
     _transcribe_requested: set[str]
     _idle_deadline: float | None
+    last_user_item_id: str | None
 
     # Provided by the core.
     @abstractmethod
@@ -97,6 +98,33 @@ class UserInput(ABC):
         self._live_commit()
         self._start_response(None, now, live=True)
         return (self._active.id if self._active is not None else None), self._out.drain()
+
+    def on_live_speech_started(self, sample: int, now: float) -> CoreOutput:
+        """The live request heard the user start speaking at timeline `sample` (16 kHz): a
+        pipeline that detects turns itself (`SpeechStarted`)."""
+        if self.closed or self._speech_item_id is not None:
+            return self._out.drain()
+        self._speech_item_id = self._new_id("item")
+        self._speech_start = max(self._input.start, sample)
+        self._out.event(
+            "input_audio_buffer.speech_started",
+            item_id=self._speech_item_id,
+            audio_start_ms=ms_of(self._speech_start),
+        )
+        return self._out.drain()
+
+    def on_live_speech_stopped(self, sample: int, now: float) -> CoreOutput:
+        """The live request heard the user stop at timeline `sample` (`SpeechStopped`): the
+        audio since the start becomes the user item (the pipeline decides whether to answer)."""
+        item_id = self._speech_item_id
+        if self.closed or item_id is None:
+            return self._out.drain()
+        self._speech_item_id = None
+        end = max(sample, self._speech_start)
+        self._out.event("input_audio_buffer.speech_stopped", item_id=item_id, audio_end_ms=ms_of(end))
+        self._input.drop_before(self._speech_start)
+        self._commit(item_id, self._input.take(self._speech_start, end), respond=False)
+        return self._out.drain()
 
     def live_error(self, code: str, message: str, *, server: bool = True) -> CoreOutput:
         """An `error` event about the live request (it failed: `server_error`; or the client
@@ -229,6 +257,7 @@ class UserInput(ABC):
             item_id, "message", role="user", content=[Content(type="input_audio", input_audio=stored)]
         )
         previous = self.conversation.insert(item)
+        self.last_user_item_id = item_id
         self._out.event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous)
         wire = item.to_wire()
         self._out.event("conversation.item.added", previous_item_id=previous, item=wire)

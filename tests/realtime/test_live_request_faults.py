@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from session.live_input import LiveInput
+from session.live_request import LiveRequest
 from tests.live_server import LiveServer, live_server
 from tests.realtime.wire import (
     WIRE_RATE,
@@ -49,9 +49,9 @@ def session_id(events: ServerEvents) -> str:
     return str(events.log[0].raw["session"]["id"])  # session.created
 
 
-def live_input(server: LiveServer, events: ServerEvents) -> LiveInput:
-    live = server.ctx.sessions[session_id(events)]._live
-    assert isinstance(live, LiveInput)
+def live_input(server: LiveServer, events: ServerEvents) -> LiveRequest:
+    live = server.ctx.sessions[session_id(events)].live
+    assert isinstance(live, LiveRequest)
     return live
 
 
@@ -104,7 +104,7 @@ async def test_audio_faster_than_real_time_is_bounded(server: LiveServer) -> Non
         error = await events.wait_for("error", within_s=20)
         assert error.event.error.code == "input_audio_overflow"
         assert live.queued_bytes <= live.limit_bytes
-        assert live.dropped_frames > 0
+        assert live.dropped_bytes > 0
         await asyncio.sleep(0.5)
         errors = [r.raw["error"] for r in events.log if r.type == "error"]
         assert {e["code"] for e in errors} == {"input_audio_overflow"}

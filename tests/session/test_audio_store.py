@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from runtime.capabilities import PipelineCapabilities
 from session.realtime.audio_store import (
     MemoryAudioStore,
     SpoolAudioStore,
@@ -226,7 +227,12 @@ def test_the_spool_flag_reaches_core_options(tmp_path: Path) -> None:
 
     async def spools(settings: ServerSettings) -> tuple[SpoolAudioStore | None, bool]:
         async with audio_spool(settings) as spool:
-            ctx: Any = SimpleNamespace(settings=settings, pipeline_transcribes_input=False, audio_spool=spool)
+            ctx: Any = SimpleNamespace(
+                settings=settings,
+                pipeline_transcribes_input=False,
+                capabilities=PipelineCapabilities(),
+                audio_spool=spool,
+            )
             assert core_options(ctx, SessionConfig(), "sess_x").audio_store is spool
             return spool, spool is not None and spool.directory.is_dir()
 
