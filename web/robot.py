@@ -34,7 +34,6 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from runtime.progress import AdmissionError
 from session.identity import RESUME_HEADER, Principal, is_session_id
 from session.robot.core import Dialect, PolicyContext, RobotSessionCore
 from session.robot.driver import RobotDriver, RobotObserver, RuntimeProvider, TransportClosed
@@ -226,9 +225,6 @@ class RobotService:
         except (StoreUnavailable, SessionElsewhere):
             await host.forfeit(session_id)
             return STORE_DOWN
-        except AdmissionError as exc:
-            await host.forfeit(session_id)
-            return Denial(429, "policy_at_capacity", f"The policy pipeline is full: {exc}", 1)
         except BaseException:
             await host.forfeit(session_id)
             raise
@@ -253,8 +249,6 @@ class RobotService:
         except AdmissionRefused as refused:
             d = refused.decision
             return Denial(429, d.code, f"No session slot is free ({d.reason}).", d.retry_after_s)
-        except AdmissionError as exc:
-            return Denial(429, "policy_at_capacity", f"The policy pipeline is full: {exc}", 1)
         except StoreUnavailable:
             return STORE_DOWN
 

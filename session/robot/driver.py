@@ -138,18 +138,38 @@ class RobotDriver:
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the session's runtime request (from the core's context) and the infer loop.
-        Raises ``AdmissionError`` when the policy pipeline is full."""
-        self._runtime = await self._runtimes(self.pipeline)
-        await self._submit()
+        """Start the infer loop. The runtime request starts (from the core's context) with the
+        first observation: the policy pipeline loads on first use, and a robot's upgrade (a
+        gateway's too, under its connect timeout) must not wait for that."""
         self._loop_task = asyncio.create_task(self._infer_loop(), name=f"robot-infer-{self.core.session_id}")
 
-    async def _submit(self) -> None:
-        assert self._runtime is not None
-        request_id = f"robot_{self.core.session_id}_{next(_request_numbers)}"
-        self._handle = await self._runtime.submit(
-            self.core.context.submit_params(), session_key=self.core.session_id, request_id=request_id
-        )
+    async def _request(self) -> str | None:
+        """The live request's id, started from the context when there is none; None, the robot
+        told why in its dialect, when the policy cannot take it now (the next observation
+        tries again)."""
+        if self._handle is None:
+            try:
+                if self._runtime is None:
+                    self._runtime = await self._runtimes(self.pipeline)
+                request_id = f"robot_{self.core.session_id}_{next(_request_numbers)}"
+                self._handle = await self._runtime.submit(
+                    self.core.context.submit_params(), session_key=self.core.session_id, request_id=request_id
+                )
+            except asyncio.CancelledError:
+                raise
+            except AdmissionError as exc:
+                self._observer.robot_error("policy_at_capacity")
+                await self.perform(
+                    self.core.error("policy_at_capacity", f"the policy pipeline is full: {exc}")
+                )
+                return None
+            except Exception as exc:
+                log.exception("robot session %s: could not start %s", self.core.session_id, self.pipeline)
+                self._observer.robot_error("policy_unavailable")
+                message = f"the policy could not start: {type(exc).__name__}: {exc}"
+                await self.perform(self.core.error("policy_unavailable", message))
+                return None
+        return self._handle.request_id
 
     async def end(self) -> None:
         """Stop for good: the infer loop, then the runtime request."""
@@ -265,20 +285,22 @@ class RobotDriver:
                 await self._infer(infer)
 
     async def _control(self, control: ResetPolicy | UpdatePrompt) -> None:
-        assert self._runtime is not None and self._handle is not None
+        """A reset or prompt update, in order with the observations. Without a live request the
+        context alone changes (a request starts from it)."""
+        handle, runtime = self._handle, self._runtime
         if isinstance(control, ResetPolicy):
-            await self._runtime.update(self._handle.request_id, Conditioning({"reset": True}))
+            if handle is not None and runtime is not None:
+                await runtime.update(handle.request_id, Conditioning({"reset": True}))
             self.core.context.previous = None
-        else:
-            await self._runtime.update(self._handle.request_id, Conditioning({"prompt": control.prompt}))
+        elif handle is not None and runtime is not None:
+            await runtime.update(handle.request_id, Conditioning({"prompt": control.prompt}))
 
     async def _infer(self, infer: Infer) -> None:
-        assert self._runtime is not None
-        if self._handle is None:
-            await self._submit()
-        assert self._handle is not None
-        request_id = self._handle.request_id
         started = self._clock()
+        request_id = await self._request()
+        if request_id is None:
+            return
+        assert self._runtime is not None
         if infer.prompt is not None:
             await self._runtime.update(request_id, Conditioning({"prompt": infer.prompt}))
         if await self._runtime.append_input(request_id, infer.observation):

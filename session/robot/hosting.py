@@ -145,7 +145,7 @@ class RobotHost:
     async def create(self, session_id: str, tenant: str, dialect: Dialect) -> tuple[RobotSession, str]:
         """After :meth:`admit`: the record (kind ``robot``) and its resume token (shown once),
         the binding, the writer, and the session's runtime request. The caller forfeits the
-        slot on any error (``StoreUnavailable``, ``SessionElsewhere``, ``AdmissionError``)."""
+        slot on any error (``StoreUnavailable``, ``SessionElsewhere``)."""
         context = PolicyContext()
         record, token = await self.store.create_session(tenant, self._config(context), session_id=session_id)
         try:
@@ -178,11 +178,7 @@ class RobotHost:
             self.store, record, epoch=epoch, on_fatal=lambda exc: self._on_writer_fatal(sid, exc)
         )
         await writer.start()
-        try:
-            await driver.start()
-        except BaseException:
-            await writer.close(flush=False)
-            raise
+        await driver.start()  # the infer loop; the policy request starts with the first observation
         timer = RetentionTimer(
             self.policy, created_at=record.created_at, now=self._wall(), expires_at=record.expires_at
         )
