@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 OPENPI_VENV = Path(os.environ.get("OMNIDUPLEX_OPENPI_VENV") or REPO / ".venv-openpi").resolve()
 OPENPI_REQUIREMENTS = ["openpi-client==0.1.2", "typing_extensions"]  # 0.1.2 imports it undeclared
 KEYS = {"sk-robot-a": "tenant-a", "sk-robot-b": "tenant-b"}
-GRACE_S = 3.0
+GRACE_S = 15.0  # a resuming openpi client is a new process: its start must fit in it on a busy host
 
 
 def openpi_python() -> Path:
