@@ -171,6 +171,10 @@ class DuplexEngine(Engine):
         outputs = [StepOutput() for _ in batch]
         rows: list[int] = []
         frames: list[np.ndarray] = []
+        for item in batch:
+            # Bad input raises before any state changes: the stage then steps each request of
+            # the batch alone, and the good ones must not see their inputs twice.
+            self._check(item.state, item.inputs)
         for i, item in enumerate(batch):
             state: DuplexState = item.state
             if self._absorb(state, item.inputs):
@@ -200,9 +204,9 @@ class DuplexEngine(Engine):
             return False
         return now >= self._silence_due(state, frame_s)
 
-    def _absorb(self, state: DuplexState, inputs: list[Payload]) -> bool:
-        """Buffer the audio inputs; True if any audio came."""
-        got = False
+    def _check(self, state: DuplexState, inputs: list[Payload]) -> None:
+        """Raise for input this request cannot take (changes nothing)."""
+        total = state.buffered_samples
         for payload in inputs:
             if not isinstance(payload, AudioInput):
                 continue  # control inputs have no meaning to a model that owns its turns
@@ -210,17 +214,25 @@ class DuplexEngine(Engine):
                 raise ValueError(
                     f"duplex input must be {SAMPLE_RATE} Hz audio (got {payload.sample_rate} Hz)"
                 )
+            total += int(np.asarray(payload.samples).size)
+        if total > self.max_buffer_s * SAMPLE_RATE:
+            raise ValueError(
+                f"input audio is {total / SAMPLE_RATE:.1f} s ahead of the model "
+                f"(at most {self.max_buffer_s:g} s): send it in real time"
+            )
+
+    def _absorb(self, state: DuplexState, inputs: list[Payload]) -> bool:
+        """Buffer the audio inputs (checked); True if any audio came."""
+        got = False
+        for payload in inputs:
+            if not isinstance(payload, AudioInput):
+                continue
             samples = np.asarray(payload.samples, dtype=np.float32).reshape(-1)
             if samples.size:
                 got = True
                 state.buffered.append(samples)
                 state.buffered_samples += int(samples.size)
             state.ending = state.ending or payload.final
-        if state.buffered_samples > self.max_buffer_s * SAMPLE_RATE:
-            raise ValueError(
-                f"input audio is {state.buffered_samples / SAMPLE_RATE:.1f} s ahead of the model "
-                f"(at most {self.max_buffer_s:g} s): send it in real time"
-            )
         return got
 
     def _run(

@@ -167,6 +167,21 @@ def test_input_far_ahead_of_the_model_is_a_clear_error() -> None:
         engine.step([StepInput(state, inputs=[AudioInput(np.zeros(RATE * 2, np.float32), RATE)])])
 
 
+def test_bad_input_in_a_batch_changes_nothing_before_it_raises() -> None:
+    """The stage re-steps each request alone after a batched step raised: the good request's
+    audio must still be there exactly once."""
+    engine, _ = engine_with_clock()
+    good = engine.start(EngineRequest("good", {}))
+    bad = engine.start(EngineRequest("bad", {}))
+    frame = AudioInput(user_audio(1, 1), RATE)
+    with pytest.raises(ValueError, match="24000 Hz"):
+        wrong_rate = AudioInput(np.zeros(320, np.float32), 16000)
+        engine.step([StepInput(good, inputs=[frame]), StepInput(bad, inputs=[wrong_rate])])
+    assert good.buffered_samples == 0 and good.frames == 0
+    engine.step([StepInput(good, inputs=[frame])])  # the stage's retry, alone
+    assert good.frames == 1 and good.buffered_samples == 0
+
+
 def test_quiet_user_steps_the_model_on_silence_every_frame() -> None:
     engine, now = engine_with_clock(idle_grace_ms=120, stream_silence=True)
     state: DuplexState = engine.start(EngineRequest("r", {}))
