@@ -338,7 +338,6 @@ class RobotDriver:
 
 
 __all__ = [
-    "AdmissionError",
     "PolicyRuntime",
     "RobotDriver",
     "RobotObserver",

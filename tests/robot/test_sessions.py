@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from websockets.asyncio.client import connect
@@ -92,3 +93,28 @@ async def test_a_server_without_a_robot_policy_serves_the_rest_and_refuses_robot
         voice = await connect(f"{server.ws_url}/v1/realtime?model=null")
         assert '"session.created"' in str(await voice.recv())
         await voice.close()
+
+
+async def test_grace_expiry_and_delete_end_sessions_and_free_their_slots(tmp_path: Path) -> None:
+    with live_server(
+        tmp_path / "srv", pipeline="null", vad=False, api_keys=f"{KEY}:tenant-a", disconnect_grace_s=0.5
+    ) as server:
+        url = f"{server.ws_url}/v1/realtime/robot/openpi"
+        dropped = await RobotClient.connect(url, KEY)
+        await dropped.infer(observation(dropped.metadata, 0))
+        dropped.ws.transport.abort()  # detached for the 0.5 s grace, then ended
+        deleted = await RobotClient.connect(url, KEY)
+        async with httpx.AsyncClient() as http:
+            answer = await http.delete(f"{server.http_url}/v1/sessions/{deleted.session_id}", headers=AUTH)
+            assert answer.status_code == 200 and answer.json()["deleted"] is True
+            await asyncio.wait_for(deleted.ws.wait_closed(), 10)
+            assert deleted.ws.close_code == 1000
+            for _ in range(100):
+                ready = (await http.get(f"{server.http_url}/readyz")).json()
+                if ready["sessions_by_kind"]["robot"] == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert ready["sessions_by_kind"]["robot"] == 0  # both gone from the process
+        resume = f"{url}?session_id={dropped.session_id}"
+        status, body = await refused(resume, {**AUTH, "X-Omni-Resume-Token": dropped.token})
+        assert status == 404 and body["error"]["code"] == "session_not_found"
