@@ -35,7 +35,7 @@ from runtime.capabilities import PipelineCapabilities
 from runtime.orchestrator import Orchestrator
 from runtime.payloads import AudioChunk, TextDelta, Transcript
 from runtime.progress import AdmissionError, RequestStatus
-from session.link import LinkEnd, Transport, TransportLink
+from session.link import AudioSink, ConnectionInfo, LinkEnd, Transport, TransportLink
 from session.live_request import LiveEntry, LiveRequest
 from session.realtime.core import RealtimeSessionCore
 from session.realtime.effects import (
@@ -56,21 +56,10 @@ from session.turn_gate import TurnGate, TurnRejected
 log = logging.getLogger(__name__)
 
 
-class AudioSink(Protocol):
-    """Track transports (WebRTC): where `PlayAudio` / `ClearAudioOutput` effects go."""
-
-    def play(self, effect: PlayAudio) -> None: ...
-
-    def clear(self, response_id: str) -> None: ...
-
-
 def transport_audio_sink(transport: Transport) -> AudioSink | None:
-    """The media track a transport plays model audio on (its ``audio_sink`` attribute), or
-    None when audio travels as `response.output_audio.delta` events (WebSocket). How audio
-    leaves is a property of the connection, not of the session: a session that began on
-    WebRTC can be resumed over a WebSocket and the other way round."""
-    sink: AudioSink | None = getattr(transport, "audio_sink", None)
-    return sink
+    """The media track a transport plays model audio on, or None when audio travels as
+    `response.output_audio.delta` events (WebSocket)."""
+    return transport.info.audio_sink
 
 
 class DriverObserver(Protocol):
@@ -122,7 +111,7 @@ class _CallbackTransport:
         self._send = send
         self._close = close
         self._incoming = incoming
-        self.audio_sink = audio_sink  # the driver's own (constructor) sink, if any
+        self.info = ConnectionInfo(audio_sink=audio_sink)  # the driver's own (constructor) sink
 
     async def send(self, event: dict[str, Any]) -> None:
         await self._send(event)

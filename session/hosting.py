@@ -14,7 +14,7 @@ its :class:`~session.retention.RetentionTimer`. Connections come and go:
   past it, an in-flight response is cancelled and the session is *parked*: it leaves the
   process and its admission slot, and stays resumable from Redis until its idle TTL. A client
   close with code 1000 (a WebRTC client closing its events channel) parks at once; a
-  transport with a ``session_end = (cause, delete)`` attribute ends it so (a WebRTC call
+  transport whose ``info.session_end`` is ``(cause, delete)`` ends it so (a WebRTC call
   whose ICE never connected: deleted, nobody ever held its resume token);
 * **resume** (:meth:`serve_resume`; session/hosting_resume.py): the new connection is
   attached *held*, the writer is flushed, the events after `last_event_id` are read from the
@@ -265,13 +265,14 @@ class SessionHost(ResumeHosting):
             hs.driver.detach(link)
             if hs.ending or superseded or end is LinkEnd.REPLACED:
                 return end
-            ends: tuple[str, bool] | None = getattr(link.transport, "session_end", None)
+            info = link.transport.info
+            ends = info.session_end
             if hs.driver.closed.is_set():
                 action: tuple[str, bool] | None = ("expired", True)
             elif ends is not None:  # the transport knows the session is over (see SessionEnd)
                 hs.driver.apply(hs.driver.core.cancel_response(self._clock()))
                 action = ends
-            elif getattr(link.transport, "disconnect_code", None) == CLEAN_CLOSE:
+            elif info.disconnect_code == CLEAN_CLOSE:
                 hs.driver.apply(hs.driver.core.cancel_response(self._clock()))
                 action = ("client_closed", False)
             else:

@@ -23,7 +23,10 @@ import enum
 import logging
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
+
+from session.realtime.effects import PlayAudio
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +34,33 @@ SLOW_CLIENT_CODE = 1008
 SLOW_CLIENT_REASON = "client is not reading its events"
 
 
+class AudioSink(Protocol):
+    """Track transports (WebRTC): where `PlayAudio` / `ClearAudioOutput` effects go."""
+
+    def play(self, effect: PlayAudio) -> None: ...
+
+    def clear(self, response_id: str) -> None: ...
+
+
+@dataclass(slots=True)
+class ConnectionInfo:
+    """What a connection tells the session layer about itself, typed (these were optional
+    attributes read with `getattr` across the session/web boundary)."""
+
+    # Model audio goes out on this media track (WebRTC) instead of as delta events. How audio
+    # leaves is a property of the connection: a session begun on WebRTC may resume on a
+    # WebSocket and the other way round.
+    audio_sink: AudioSink | None = None
+    disconnect_code: int | None = None  # the client's close code once it is gone (1000: clean)
+    # (cause, delete): the connection knows the session is over (a WebRTC call that never
+    # connected), for the host to end it so instead of keeping it resumable.
+    session_end: tuple[str, bool] | None = None
+
+
 class Transport(Protocol):
     """What a link needs from a connection (WebSocket, WebRTC data channel, test fake)."""
+
+    info: ConnectionInfo
 
     async def send(self, event: dict[str, Any]) -> None: ...
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections import deque
 from typing import Any
@@ -40,9 +39,11 @@ from session.identity import (
     new_session_id,
     resume_token_from_request,
 )
+from session.link import ConnectionInfo
 from session.realtime.config import SessionConfig, SessionIn
 from session.resume import connection_event
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
+from session.store.event_ids import event_text
 from web.context import ServerContext
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.session_factory import build_driver
@@ -92,7 +93,7 @@ class WebSocketTransport:
 
     def __init__(self, websocket: WebSocket) -> None:
         self.websocket = websocket
-        self.disconnect_code: int | None = None
+        self.info = ConnectionInfo()  # disconnect_code: how the client left
         self.pending: deque[str] = deque()  # frames read while waiting in the admission queue
         self.pending_bytes = 0  # ... their size, bounded by QUEUED_INPUT_MAX_BYTES
 
@@ -103,7 +104,7 @@ class WebSocketTransport:
     async def send(self, event: dict[str, Any]) -> None:
         if self.connected:
             # A logged event carries the JSON text the log stored: no second serialization.
-            text = getattr(event, "wire", None) or json.dumps(event, separators=(",", ":"))
+            text = event_text(event)
             await self.websocket.send_text(text)
 
     async def close(self, code: int, reason: str) -> None:
@@ -121,10 +122,10 @@ class WebSocketTransport:
         try:
             message = await self.websocket.receive()
         except (WebSocketDisconnect, RuntimeError):
-            self.disconnect_code = self.disconnect_code or 1006
+            self.info.disconnect_code = self.info.disconnect_code or 1006
             return None
         if message["type"] == "websocket.disconnect":
-            self.disconnect_code = int(message.get("code") or 1005)
+            self.info.disconnect_code = int(message.get("code") or 1005)
             return None
         text = message.get("text")
         if text is None:
@@ -270,7 +271,7 @@ async def _wait_in_queue(
                 # Streaming a file while queued: keeping it would grow without bound, and
                 # dropping some of it would lose the client's input silently.
                 await transport.close(1008, "too much input while waiting in the admission queue")
-                transport.disconnect_code = 1008
+                transport.info.disconnect_code = 1008
                 break
             transport.pending.append(text)
             transport.pending_bytes += len(text)
@@ -282,9 +283,9 @@ async def _wait_in_queue(
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        if not isinstance(outcome, Admitted) or transport.disconnect_code is not None:
+        if not isinstance(outcome, Admitted) or transport.info.disconnect_code is not None:
             await host.forfeit(sid)  # leaves the queue, or gives back a slot nobody will use
-    if transport.disconnect_code is not None:
+    if transport.info.disconnect_code is not None:
         return None
     return outcome
 

@@ -16,7 +16,7 @@ How a call ends decides what happens to its session (see session/hosting.py `_wa
   closed tab without a hangup): an unclean drop: the session is detached for the disconnect
   grace period and can be resumed over a WebSocket or a new call;
 * a new session's call whose ICE never connects (or that ended before it did): nobody ever
-  received its resume token, so it is deleted (``session_end``) and its slot freed after the
+  received its resume token, so it is deleted (``info.session_end``) and its slot freed after the
   connect timeout. A resuming call that never connects leaves its session detached.
 """
 
@@ -31,8 +31,10 @@ from typing import Any
 from media.tracks import OutboundAudioTrack
 from media.webrtc import PeerLink
 from session.driver import RealtimeDriver
+from session.link import ConnectionInfo
 from session.realtime.effects import CoreOutput, PlayAudio
 from session.realtime.ids import random_id
+from session.store.event_ids import event_text
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +115,9 @@ class RealtimeCall:
         self.link = link
         self.connect_timeout_s = connect_timeout_s
         self.new_session = new_session
-        self.audio_sink = TrackAudioSink(link.outbound)  # read by the driver on attach
-        self.disconnect_code: int | None = None  # CLEAN_CLOSE: the client closed the channel
-        self.session_end: tuple[str, bool] | None = None  # (cause, delete) for the host
+        # The track plays model audio (the driver reads it on attach); disconnect_code
+        # CLEAN_CLOSE: the client closed the channel; session_end: (cause, delete) for the host.
+        self.info = ConnectionInfo(audio_sink=TrackAudioSink(link.outbound))
         self._inbox: asyncio.Queue[str] = asyncio.Queue(256)
         self.driver: RealtimeDriver | None = None
 
@@ -138,7 +140,7 @@ class RealtimeCall:
             # All of the response's audio has been queued on the track by now.
             self.link.outbound.finish(str(event.get("response", {}).get("id", "")))
         # A logged event carries the JSON text the log stored: no second serialization.
-        text = getattr(event, "wire", None) or json.dumps(event, separators=(",", ":"))
+        text = event_text(event)
         size = len(text.encode())
         if size > self.link.max_message_size:
             text = json.dumps(too_large(event, size, self.link.max_message_size))
@@ -168,9 +170,9 @@ class RealtimeCall:
     def _note_end(self) -> None:
         """Tell the host how the call ended (read by its `_watch` once the link is done)."""
         if self.link.closed_by_peer:
-            self.disconnect_code = CLEAN_CLOSE
+            self.info.disconnect_code = CLEAN_CLOSE
         if self.new_session and not self.link.opened:
-            self.session_end = ("never_connected", True)
+            self.info.session_end = ("never_connected", True)
 
     def _on_message(self, text: str) -> None:
         if APPEND in text and self.driver is not None:

@@ -19,6 +19,13 @@ from typing import Any
 EVENT_PREFIX = "event_"
 
 
+def event_text(event: dict[str, Any]) -> str:
+    """The compact JSON text of a server event: the logged text of a `StampedEvent` (no second
+    serialization), else a fresh one."""
+    wire = event.wire if isinstance(event, StampedEvent) else None
+    return wire or json.dumps(event, separators=(",", ":"))
+
+
 class StampedEvent(dict[str, Any]):
     """A logged server event and its compact JSON text (``wire``), the one the log stored, so
     a transport sends it without serializing the event a second time (``None``: not known)."""

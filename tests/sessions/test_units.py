@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from session.link import LinkEnd, TransportLink
+from session.link import ConnectionInfo, LinkEnd, TransportLink
 from session.realtime import CoreOptions, RealtimeSessionCore, StartResponse
 from session.realtime.config import SessionConfig, SessionIn
 from session.realtime.ids import SequentialIds
@@ -111,6 +111,7 @@ def test_restored_core_has_the_history_and_ends_orphans() -> None:
 
 class FakeTransport:
     def __init__(self, *, stuck: bool = False) -> None:
+        self.info = ConnectionInfo()
         self.sent: list[dict[str, Any]] = []
         self.closed: tuple[int, str] | None = None
         self.stuck = stuck
