@@ -201,7 +201,8 @@ def create_app(settings: ServerSettings) -> Starlette:
                     if replica is not None:  # admit and bind under the deployment's replica id
                         ctx.host.join_replica(replica.replica_id, replica.claim)
                         replica.on_lease_regained(ctx.host.recheck_bindings)  # fence moved sessions
-                    async with openpi_port(robot, settings.host, settings.openpi_port):
+                    bare = openpi_port(robot, settings.host, settings.openpi_port, shared=settings.worker)
+                    async with bare:  # `--openpi-port N`: openpi's root path on its own port
                         yield
             finally:
                 await webrtc.close()

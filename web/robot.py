@@ -42,6 +42,7 @@ from session.robot.wire import MAX_PAYLOAD_BYTES, pack
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from web.omni_extensions import SESSION_ID_HEADER, raw_headers, resume_headers, wants_extensions
 from web.video import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STORE_DOWN, UNAUTHORIZED, Denial
+from web.workers import reuseport_socket
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +326,7 @@ class _EmbeddedServer(uvicorn.Server):
 
 @contextlib.asynccontextmanager
 async def openpi_port(
-    service: RobotService, host: str, port: int | None, log_level: str = "warning"
+    service: RobotService, host: str, port: int | None, log_level: str = "warning", *, shared: bool = False
 ) -> AsyncIterator[None]:
     """``serve --openpi-port N``: the bare openpi endpoint on its own port while inside (None:
     nothing). Its frame limit is the 64 MiB payload cap (plus slack, so a payload a little over
@@ -346,7 +347,9 @@ async def openpi_port(
         lifespan="off",
     )
     server = _EmbeddedServer(config)
-    task = asyncio.create_task(server.serve(), name=f"openpi-port-{port}")
+    # `serve --workers N`: every worker listens on the port (SO_REUSEPORT), like the main one
+    sockets = [reuseport_socket(host, port)] if shared else None
+    task = asyncio.create_task(server.serve(sockets=sockets), name=f"openpi-port-{port}")
     try:
         while not server.started:
             if task.done():
