@@ -190,7 +190,7 @@ class RobotSessionCore:
         try:
             if "endpoint" in message:
                 self._switch()
-                return self._endpoint(message)
+                return self._endpoint(message, now)
             if "__ctrl__" in message:
                 return self._ctrl(message)
             return self._observation(message, now)
@@ -201,7 +201,7 @@ class RobotSessionCore:
         if not self.explicit_dialect:
             self.dialect = Dialect.VLLM_OMNI
 
-    def _endpoint(self, message: dict[str, Any]) -> list[Output]:
+    def _endpoint(self, message: dict[str, Any], now: float) -> list[Output]:
         endpoint = message.get("endpoint")
         if endpoint == "reset":  # the driver clears the context when the runtime gets it
             self.stats.resets += 1
@@ -215,7 +215,7 @@ class RobotSessionCore:
                 SendFrame(pack({"status": "update successful", "prompt": prompt})),
             ]
         if endpoint == "infer":
-            return self._observation({k: v for k, v in message.items() if k != "endpoint"}, 0.0)
+            return self._observation({k: v for k, v in message.items() if k != "endpoint"}, now)
         if endpoint == "metadata":
             return [SendFrame(self.opening())]
         raise WireError(

@@ -100,3 +100,11 @@ def test_reply_is_openpi_shaped_and_context_round_trips() -> None:
     assert restored.prompt == "pick" and restored.step == 2
     assert restored.previous is not None
     np.testing.assert_array_equal(restored.previous, actions)
+
+
+def test_an_infer_endpoint_is_an_observation_timed_when_it_came() -> None:
+    core = RobotSessionCore(META, "sess_a")
+    (infer,) = core.handle_frame(pack({"endpoint": "infer", **obs()}), 12.5)
+    assert isinstance(infer, Infer) and infer.received_at == 12.5 and core.dialect is Dialect.VLLM_OMNI
+    (meta,) = core.handle_frame(pack({"endpoint": "metadata"}), 13.0)
+    assert unpack(meta.data)["state_dim"] == 3  # type: ignore[union-attr,arg-type]
