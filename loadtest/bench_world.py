@@ -204,7 +204,7 @@ def serve(port: int) -> None:
     import uvicorn
     from starlette.applications import Starlette
 
-    from session.video.runtimes import OrchestratorPool
+    from session.world.runtimes import OrchestratorPool
     from web.video import VideoService
 
     pool = OrchestratorPool()

@@ -1,6 +1,6 @@
 """What the voice and world session hosts share: slot releases, the sweeper loop, expiry text.
 
-:class:`~session.hosting.SessionHost` and :class:`~session.video.hosting.WorldHost` hold
+:class:`~session.voice.hosting.SessionHost` and :class:`~session.world.hosting.WorldHost` hold
 different sessions but the same admission slots and the same retention policy, so a few
 mechanics are identical and live here once: releasing a slot (retried by the sweeper when
 Redis was down), the one sweeper task per host woken early by its ``wake`` event, the message

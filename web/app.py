@@ -19,8 +19,8 @@ from runtime.spec import load_pipeline
 from session.identity import Principal, api_key_from_request, authenticate
 from session.robot.hosting import RobotHost
 from session.robot.metadata import policy_metadata
-from session.video.hosting import WorldHost
-from session.video.runtimes import OrchestratorPool
+from session.world.hosting import WorldHost
+from session.world.runtimes import OrchestratorPool
 from web.context import ServerContext, server_context
 from web.cors import CorsMiddleware, origin_policy
 from web.realtime_ws import error_body, realtime_endpoint

@@ -46,7 +46,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     # worker processes on one port (web/workers.py)
     p.add_argument("--workers", type=int, default=1, help="worker processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the parent
-    # sessions (session/hosting.py)
+    # sessions (session/voice/hosting.py)
     p.add_argument("--idle-ttl-s", type=float, default=600.0, help="session idle TTL (deleted after)")
     p.add_argument("--max-lifetime-s", type=float, default=3600.0, help="session maximum lifetime")
     p.add_argument(

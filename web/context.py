@@ -93,8 +93,8 @@ class ServerContext:
     sessions: dict[str, Any] = field(default_factory=dict)  # session id → live driver
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     ready: bool = False
-    host: Any = None  # session.hosting.SessionHost: the realtime WebSocket sessions (resume, retention)
-    turn_gate: Any = None  # session.turn_gate.TurnGate: generating responses per replica, all transports
+    host: Any = None  # session.voice.hosting.SessionHost: the realtime WebSocket sessions (resume, retention)
+    turn_gate: Any = None  # session.voice.turn_gate.TurnGate: generating responses per replica
     audio_spool: SpoolAudioStore | None = None  # conversations' spilled audio (None: kept in memory)
 
     @property
@@ -147,7 +147,7 @@ async def server_context(settings: ServerSettings) -> Any:
         ctx.metrics.bind_sessions(lambda: ctx.sessions.values())
         if spool is not None:
             ctx.metrics.bind_audio_spool(lambda: spool.spooled_bytes)
-        from session.turn_gate import TurnGate
+        from session.voice.turn_gate import TurnGate
         from web.session_factory import build_host
 
         ctx.turn_gate = TurnGate(

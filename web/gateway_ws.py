@@ -30,7 +30,7 @@ from starlette.websockets import WebSocket
 from websockets.asyncio.client import ClientConnection
 
 from session.store.errors import StoreError
-from session.video.events import ErrorEvent as WorldErrorEvent
+from session.world.events import ErrorEvent as WorldErrorEvent
 from web.gateway_relay import (
     ReplicaDenial,
     ReplicaRefused,

@@ -1,6 +1,6 @@
 """`GET /v1/realtime`: the OpenAI Realtime (GA) protocol over WebSocket, with resume.
 
-Only bytes ⇄ events here; sessions live in `ctx.host` (:mod:`session.hosting`). Everything
+Only bytes ⇄ events here; sessions live in `ctx.host` (:mod:`session.voice.hosting`). Everything
 that can be refused is refused before the upgrade, as an HTTP answer with a JSON body:
 
 * 401 `invalid_api_key`; 400 `invalid_session_config`;
@@ -28,7 +28,6 @@ from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from session.admission import Admitted, Queued, Rejected
-from session.hosting import AdmissionRefused, SessionElsewhere, SessionHost
 from session.identity import (
     RESUME_HEADER,
     Principal,
@@ -44,6 +43,7 @@ from session.realtime.config import SessionConfig, SessionIn
 from session.resume import connection_event
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from session.store.event_ids import event_text
+from session.voice.hosting import AdmissionRefused, SessionElsewhere, SessionHost
 from web.context import ServerContext
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.session_factory import build_driver

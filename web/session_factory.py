@@ -1,6 +1,6 @@
 """How this server builds realtime session cores and drivers (WebSocket and WebRTC alike).
 
-Also builds the process's :class:`~session.hosting.SessionHost` (store, admission, retention)
+Also builds the process's :class:`~session.voice.hosting.SessionHost` (store, admission, retention)
 from the settings; `web.context` calls :func:`build_host` once in the lifespan.
 """
 
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from session.driver import DriverOptions, RealtimeDriver, SessionLog
 from session.identity import new_session_id
-from session.live_request import LiveEntry
 from session.realtime.config import SessionConfig
 from session.realtime.core import CoreOptions, RealtimeSessionCore
+from session.voice.driver import DriverOptions, RealtimeDriver, SessionLog
+from session.voice.live_request import LiveEntry
 
 if TYPE_CHECKING:
-    from session.hosting import SessionHost
+    from session.voice.hosting import SessionHost
     from web.context import ServerContext
 
 
@@ -89,9 +89,9 @@ def build_host(ctx: ServerContext, replica_id: str) -> SessionHost:
     """The session host of this process (not started)."""
     from session.admission import AdmissionController
     from session.affinity import SessionBinding
-    from session.hosting import HostSettings, SessionHost
     from session.retention import RetentionPolicy
     from session.store import SessionStore
+    from session.voice.hosting import HostSettings, SessionHost
 
     s = ctx.settings
     policy = RetentionPolicy(

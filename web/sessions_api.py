@@ -10,11 +10,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from session.hosting import SessionHost
 from session.identity import Principal, api_key_from_request, authenticate, is_session_id
 from session.robot.hosting import RobotHost
 from session.store.errors import SessionNotFound, StoreUnavailable
-from session.video.hosting import WorldHost
+from session.voice.hosting import SessionHost
+from session.world.hosting import WorldHost
 from web.context import ServerContext
 from web.realtime_ws import error_body
 
@@ -42,7 +42,7 @@ async def session_endpoint(request: Request) -> Response:
     if principal is None:
         return error_body(401, "invalid_api_key", "Missing or invalid API key.")
     session_id = request.path_params["session_id"]
-    world = getattr(request.app.state, "world", None)  # session.video.hosting.WorldHost
+    world = getattr(request.app.state, "world", None)  # session.world.hosting.WorldHost
     if world is not None and world.live(principal.tenant, session_id) is not None:
         host = world  # a world session live here: same describe/delete interface
     robot = getattr(request.app.state, "robot", None)  # session.robot.hosting.RobotHost

@@ -31,7 +31,7 @@ class ServerSettings:
     max_sessions: int = 64
     max_message_bytes: int = 2 * 1024 * 1024  # a frame over this closes with 1009
     session_max_duration_s: float = 3600.0  # kept for compatibility; see `max_lifetime`
-    # sessions (session/hosting.py): retention, admission, event log
+    # sessions (session/voice/hosting.py): retention, admission, event log
     idle_ttl_s: float = 600.0  # no client input and no server event for this long: deleted
     max_lifetime_s: float = 3600.0  # then `session_expired`, close 1001, deleted
     disconnect_grace_s: float = 30.0  # a dropped session runs on this long, then is parked
@@ -41,7 +41,7 @@ class ServerSettings:
     event_log_maxlen: int = 4096  # events kept per session for replay (XADD MAXLEN ~)
     audio_retention_s: float = 10.0  # item audio a conversation keeps (newest items; older: transcripts)
     audio_spool: bool = True  # retained audio no prompt needs goes to files under data_dir, off the heap
-    # turns (session/turn_gate.py): responses generating at once, and a short queue beyond
+    # turns (session/voice/turn_gate.py): responses generating at once, and a short queue beyond
     max_generating: int | None = None  # None: the pipeline's capacity
     turn_queue_s: float = 2.0  # a turn waits this long for a slot, then fails
     turn_queue_max: int = 64  # turns waiting at once; beyond it a turn fails at once

@@ -1,8 +1,8 @@
 """Routes of world-model video sessions: ``/v1/realtime/video`` over a WebSocket and over WebRTC,
 and the ``/world`` demo.
 
-I/O only. Both transports run the same :class:`~session.video.core.VideoSessionCore` and
-:class:`~session.video.driver.VideoSessionDriver`:
+I/O only. Both transports run the same :class:`~session.world.core.VideoSessionCore` and
+:class:`~session.world.driver.VideoSessionDriver`:
 
 * WebSocket ``/v1/realtime/video``: JSON control in and out, each chunk as
   ``video.chunk_metadata`` + one binary frame (JPEG or fMP4).
@@ -12,7 +12,7 @@ I/O only. Both transports run the same :class:`~session.video.core.VideoSessionC
   chunk status: index, frames, fps, queue depth) and the frames on the video track, which
   aiortc encodes (VP8/H.264). ``DELETE /v1/realtime/video/calls/{call_id}`` hangs up.
 
-With a :class:`~session.video.hosting.WorldHost` (``service.host``, set by the app once the
+With a :class:`~session.world.hosting.WorldHost` (``service.host``, set by the app once the
 session layer is up) both transports are hosted sessions like voice ones: identity (API key or
 ``ek_`` key → tenant), an admission slot shared with voice sessions, a Redis record, a resume
 token (on the 101 / the 201 as ``X-Omni-Resume-Token``; and, for a client that asked for
@@ -52,11 +52,11 @@ from media.video_rtc import FrameTrack, VideoPeer, check_video_offer
 from media.webrtc import IceServer, OfferError
 from session.identity import RESUME_HEADER, Principal, is_session_id, resume_token_from_request
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
-from session.video.config import VideoConfig
-from session.video.core import VideoSessionCore
-from session.video.driver import RuntimeProvider, TransportClosed, VideoSessionDriver
-from session.video.hosting import AdmissionRefused, SessionElsewhere, WorldHost, WorldSession
-from session.video.outlets import encoded_outlet
+from session.world.config import VideoConfig
+from session.world.core import VideoSessionCore
+from session.world.driver import RuntimeProvider, TransportClosed, VideoSessionDriver
+from session.world.hosting import AdmissionRefused, SessionElsewhere, WorldHost, WorldSession
+from session.world.outlets import encoded_outlet
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.video_call import CALL_PREFIX, PeerVideoTransport, TrackOutlet, VideoCall
 
@@ -71,7 +71,7 @@ STATIC_WORLD = Path(__file__).with_name("static") / "world"
 
 
 class WebSocketVideoTransport:
-    """A starlette WebSocket as the driver's :class:`~session.video.driver.VideoTransport`."""
+    """A starlette WebSocket as the driver's :class:`~session.world.driver.VideoTransport`."""
 
     kind = "websocket"
 
@@ -600,6 +600,6 @@ def video_routes(
     runtimes: RuntimeProvider, config: VideoConfig | None = None, *, ice_servers: Sequence[IceServer] = ()
 ) -> list[BaseRoute]:
     """The routes for a starlette app; ``runtimes`` is e.g. a
-    :class:`~session.video.runtimes.OrchestratorPool`. (Keep the :class:`VideoService` to
+    :class:`~session.world.runtimes.OrchestratorPool`. (Keep the :class:`VideoService` to
     close its sessions at shutdown.)"""
     return VideoService(runtimes, config, ice_servers=ice_servers).routes()

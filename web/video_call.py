@@ -21,9 +21,9 @@ from aiortc.mediastreams import MediaStreamError
 
 from media.video import EncodedChunk
 from media.video_rtc import FrameTrack, VideoPeer
-from session.video.core import StartGeneration
-from session.video.driver import OutletFactory, TransportClosed, VideoSessionDriver
-from session.video.outlets import ChunkOutlet
+from session.world.core import StartGeneration
+from session.world.driver import OutletFactory, TransportClosed, VideoSessionDriver
+from session.world.outlets import ChunkOutlet
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class VideoCall:
         self.transport = PeerVideoTransport(peer)
         self._track = track
         # One factory object for the call's life: a resumed world compares it to the one
-        # that built its outlet (session/video/outlets.py ConnectionOutlet).
+        # that built its outlet (session/world/outlets.py ConnectionOutlet).
         self.outlets: OutletFactory = self._outlet
         self._inbox: asyncio.Queue[str] = asyncio.Queue(self.INBOX)
         peer.on_message = self._on_message

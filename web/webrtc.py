@@ -45,8 +45,6 @@ from starlette.staticfiles import StaticFiles
 from media.tracks import OutboundAudioTrack
 from media.webrtc import MAX_OFFER_BYTES, IceServer, OfferError, PeerLink, check_offer, parse_ice_servers
 from session.admission import Rejected
-from session.driver import RealtimeDriver
-from session.hosting import AdmissionRefused, SessionElsewhere, SessionHost
 from session.identity import (
     RESUME_HEADER,
     Principal,
@@ -60,6 +58,8 @@ from session.link import LinkEnd
 from session.realtime.config import SessionConfig, SessionIn
 from session.store.aio import cancel_and_wait
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
+from session.voice.driver import RealtimeDriver
+from session.voice.hosting import AdmissionRefused, SessionElsewhere, SessionHost
 from web.context import ServerContext
 from web.omni_extensions import resume_headers, wants_extensions
 from web.realtime_ws import error_body, initial_config

@@ -7,7 +7,7 @@ driver (`feed_input_audio`), and model audio out on the paced outbound track: th
 `response.output_audio.delta` events while this call is attached (playout is reported back
 for truncation on barge-in).
 
-How a call ends decides what happens to its session (see session/hosting.py `_watch`):
+How a call ends decides what happens to its session (see session/voice/hosting.py `_watch`):
 
 * hangup (`POST …/hangup`): the session is deleted (web/webrtc.py);
 * the client closes the `oai-events` channel while the peer connection is up: a clean close,
@@ -30,11 +30,11 @@ from typing import Any
 
 from media.tracks import OutboundAudioTrack
 from media.webrtc import PeerLink
-from session.driver import RealtimeDriver
 from session.link import ConnectionInfo
 from session.realtime.effects import CoreOutput, PlayAudio
 from session.realtime.ids import random_id
 from session.store.event_ids import event_text
+from session.voice.driver import RealtimeDriver
 
 log = logging.getLogger(__name__)
 

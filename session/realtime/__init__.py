@@ -1,4 +1,4 @@
-"""OpenAI Realtime (GA) session core: sans-I/O, driven by `session/driver.py`."""
+"""OpenAI Realtime (GA) session core: sans-I/O, driven by `session/voice/driver.py`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Robot sessions on the session layer: the identity, admission slots, Redis record, resume
 token, retention and replica binding of voice and world sessions, for OpenPI robot links.
 
-A :class:`RobotHost` sits beside the voice :class:`~session.hosting.SessionHost` and borrows
+A :class:`RobotHost` sits beside the voice :class:`~session.voice.hosting.SessionHost` and borrows
 its store, admission controller (robots, voice and world sessions share the replica's and the
 tenant's slots), retention policy and binding. What it keeps of its own is the policy context
 of each session (prompt, previous action chunk, inference count: :class:`PolicyContext`),
@@ -34,16 +34,16 @@ from typing import TYPE_CHECKING, Any
 from session.admission import Rejected
 from session.affinity import Binding
 from session.host_common import SlotReleases, cancel_tasks, expiry_message, spawn, sweep_forever
-from session.hosting import AdmissionRefused, SessionElsewhere
 from session.identity import new_session_id, resume_token_matches, secret_digest
 from session.retention import RetentionTimer, Verdict
 from session.robot.core import Dialect, PolicyContext
 from session.robot.driver import RobotDriver, RobotTransport
 from session.store import SessionRecord, SessionWriter
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StaleEpoch, StoreError
+from session.voice.hosting import AdmissionRefused, SessionElsewhere
 
 if TYPE_CHECKING:
-    from session.hosting import SessionHost
+    from session.voice.hosting import SessionHost
 
 log = logging.getLogger(__name__)
 

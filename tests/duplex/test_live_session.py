@@ -1,5 +1,5 @@
 """The session side of a pipeline that takes its own turns: the sans-I/O core with
-`live_responses` and the session's live request (session/live_request.py) on duplex-tiny."""
+`live_responses` and the session's live request (session/voice/live_request.py) on duplex-tiny."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import numpy as np
 
 from runtime.orchestrator import Orchestrator
 from runtime.spec import load_pipeline
-from session.live_request import LiveEntry, LiveRequest
 from session.realtime.core import CoreOptions, RealtimeSessionCore
 from session.realtime.effects import CoreOutput, LiveAudio, StartResponse
 from session.realtime.ids import SequentialIds
 from session.realtime.user_input import LIVE_COMMIT_MAX_MS
+from session.voice.live_request import LiveEntry, LiveRequest
 from tests.session.realtime_harness import assert_valid_server_event, pcm16_b64
 
 RATE = 24_000
@@ -154,7 +154,7 @@ def test_a_cancelled_live_response_drops_the_rest_of_the_stretch() -> None:
 async def test_a_full_model_is_retried_with_backoff_not_in_a_loop(monkeypatch: Any) -> None:
     """More live sessions than the model has slots: the extra one gets an error per attempt,
     attempts spaced 0.5, 1, 2 ... s apart (here scaled down), never a tight loop."""
-    import session.live_request as live_request
+    import session.voice.live_request as live_request
 
     monkeypatch.setattr(live_request, "REOPEN_DELAY_S", 0.05)
     spec = load_pipeline("duplex-tiny")

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from session.live_request import LiveRequest
+from session.voice.live_request import LiveRequest
 from tests.live_server import LiveServer, live_server
 from tests.realtime.wire import (
     WIRE_RATE,

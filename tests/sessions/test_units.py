@@ -15,7 +15,7 @@ from session.realtime.ids import SequentialIds
 from session.realtime.records import config_from_record, item_from_record, item_to_record
 from session.resume import connection_event, event_seq, logged_event_id, replayed_through
 from session.store.event_ids import split_events
-from session.turn_gate import TurnGate, TurnRejected
+from session.voice.turn_gate import TurnGate, TurnRejected
 
 
 def text_item(text: str) -> dict[str, Any]:

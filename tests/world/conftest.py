@@ -14,8 +14,8 @@ import uvicorn
 from starlette.applications import Starlette
 from websockets.asyncio.client import ClientConnection, connect
 
-from session.video.config import VideoConfig, VideoLimits
-from session.video.runtimes import OrchestratorPool
+from session.world.config import VideoConfig, VideoLimits
+from session.world.runtimes import OrchestratorPool
 from tests.conftest_redis import redis_server  # noqa: F401  (a shared redis-server fixture)
 from tests.peer_faults import fast_consent  # noqa: F401  (a fixture: ICE consent lost in ~2 s)
 from web.video import VideoService

@@ -9,8 +9,8 @@ from itertools import count
 import pytest
 
 from media.video import EncodedChunk
-from session.video.config import VideoConfig, VideoLimits
-from session.video.core import (
+from session.world.config import VideoConfig, VideoLimits
+from session.world.core import (
     CancelGeneration,
     CloseConnection,
     Output,
@@ -18,7 +18,7 @@ from session.video.core import (
     StartGeneration,
     VideoSessionCore,
 )
-from session.video.events import (
+from session.world.events import (
     ChunkMetadata,
     ErrorEvent,
     InteractionApplied,
@@ -27,8 +27,8 @@ from session.video.events import (
     SessionDone,
     VideoStart,
 )
-from session.video.keys import HeldKeys
-from session.video.pacing import ChunkPacer
+from session.world.keys import HeldKeys
+from session.world.pacing import ChunkPacer
 
 
 def make_core(**limits: object) -> VideoSessionCore:

@@ -9,7 +9,7 @@ import time
 
 from websockets.exceptions import ConnectionClosed
 
-from session.video.core import Phase
+from session.world.core import Phase
 from tests.world.conftest import WorldServer, open_client
 
 

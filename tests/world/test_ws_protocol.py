@@ -181,7 +181,7 @@ async def test_gate_and_slots_refuse_before_accepting() -> None:
     import httpx
     from websockets.exceptions import InvalidStatus
 
-    from session.video.config import VideoConfig
+    from session.world.config import VideoConfig
     from web.video import Denial
 
     async def gate(connection: Any) -> Denial | None:

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from media.video import ChunkEncoder, EncodedChunk, make_encoder
-from session.video.core import StartGeneration
+from session.world.core import StartGeneration
 
 
 class ChunkOutlet(Protocol):

@@ -1,6 +1,6 @@
-"""Resume for :class:`~session.hosting.SessionHost`: authorize, restore from Redis, replay.
+"""Resume for :class:`~session.voice.hosting.SessionHost`: authorize, restore from Redis, replay.
 
-Split out of session/hosting.py (a mixin, so the host stays one object): a resuming
+Split out of session/voice/hosting.py (a mixin, so the host stays one object): a resuming
 connection is attached *held*, the writer is flushed, the events after `last_event_id` are
 read from the log and sent behind `omni.session.resumed`, then what was queued meanwhile
 minus what the replay already had, then live (`omni.session.snapshot` when the id is no
@@ -30,9 +30,9 @@ from session.store import SessionRecord, SessionStore
 from session.store.errors import ReplayUnavailable, ResumeTokenInvalid, SessionNotFound, StoreError
 
 if TYPE_CHECKING:
-    from session.hosting import HostedSession
+    from session.voice.hosting import HostedSession
 
-log = logging.getLogger("session.hosting")
+log = logging.getLogger("session.voice.hosting")
 
 
 class AdmissionRefused(Exception):

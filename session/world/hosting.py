@@ -1,7 +1,7 @@
 """World-model sessions on the session layer: the same identity, admission slots, Redis
 record, resume token, retention and replica binding as voice sessions.
 
-A :class:`WorldHost` sits beside the process's :class:`~session.hosting.SessionHost` and
+A :class:`WorldHost` sits beside the process's :class:`~session.voice.hosting.SessionHost` and
 borrows its parts rather than copying them: the :class:`~session.store.SessionStore` (one
 record per session, ``config.kind == "world"``), the
 :class:`~session.admission.AdmissionController` (voice and world sessions share the replica's
@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any
 
 from session.admission import Rejected
 from session.host_common import SlotReleases, cancel_tasks, expiry_message, spawn, sweep_forever
-from session.hosting import AdmissionRefused, SessionElsewhere
 from session.identity import new_session_id, resume_token_matches, secret_digest
 from session.retention import EXPIRY_SLACK_S, RetentionTimer, Verdict
 from session.store import SessionRecord, SessionWriter
@@ -51,11 +50,12 @@ from session.store.errors import (
     StaleEpoch,
     StoreError,
 )
-from session.video.driver import OutletFactory, TransportClosed, VideoSessionDriver, VideoTransport
-from session.video.events import ErrorCode, SessionResumable
+from session.voice.hosting import AdmissionRefused, SessionElsewhere
+from session.world.driver import OutletFactory, TransportClosed, VideoSessionDriver, VideoTransport
+from session.world.events import ErrorCode, SessionResumable
 
 if TYPE_CHECKING:
-    from session.hosting import SessionHost
+    from session.voice.hosting import SessionHost
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from session.video.keys import normalize_key
+from session.world.keys import normalize_key
 
 MOVE_KEYS = frozenset(
     normalize_key(k) for k in ("W", "A", "S", "D", "ArrowUp", "ArrowDown", "ArrowLeft", "ArrowRight")

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from media.video import EncodedChunk
-from session.video.config import VideoConfig, VideoLimits, WorldModel
-from session.video.events import (
+from session.world.config import VideoConfig, VideoLimits, WorldModel
+from session.world.events import (
     ChunkMetadata,
     ClientEvent,
     ErrorCode,
@@ -44,7 +44,7 @@ from session.video.events import (
     VideoStart,
     parse_client_event,
 )
-from session.video.keys import HeldKeys, KeyFlush, normalize_key
+from session.world.keys import HeldKeys, KeyFlush, normalize_key
 
 
 class Phase(enum.Enum):

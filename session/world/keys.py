@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from session.video.events import KeyEvent
+from session.world.events import KeyEvent
 
 
 def normalize_key(key: str) -> str:

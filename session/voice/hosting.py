@@ -16,7 +16,7 @@ its :class:`~session.retention.RetentionTimer`. Connections come and go:
   close with code 1000 (a WebRTC client closing its events channel) parks at once; a
   transport whose ``info.session_end`` is ``(cause, delete)`` ends it so (a WebRTC call
   whose ICE never connected: deleted, nobody ever held its resume token);
-* **resume** (:meth:`serve_resume`; session/hosting_resume.py): the new connection is
+* **resume** (:meth:`serve_resume`; session/voice/hosting_resume.py): the new connection is
   attached *held*, the writer is flushed, the events after `last_event_id` are read from the
   log and sent behind `omni.session.resumed {session_id, replay_count}`, then what was
   queued meanwhile minus what the replay already had, then live. If the id is no longer
@@ -46,9 +46,7 @@ from typing import Any
 
 from session.admission import AdmissionController
 from session.affinity import Binding, SessionBinding
-from session.driver import RealtimeDriver, SessionLog
 from session.host_common import SlotReleases, cancel_tasks, expiry_message, spawn, sweep_forever
-from session.hosting_resume import AdmissionRefused, ResumeHosting, SessionElsewhere
 from session.identity import secret_digest
 from session.link import LinkEnd, Transport, TransportLink
 from session.realtime.config import SessionConfig
@@ -63,6 +61,8 @@ from session.store.errors import (
     StoreError,
     StoreUnavailable,
 )
+from session.voice.driver import RealtimeDriver, SessionLog
+from session.voice.hosting_resume import AdmissionRefused, ResumeHosting, SessionElsewhere
 
 log = logging.getLogger(__name__)
 

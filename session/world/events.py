@@ -283,7 +283,7 @@ class ErrorEvent(ServerEvent):
 
 @dataclass(slots=True)
 class SessionResumable(ServerEvent):
-    """Hosted sessions (session/video/hosting.py), first event of a new connection: how to
+    """Hosted sessions (session/world/hosting.py), first event of a new connection: how to
     resume this session after a dropped connection. The token is shown once."""
 
     type: ClassVar[str] = "omni.session.resumable"

@@ -12,7 +12,7 @@ pauses and memory stays flat; a send blocked for ``stall_timeout_s`` ends the se
 Metadata and its binary frame go out under one lock, so a control reply (pong, queued) can
 slip in between chunks but never between a chunk's two frames.
 
-Hosted sessions (``retain=True``, see :mod:`session.video.hosting`) outlive a connection: a
+Hosted sessions (``retain=True``, see :mod:`session.world.hosting`) outlive a connection: a
 send that finds the peer gone *detaches* the driver instead of ending it (the frames of that
 send are lost), and so does :meth:`VideoSessionDriver.detach`. While detached every send
 waits for :meth:`VideoSessionDriver.attach`: the media loop holds the one chunk it has and
@@ -20,7 +20,7 @@ demands no other, so the runtime request and its rolling context stay as they ar
 grows. The stall timeout does not run while detached (there is no socket to stall). A WebRTC
 call's track that ends under a chunk's frames detaches the same way. A connection attached
 later may bring its own outlet factory (a call's track, a WebSocket's encoder): the running
-generation's outlet follows it from the next chunk (:class:`~session.video.outlets.ConnectionOutlet`).
+generation's outlet follows it from the next chunk (:class:`~session.world.outlets.ConnectionOutlet`).
 """
 
 from __future__ import annotations
@@ -37,16 +37,16 @@ from typing import Any, Protocol
 from media.video import EncodedChunk
 from runtime.payloads import Action, Conditioning, Frames, Payload
 from runtime.progress import AdmissionError, RequestHandle, RequestStatus
-from session.video.core import (
+from session.world.core import (
     CancelGeneration,
     CloseConnection,
     Output,
     StartGeneration,
     VideoSessionCore,
 )
-from session.video.events import ErrorCode, ServerEvent
-from session.video.outlets import ConnectionOutlet, OutletFactory, encoded_outlet
-from session.video.pacing import ChunkPacer
+from session.world.events import ErrorCode, ServerEvent
+from session.world.outlets import ConnectionOutlet, OutletFactory, encoded_outlet
+from session.world.pacing import ChunkPacer
 
 log = logging.getLogger(__name__)
 

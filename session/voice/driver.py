@@ -36,7 +36,6 @@ from runtime.orchestrator import Orchestrator
 from runtime.payloads import AudioChunk, TextDelta, Transcript
 from runtime.progress import AdmissionError, RequestStatus
 from session.link import AudioSink, ConnectionInfo, LinkEnd, Transport, TransportLink
-from session.live_request import LiveEntry, LiveRequest
 from session.realtime.core import RealtimeSessionCore
 from session.realtime.effects import (
     CancelResponse,
@@ -51,7 +50,8 @@ from session.realtime.effects import (
     TranscribeInput,
 )
 from session.store.aio import cancel_and_wait
-from session.turn_gate import TurnGate, TurnRejected
+from session.voice.live_request import LiveEntry, LiveRequest
+from session.voice.turn_gate import TurnGate, TurnRejected
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class DriverOptions:
     epoch: Callable[[], float] = time.time
     observer: DriverObserver | None = None  # metrics hooks
     turn_gate: TurnGate | None = None  # per-replica bound on generating responses (shared)
-    # The session's live request (session/live_request.py): a pipeline that takes its own turns
+    # The session's live request (session/voice/live_request.py): a pipeline that takes its own turns
     # (the core has `live_responses`), or one whose live entry scores VAD frames (`frames`).
     # None: no live request (server VAD then never detects a turn).
     live: LiveEntry | None = None
