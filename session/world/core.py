@@ -416,6 +416,7 @@ class VideoSessionCore:
             return []
         out: list[ServerEvent] = []
         applied = req.in_flight.pop(chunk_index, None)
+        ids: list[str] = []
         if applied is not None:
             ids, oldest = applied
             out.append(InteractionApplied(req.request_id, chunk_index, ids, round((now - oldest) * 1e3, 3)))
@@ -434,6 +435,8 @@ class VideoSessionCore:
                 frame_byte_lengths=encoded.frame_byte_lengths or None,
                 init_byte_length=encoded.init_byte_length or None,
                 queue_depth=queue_depth,
+                started_event_ids=list(ids),
+                completed_event_ids=list(ids),
             )
         )
         req.chunks_sent += 1

@@ -229,6 +229,13 @@ class ChunkMetadata(ServerEvent):
     frame_byte_lengths: list[int] | None = None  # jpeg: where each JPEG ends
     init_byte_length: int | None = None  # m4s: leading init segment bytes (first chunk)
     queue_depth: int | None = None  # rtp: frames waiting in the track when the chunk was queued
+    # vLLM-Omni's interaction progress: ids whose change begins with this chunk, is still in
+    # transition after it, ends with it. Our world engines apply an interaction whole at the
+    # chunk it lands on (no blend over `transition_chunks`), so an id starts and completes on
+    # the same chunk and `active_event_ids` stays empty.
+    started_event_ids: list[str] = field(default_factory=list)
+    active_event_ids: list[str] = field(default_factory=list)
+    completed_event_ids: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         body = ServerEvent.to_dict(self)  # slots=True dataclasses break zero-argument super()

@@ -89,6 +89,8 @@ def test_interactions_land_on_the_next_undemanded_chunk() -> None:
     # chunk 0 goes out: nothing applied yet
     events = core.on_chunk(0, chunk(), "image/jpeg", 30.0, 1.01)
     assert [type(e) for e in events] == [ChunkMetadata]
+    progress = ("started_event_ids", "active_event_ids", "completed_event_ids")
+    assert [events[0].to_dict()[k] for k in progress] == [[], [], []]  # always there (vLLM-Omni)
     d1 = core.take_demand()
     assert d1 is not None and d1.chunk_index == 1 and d1.prompt == "snow"
     events = core.on_chunk(1, chunk(), "image/jpeg", 30.0, 1.05)
@@ -98,6 +100,8 @@ def test_interactions_land_on_the_next_undemanded_chunk() -> None:
     assert isinstance(meta, ChunkMetadata)
     assert meta.chunk_index == 1 and meta.transport_chunk_index == 1 and meta.pts_ms == pytest.approx(66.667)
     assert meta.to_dict()["generation_chunk_index"] == 1 and meta.to_dict()["num_frames"] == 2
+    # applied whole at this chunk: it starts and completes here, nothing stays in transition
+    assert [meta.to_dict()[k] for k in progress] == [["p1"], [], ["p1"]]
 
 
 def test_key_flood_is_coalesced() -> None:

@@ -207,3 +207,37 @@ async def test_gate_and_slots_refuse_before_accepting() -> None:
             async with httpx.AsyncClient() as http:
                 refused = await http.post(f"{server.url}/v1/realtime/video/calls", content=b"v=0")
             assert refused.status_code == 401
+
+
+async def test_vllm_omni_interaction_progress_and_done(world_server: WorldServer) -> None:
+    """vLLM-Omni's nested interaction form; every chunk's metadata carries its
+    started/active/completed event ids, and `session.done` carries `chunks` and `stopped`
+    (what its example client and demo read)."""
+    client = await open_client(world_server)
+    async with client.ws:
+        start = {
+            "type": "session.start",
+            "model": "tiny-video-random",
+            "prompt": "a road",
+            "width": 64,
+            "height": 64,
+        }
+        await client.send(start)
+        request_id = (await client.expect("video.start"))["request_id"]
+        await client.chunk()
+        interaction = {"event_id": "turn-left", "event": {"prompt": "a snowy road"}, "transition_chunks": 2}
+        await client.send({"type": "session.interaction", "interaction": interaction})
+        queued = await client.expect("session.interaction.queued")
+        assert queued["event_id"] == "turn-left"
+        metas: list[dict[str, Any]] = []
+        while not metas or metas[-1]["generation_chunk_index"] <= queued["applies_at_chunk"]:
+            metas.append((await client.chunk()).meta)
+        for meta in metas:
+            landed = meta["generation_chunk_index"] == queued["applies_at_chunk"]
+            assert meta["started_event_ids"] == (["turn-left"] if landed else []), meta
+            assert meta["completed_event_ids"] == (["turn-left"] if landed else []), meta
+            assert meta["active_event_ids"] == [], meta
+        await client.send({"type": "session.stop"})
+        done = await client.expect("session.done")
+        assert done["request_id"] == request_id and done["stopped"] is True
+        assert done["chunks"] == len(metas) + 1
