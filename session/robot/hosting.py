@@ -68,6 +68,7 @@ class RobotSession:
     record: SessionRecord
     token_digest: str
     connection: RobotTransport | None = None
+    opened: bool = False  # its first connection was attached (see RobotHost.open)
     ending: bool = False
     persisted: tuple[int, str, bool] = (-1, "", False)  # (step, prompt, reset) last stored
     persisted_at: float = 0.0
@@ -199,6 +200,7 @@ class RobotHost:
         """Attach the first connection (the metadata frame first). False if it is gone."""
         async with rs.lock:
             rs.connection = transport
+            rs.opened = True
             return await rs.driver.attach(transport, opening)
 
     # --- resume ------------------------------------------------------------------------------
@@ -245,6 +247,7 @@ class RobotHost:
             await self._releases.release(sid)
             raise
         rs.migrated_from = bound.previous_replica
+        rs.opened = True  # opened in its past life: a failed resume leaves it detached, not ended
         rs.timer.on_disconnect(self._wall())  # detached until its connection attaches
         rs.writer.set_state("detached")
         self.counts["restored"] += 1
@@ -294,13 +297,17 @@ class RobotHost:
         """``transport`` ended (``code``: the client's close code; None: we closed it): a clean
         close ends the session, anything else detaches it for the grace."""
         async with rs.lock:
-            if rs.ending or rs.connection is not transport:
+            if rs.ending or (rs.opened and rs.connection is not transport):
                 return  # already ending, or replaced by a resume
             rs.connection = None
-            if code != CLEAN_CLOSE:
+            if not rs.opened:
+                cause = "never_opened"  # the client left before its upgrade completed
+            elif code == CLEAN_CLOSE:
+                cause = "client_closed"
+            else:
                 self._detached(rs)
                 return
-        await self._end(rs, "client_closed")
+        await self._end(rs, cause)
 
     def _detached(self, rs: RobotSession) -> None:
         rs.driver.detach()

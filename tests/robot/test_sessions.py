@@ -5,6 +5,7 @@ context is in its Redis record; a new process rebuilds it on resume under a new 
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 import httpx
@@ -118,3 +119,29 @@ async def test_grace_expiry_and_delete_end_sessions_and_free_their_slots(tmp_pat
         resume = f"{url}?session_id={dropped.session_id}"
         status, body = await refused(resume, {**AUTH, "X-Omni-Resume-Token": dropped.token})
         assert status == 404 and body["error"]["code"] == "session_not_found"
+
+
+async def test_a_client_gone_before_the_upgrade_completes_leaves_no_session(tmp_path: Path) -> None:
+    """The session is made before the 101 is sent; a client that vanishes right then must not
+    leave it holding a slot until its idle TTL."""
+    with live_server(
+        tmp_path / "srv", pipeline="null", vad=False, max_sessions=1, admission_queue_max=0
+    ) as server:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", server.settings.port)) as raw:
+                raw.sendall(
+                    b"GET /v1/realtime/robot/openpi HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                    b"Sec-WebSocket-Version: 13\r\n\r\n"
+                )
+            # closed at once, before reading the 101
+        for _ in range(100):  # with one slot, a leaked session would refuse the next robot
+            try:
+                robot = await RobotClient.connect(f"{server.ws_url}/v1/realtime/robot/openpi", None)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("a vanished client's session kept the only slot")
+        assert (await robot.infer(observation(robot.metadata, 0)))["actions"].shape == (50, 7)
+        await robot.close()
