@@ -198,13 +198,41 @@ class EphemeralKeys:
     async def revoke(self, value: str) -> bool:
         return bool(await self._redis.delete(self._key(value)))
 
+    # An ``ek_`` key is scoped to the sessions it opened (and their resumes), as OpenAI's
+    # client secrets are: a browser holding one cannot GET or DELETE the tenant's other
+    # sessions. The set lives as long as the key can authenticate.
+
+    def _sessions_key(self, digest: str) -> str:
+        return f"{self._prefix}:ek:{digest}:sessions"
+
+    async def bind_session(self, principal: Principal, session_id: str) -> None:
+        """Record that ``principal`` (authenticated by an ``ek_`` key) opened ``session_id``."""
+        if principal.ephemeral_key is None:
+            return
+        key = self._sessions_key(principal.ephemeral_key)
+        expires_ms = max(int(principal.ephemeral_expires_at * 1000), int(self._clock() * 1000) + 1)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.sadd(key, session_id)
+            pipe.pexpireat(key, expires_ms)
+            await pipe.execute()
+
+    async def may_access(self, principal: Principal, session_id: str) -> bool:
+        """Whether ``principal`` may see or end ``session_id``: any session of its tenant for an
+        API key; for an ``ek_`` key only the sessions it opened."""
+        if principal.ephemeral_key is None:
+            return True
+        return bool(await self._redis.sismember(self._sessions_key(principal.ephemeral_key), session_id))
+
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who is calling: the tenant, and the scoped config when authenticated by an ephemeral key."""
+    """Who is calling: the tenant, and the scoped config when authenticated by an ephemeral key
+    (then also that key's digest and expiry: it is scoped to the sessions it opens)."""
 
     tenant: str
     scoped_config: dict[str, Any] | None = None
+    ephemeral_key: str | None = None
+    ephemeral_expires_at: float = 0.0
 
 
 async def authenticate(
@@ -217,5 +245,5 @@ async def authenticate(
     if ephemeral is not None and api_key and api_key.startswith(EPHEMERAL_PREFIX):
         grant = await ephemeral.resolve(api_key)
         if grant is not None:
-            return Principal(grant.tenant, grant.session_config)
+            return Principal(grant.tenant, grant.session_config, secret_digest(api_key), grant.expires_at)
     return None

@@ -3,9 +3,13 @@
 A session outlives its connections (resume), so the driver keeps what belongs to the session
 (core, responses, timers) and a :class:`TransportLink` holds what belongs to one connection:
 
-* a bounded outbox of server events, drained in order by one sender task. Full means the
-  client stopped reading: the link ends with close 1008 and the outbox is dropped, so memory
-  never grows with a slow client (the session's event log keeps the events for a resume);
+* a bounded outbox of server events, drained in order by one sender task, bounded both in
+  events (``limit``) and in bytes of event JSON (``max_bytes``: 4,096 retrieved 1.9 MB items
+  would be 8 GB). Full means the client stopped reading: the link ends with close 1008 and the
+  outbox is dropped, so memory never grows with a slow client (the session's event log keeps
+  the events for a resume). The transport itself never blocks longer than its send deadline
+  (web/uvicorn_guards.py closes a socket whose send buffer stays full), and closing it is
+  bounded too (``CLOSE_TIMEOUT_S``), so an ending session never waits on a silent peer;
 * a receiver task that hands each client text frame to the driver;
 * a *held* start for resumes: events queue while the missed ones are read from the store,
   then :meth:`release` sends a preamble (``omni.session.resumed`` and the replay) first and
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -32,6 +37,17 @@ log = logging.getLogger(__name__)
 
 SLOW_CLIENT_CODE = 1008
 SLOW_CLIENT_REASON = "client is not reading its events"
+CLOSE_TIMEOUT_S = 5.0  # closing a transport (its close frame) waits at most this long
+DEFAULT_MAX_BYTES = 8 * 1024 * 1024
+
+
+def event_size(event: dict[str, Any]) -> int:
+    """Bytes of an event's JSON: a logged event carries it (``wire``); others (connection
+    events, unlogged sessions) are serialized to measure them."""
+    wire = getattr(event, "wire", None)
+    if wire is not None:
+        return len(wire)
+    return len(json.dumps(event, separators=(",", ":")))
 
 
 class AudioSink(Protocol):
@@ -87,16 +103,20 @@ class TransportLink:
         on_text: Callable[[str], None],
         *,
         limit: int,
+        max_bytes: int = DEFAULT_MAX_BYTES,
         held: bool = False,
         name: str = "link",
     ) -> None:
         self.transport = transport
         self.limit = limit
+        self.max_bytes = max_bytes
         self.name = name
         self.end: LinkEnd | None = None
         self.error: BaseException | None = None
         self._on_text = on_text
         self._queue: deque[dict[str, Any]] = deque()
+        self._sizes: deque[int] = deque()  # bytes of each queued event, in step with _queue
+        self._queued_bytes = 0
         self._wake = asyncio.Event()
         self._released = asyncio.Event()
         self._preamble: list[dict[str, Any]] = []
@@ -119,16 +139,39 @@ class TransportLink:
     def queued(self) -> int:
         return len(self._queue)
 
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
     def push(self, event: dict[str, Any]) -> bool:
-        """Queue one event (never blocks); False when the link is closing or just overflowed."""
+        """Queue one event (never blocks); False when the link is closing or just overflowed
+        (more than ``limit`` events or ``max_bytes`` bytes waiting: closed with 1008)."""
         if not self.open:
             return False
-        if len(self._queue) >= self.limit:
+        size = event_size(event)
+        if len(self._queue) >= self.limit or (self._queue and self._queued_bytes + size > self.max_bytes):
+            log.info(
+                "%s: closed 1008: %d events, %d bytes not read",
+                self.name,
+                len(self._queue),
+                self._queued_bytes,
+            )
             self.finish(LinkEnd.SLOW_CLIENT, SLOW_CLIENT_CODE, SLOW_CLIENT_REASON)
             return False
         self._queue.append(event)
+        self._sizes.append(size)
+        self._queued_bytes += size
         self._wake.set()
         return True
+
+    def _pop(self) -> dict[str, Any]:
+        self._queued_bytes -= self._sizes.popleft()
+        return self._queue.popleft()
+
+    def _clear(self) -> None:
+        self._queue.clear()
+        self._sizes.clear()
+        self._queued_bytes = 0
 
     def release(
         self,
@@ -141,7 +184,7 @@ class TransportLink:
         events for which `skip` is true (those the replay already had), or none of the queue
         with `drop_queued` (a snapshot taken now supersedes them)."""
         if drop_queued:
-            self._queue.clear()
+            self._clear()
         self._preamble = preamble
         self._skip = skip
         self._released.set()
@@ -158,7 +201,7 @@ class TransportLink:
         if self.end is not None:
             return
         self.end = end
-        self._queue.clear()
+        self._clear()
         self._closer = asyncio.create_task(self._shut(code, reason), name=f"{self.name}:close")
 
     async def wait(self) -> LinkEnd:
@@ -188,7 +231,7 @@ class TransportLink:
             skip = self._skip
             while True:
                 while self._queue:
-                    event = self._queue.popleft()
+                    event = self._pop()
                     if skip is not None:
                         if skip(event):
                             continue
@@ -230,7 +273,8 @@ class TransportLink:
             if task is not current:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        if code is not None:
+        if code is not None:  # bounded: a peer that reads nothing must not hold the end up
             with contextlib.suppress(Exception):
-                await self.transport.close(code, reason)
+                async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                    await self.transport.close(code, reason)
         self._ended.set()

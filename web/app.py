@@ -21,6 +21,7 @@ from session.robot.hosting import RobotHost
 from session.robot.metadata import policy_metadata
 from session.world.hosting import WorldHost
 from session.world.runtimes import OrchestratorPool
+from web.bodies import BodyRefused, read_json_body
 from web.context import ServerContext, server_context
 from web.cors import CorsMiddleware, origin_policy
 from web.realtime_ws import error_body, realtime_endpoint
@@ -78,10 +79,11 @@ async def client_secrets(request: Request) -> Response:
         principal = Principal("default")
     if principal is None:
         return error_body(401, "invalid_api_key", "Missing or invalid API key.")
-    try:
-        body: dict[str, Any] = await request.json() if await request.body() else {}
-    except ValueError:
-        return error_body(400, "invalid_json", "The body is not valid JSON.")
+    try:  # read with a byte limit and a deadline; depth and Unicode checked (web/bodies.py)
+        body: Any = await read_json_body(request)
+    except BodyRefused as refused:
+        return refused.response
+    body = {} if body is None else body
     if not isinstance(body, dict):
         return error_body(400, "invalid_value", "The body must be a JSON object.")
     ttl = ctx.settings.ephemeral_ttl_s

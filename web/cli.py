@@ -69,6 +69,33 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--max-generating", type=int, default=None, help="responses at once (default: pipeline)")
     p.add_argument("--turn-queue-s", type=float, default=2.0, help="how long a turn waits for a slot")
+    # abuse limits (docs/sessions.md "Limits")
+    p.add_argument(
+        "--max-conversation-bytes", type=int, default=8 * 1024 * 1024, help="text of a session's items"
+    )
+    p.add_argument(
+        "--max-instructions-bytes", type=int, default=512 * 1024, help="session/response instructions"
+    )
+    p.add_argument(
+        "--max-input-audio-s", type=float, default=300.0, help="uncommitted input audio per session"
+    )
+    p.add_argument(
+        "--outbox-max-bytes", type=int, default=8 * 1024 * 1024, help="unsent events per connection"
+    )
+    p.add_argument(
+        "--event-log-max-bytes", type=int, default=16 * 1024 * 1024, help="logged events per session"
+    )
+    p.add_argument(
+        "--http-timeout-s", type=float, default=10.0, help="request headers/body must arrive within"
+    )
+    p.add_argument(
+        "--keep-alive-s", type=float, default=5.0, help="idle keep-alive HTTP connections closed after"
+    )
+    p.add_argument("--ws-ping-interval-s", type=float, default=20.0, help="WebSocket ping interval")
+    p.add_argument("--ws-ping-timeout-s", type=float, default=20.0, help="WebSocket pong deadline")
+    p.add_argument(
+        "--ws-send-timeout-s", type=float, default=15.0, help="a full WebSocket send buffer: closed"
+    )
     p.add_argument("--stun", action="append", default=[], help="STUN server URL (repeatable)")
     p.add_argument("--turn", action="append", default=[], help="TURN server URL user:pass@host (repeatable)")
     p.add_argument(

@@ -52,11 +52,13 @@ from session.store.embedded import redis_connection
 from session.store.errors import StoreError
 from session.store.redis_store import redis_errors
 from web.auth import is_loopback_host
+from web.bodies import MAX_FORWARDED_BODY_BYTES, BodyRefused, read_body
 from web.cors import CorsMiddleware, origin_policy
 from web.gateway_http import HttpForwarder, ReplicaHttpUnreachable, to_response
 from web.gateway_routing import NoReplicaAvailable, Router
 from web.gateway_ws import RealtimeRelayEndpoint, robot_error, world_error
 from web.replica import admin_denial, registry_json
+from web.uvicorn_guards import install
 
 log = logging.getLogger("omniduplex.gateway")
 
@@ -182,7 +184,10 @@ async def any_replica(request: Request) -> Response:
     gw = gateway_of(request)
     if not await gw.authorized(request.headers.get("authorization"), []):
         return error_response(401, "invalid_api_key", "Missing or invalid API key.")
-    body = await request.body()
+    try:  # bounded while reading (web/bodies.py)
+        body = await read_body(request, MAX_FORWARDED_BODY_BYTES)
+    except BodyRefused as refused:
+        return refused.response
     tried: set[str] = set()
     try:
         for _ in range(RETRIES):
@@ -202,7 +207,10 @@ async def session_rest(request: Request) -> Response:
     if not await gw.authorized(request.headers.get("authorization"), []):
         return error_response(401, "invalid_api_key", "Missing or invalid API key.")
     session_id = request.path_params["session_id"]
-    body = await request.body()
+    try:  # bounded while reading (web/bodies.py)
+        body = await read_body(request, MAX_FORWARDED_BODY_BYTES)
+    except BodyRefused as refused:
+        return refused.response
     tried: set[str] = set()
     try:
         for _ in range(RETRIES):
@@ -223,7 +231,10 @@ async def create_call(request: Request) -> Response:
     gw = gateway_of(request)
     if not await gw.authorized(request.headers.get("authorization"), []):
         return error_response(401, "invalid_api_key", "Missing or invalid API key.")
-    body = await request.body()
+    try:  # bounded while reading (web/bodies.py)
+        body = await read_body(request, MAX_FORWARDED_BODY_BYTES)
+    except BodyRefused as refused:
+        return refused.response
     resuming = request.query_params.get("session_id")
     try:
         if resuming:
@@ -318,7 +329,11 @@ async def call_action(request: Request) -> Response:
     replica = live.get(str(replica_id)) if replica_id else None
     if replica is None:
         return error_response(404, "call_not_found", f"No live call {call_id}.")
-    answer = await _forward_to(gw, request, await request.body(), replica)
+    try:
+        body = await read_body(request, MAX_FORWARDED_BODY_BYTES)
+    except BodyRefused as refused:
+        return refused.response
+    answer = await _forward_to(gw, request, body, replica)
     return answer if answer is not None else error_response(404, "call_not_found", f"No live call {call_id}.")
 
 
@@ -362,7 +377,7 @@ def create_gateway_app(settings: GatewaySettings) -> Starlette:
 
 
 def uvicorn_config(settings: GatewaySettings, log_level: str = "info") -> uvicorn.Config:
-    return uvicorn.Config(
+    config = uvicorn.Config(
         create_gateway_app(settings),
         host=settings.host,
         port=settings.port,
@@ -376,13 +391,22 @@ def uvicorn_config(settings: GatewaySettings, log_level: str = "info") -> uvicor
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
+    return install(config, http_timeout_s=10.0, ws_send_timeout_s=15.0)  # web/uvicorn_guards.py
+
+
+def key_count(spec: str) -> int:
+    """Configured API keys: ``","`` or ``" "`` is none (web/serve.py's rule)."""
+    try:
+        return len(ApiKeyMap.parse(spec)) if spec.strip() else 0
+    except ValueError:
+        return 0
 
 
 def run_gateway(args: argparse.Namespace) -> int:
     settings = GatewaySettings.from_args(args)
     log_level = str(getattr(args, "log_level", "info"))
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO))
-    if not settings.api_keys and not settings.insecure and not is_loopback_host(settings.host):
+    if not key_count(settings.api_keys) and not settings.insecure and not is_loopback_host(settings.host):
         print(
             f"omniduplex: refusing to run a gateway on {settings.host} without API keys: "
             "set OMNIDUPLEX_API_KEYS (or --api-keys), or pass --insecure",

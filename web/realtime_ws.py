@@ -229,9 +229,17 @@ async def open_session(
             await websocket.send_denial_response(_store_down())
         return
     ctx.metrics.admission("admitted")
+    await _bind_ephemeral(ctx, principal, session_id)
     if websocket.application_state != WebSocketState.CONNECTED:
         await _accept(websocket, subprotocols, accept_headers)
     await host.serve_new(hs, transport, token, announce=extensions)
+
+
+async def _bind_ephemeral(ctx: ServerContext, principal: Principal, session_id: str) -> None:
+    """An `ek_` key may later GET/DELETE only what it opened (session/identity.py)."""
+    if principal.ephemeral_key is not None:
+        with contextlib.suppress(Exception):  # Redis just answered the create; a miss only narrows access
+            await ctx.ephemeral.bind_session(principal, session_id)
 
 
 async def _wait_in_queue(
@@ -336,6 +344,7 @@ async def resume_session(
         await websocket.send_denial_response(_store_down())
         return
     ctx.metrics.resume("resumed")
+    await _bind_ephemeral(ctx, principal, session_id)  # it holds the token: its resume is its own
     await _accept(websocket, subprotocols)
     await host.serve_resume(hs, WebSocketTransport(websocket), websocket.query_params.get("last_event_id"))
 

@@ -8,18 +8,30 @@ import sys
 
 import uvicorn
 
+from session.identity import ApiKeyMap
 from web.app import create_app
 from web.auth import is_loopback_host
 from web.replica import DrainingServer
 from web.robot import RobotFrameLimit
 from web.settings import ServerSettings
+from web.uvicorn_guards import install
 
 log = logging.getLogger("omniduplex")
 
 
+def key_count(spec: str) -> int:
+    """How many API keys `spec` (``key:tenant,...``) configures: ``","`` or ``" "`` is none,
+    so it must not pass for a keyed server. Raises ValueError for a malformed entry."""
+    return len(ApiKeyMap.parse(spec)) if spec.strip() else 0
+
+
 def check_bind(settings: ServerSettings) -> str | None:
     """Why this bind must not start, or None."""
-    if settings.api_keys or is_loopback_host(settings.host) or settings.insecure:
+    try:
+        keys = key_count(settings.api_keys)
+    except ValueError as exc:
+        return f"bad API keys (OMNIDUPLEX_API_KEYS / --api-keys): {exc}"
+    if keys or is_loopback_host(settings.host) or settings.insecure:
         return None
     return (
         f"refusing to serve on {settings.host} without API keys: set OMNIDUPLEX_API_KEYS=key:tenant,... "
@@ -28,17 +40,24 @@ def check_bind(settings: ServerSettings) -> str | None:
 
 
 def uvicorn_config(settings: ServerSettings, log_level: str = "info") -> uvicorn.Config:
-    return uvicorn.Config(
+    """uvicorn with the connection deadlines of `settings` (web/uvicorn_guards.py): request
+    headers and bodies in time, idle keep-alive closed, WebSocket pings, and a WebSocket
+    whose send buffer stays full closed with 1008."""
+    config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         ws=RobotFrameLimit,  # websockets-sansio, with the robot route's 64 MiB frame limit
         ws_max_size=settings.max_message_bytes,
-        ws_ping_interval=20.0,
-        ws_ping_timeout=20.0,
+        ws_ping_interval=settings.ws_ping_interval_s,
+        ws_ping_timeout=settings.ws_ping_timeout_s,
+        timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]  # a float works
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=5,
+    )
+    return install(
+        config, http_timeout_s=settings.http_timeout_s, ws_send_timeout_s=settings.ws_send_timeout_s
     )
 
 
@@ -49,7 +68,7 @@ def serve(args: argparse.Namespace) -> int:
     if problem:
         print(f"omniduplex: {problem}", file=sys.stderr)
         return 2
-    if not settings.api_keys:
+    if not key_count(settings.api_keys):
         log.warning(
             "no API keys configured: the server is OPEN to anyone who can reach %s (loopback)", settings.host
         )

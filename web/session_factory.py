@@ -31,6 +31,9 @@ def core_options(
         pipeline_transcribes_input=ctx.pipeline_transcribes_input,
         session_id=session_id,
         live_responses=ctx.capabilities.live_responses or ctx.capabilities.turn_detection,
+        max_conversation_bytes=ctx.settings.max_conversation_bytes,
+        max_instructions_bytes=ctx.settings.max_instructions_bytes,
+        max_input_audio_s=ctx.settings.max_input_audio_s,
     )
 
 
@@ -81,6 +84,7 @@ def build_driver(
             turn_gate=ctx.turn_gate,
             capabilities=ctx.capabilities,
             live=live_entry(ctx),
+            outbox_max_bytes=ctx.settings.outbox_max_bytes,
         ),
     )
 
@@ -97,7 +101,9 @@ def build_host(ctx: ServerContext, replica_id: str) -> SessionHost:
     policy = RetentionPolicy(
         idle_ttl_s=s.idle_ttl_s, max_lifetime_s=s.max_lifetime, disconnect_grace_s=s.disconnect_grace_s
     )
-    store = SessionStore(ctx.redis, policy=policy, stream_maxlen=s.event_log_maxlen)
+    store = SessionStore(
+        ctx.redis, policy=policy, stream_maxlen=s.event_log_maxlen, log_max_bytes=s.event_log_max_bytes
+    )
     tenant_limit = s.tenant_max_sessions if s.tenant_max_sessions is not None else s.max_sessions
     admission = AdmissionController(
         ctx.redis,

@@ -1,7 +1,8 @@
 """`GET /v1/sessions/{id}` (a session's state) and `DELETE /v1/sessions/{id}` (end it).
 
 Same credentials as the realtime endpoint; a session is visible only to its tenant: another
-tenant's id, an unknown one and an expired one all answer 404 `session_not_found`.
+tenant's id, an unknown one and an expired one all answer 404 `session_not_found`. An `ek_`
+client secret sees only the sessions it opened (404 for the tenant's others).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ async def session_endpoint(request: Request) -> Response:
         host = robot  # likewise a robot session
     try:
         if not is_session_id(session_id):
+            raise SessionNotFound(session_id)
+        if not await ctx.ephemeral.may_access(principal, session_id):  # an ek_ key: its own only
             raise SessionNotFound(session_id)
         if request.method == "DELETE":
             await host.delete(principal.tenant, session_id)

@@ -46,6 +46,18 @@ class ServerSettings:
     turn_queue_s: float = 2.0  # a turn waits this long for a slot, then fails
     turn_queue_max: int = 64  # turns waiting at once; beyond it a turn fails at once
     ephemeral_ttl_s: float = 600.0
+    # Abuse limits (docs/sessions.md "Limits"): what one client can make the server keep.
+    max_conversation_bytes: int = 8 * 1024 * 1024  # text of a session's items (conversation_too_large)
+    max_instructions_bytes: int = 512 * 1024  # instructions (string_above_max_length)
+    max_input_audio_s: float = 300.0  # uncommitted input audio (input_audio_buffer_too_large)
+    outbox_max_bytes: int = 8 * 1024 * 1024  # unsent events per connection, then close 1008
+    event_log_max_bytes: int = 16 * 1024 * 1024  # event JSON kept per session for replay
+    # Connections (web/uvicorn_guards.py): half-open and silent peers are dropped.
+    http_timeout_s: float = 10.0  # request headers (and a body) must arrive within this
+    keep_alive_s: float = 5.0  # an idle keep-alive HTTP connection is closed after this
+    ws_ping_interval_s: float = 20.0  # WebSocket ping every ...
+    ws_ping_timeout_s: float = 20.0  # ... and close when its pong is this late
+    ws_send_timeout_s: float = 15.0  # a WebSocket whose send buffer stays full this long: closed
     vad: bool = True  # server_vad: sessions open a live request on the pipeline's VAD stage (off: no turns)
     stun: list[str] = field(default_factory=list)
     turn: list[str] = field(default_factory=list)
@@ -95,6 +107,16 @@ class ServerSettings:
             audio_spool=bool(get("audio_spool", True)),
             max_generating=get("max_generating"),
             turn_queue_s=float(get("turn_queue_s", 2.0)),
+            max_conversation_bytes=int(get("max_conversation_bytes", 8 * 1024 * 1024)),
+            max_instructions_bytes=int(get("max_instructions_bytes", 512 * 1024)),
+            max_input_audio_s=float(get("max_input_audio_s", 300.0)),
+            outbox_max_bytes=int(get("outbox_max_bytes", 8 * 1024 * 1024)),
+            event_log_max_bytes=int(get("event_log_max_bytes", 16 * 1024 * 1024)),
+            http_timeout_s=float(get("http_timeout_s", 10.0)),
+            keep_alive_s=float(get("keep_alive_s", 5.0)),
+            ws_ping_interval_s=float(get("ws_ping_interval_s", 20.0)),
+            ws_ping_timeout_s=float(get("ws_ping_timeout_s", 20.0)),
+            ws_send_timeout_s=float(get("ws_send_timeout_s", 15.0)),
             stun=list(get("stun", []) or []),
             turn=list(get("turn", []) or []),
             edge_modes=parse_edge_modes(get("edge_mode", []) or []),

@@ -49,7 +49,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from media.video_rtc import FrameTrack, VideoPeer, check_video_offer
-from media.webrtc import IceServer, OfferError
+from media.webrtc import MAX_OFFER_BYTES, IceServer, OfferError
 from session.identity import RESUME_HEADER, Principal, is_session_id, resume_token_from_request
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from session.world.config import VideoConfig
@@ -57,6 +57,7 @@ from session.world.core import VideoSessionCore
 from session.world.driver import RuntimeProvider, TransportClosed, VideoSessionDriver
 from session.world.hosting import AdmissionRefused, SessionElsewhere, WorldHost, WorldSession
 from session.world.outlets import encoded_outlet
+from web.bodies import BodyRefused, read_body
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.video_call import CALL_PREFIX, PeerVideoTransport, TrackOutlet, VideoCall
 
@@ -304,8 +305,8 @@ class VideoService:
         principal = await self._principal(request)
         if isinstance(principal, Denial):
             return principal.response()
-        offer = await _read_offer(request)
         try:
+            offer = await _read_offer(request)
             check_video_offer(offer)
         except OfferError as exc:
             return Denial(400, "invalid_offer", str(exc)).response()
@@ -329,10 +330,10 @@ class VideoService:
 
     async def _answer(self, request: Request, offer: str | None = None) -> tuple[VideoCall, str] | Denial:
         """A peer connection answering the request's offer, as a call (or why not: 400)."""
-        if offer is None:
-            offer = await _read_offer(request)
         track = FrameTrack()
         try:
+            if offer is None:
+                offer = await _read_offer(request)
             peer, answer = await VideoPeer.answer(offer, ice_servers=self.ice_servers, track=track)
         except OfferError as exc:
             return Denial(400, "invalid_offer", str(exc))
@@ -589,7 +590,13 @@ async def _receive_frames(
 
 
 async def _read_offer(request: Request) -> str:
-    return (await request.body()).decode("utf-8", errors="replace")
+    """The SDP offer, read with a byte limit and a deadline (web/bodies.py); `OfferError` if
+    it is refused (400 invalid_offer: too large or too slow)."""
+    try:
+        body = await read_body(request, 2 * MAX_OFFER_BYTES)
+    except BodyRefused as refused:
+        raise OfferError(f"the offer was refused: {bytes(refused.response.body).decode()}") from None
+    return body.decode("utf-8", errors="replace")
 
 
 async def _world_redirect(request: Request) -> Response:

@@ -26,8 +26,8 @@ ICE servers for the page; open mode, a valid API key, or the `OMNIDUPLEX_DEMO_KE
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
-import json
 import logging
 import os
 import secrets
@@ -54,12 +54,14 @@ from session.identity import (
     new_session_id,
     resume_token_from_request,
 )
+from session.json_guard import JsonRejected, loads_checked
 from session.link import LinkEnd
 from session.realtime.config import SessionConfig, SessionIn
 from session.store.aio import cancel_and_wait
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from session.voice.driver import RealtimeDriver
 from session.voice.hosting import AdmissionRefused, SessionElsewhere, SessionHost
+from web.bodies import BodyRefused, read_body, replayed
 from web.context import ServerContext
 from web.omni_extensions import resume_headers, wants_extensions
 from web.realtime_ws import error_body, initial_config
@@ -192,6 +194,9 @@ class WebRtcService:
                 ctx.metrics.admission("session_elsewhere")
                 return _elsewhere()
             raise
+        if principal.ephemeral_key is not None:  # it may GET/DELETE what it opened (only)
+            with contextlib.suppress(Exception):
+                await ctx.ephemeral.bind_session(principal, session_id)
         call = self._call(principal.tenant, session_id, link, new_session=True)
         self._serve(call, host.serve_new(hs, call, token, announce=announce), hs.driver)
         ctx.metrics.admission("admitted")
@@ -234,6 +239,9 @@ class WebRtcService:
         except OfferError as exc:  # the session stays as it was (detached, in its grace)
             ctx.metrics.resume("invalid_offer")
             return error_body(400, "invalid_offer", str(exc))
+        if principal.ephemeral_key is not None:  # it holds the token: the resumed session is its own
+            with contextlib.suppress(Exception):
+                await ctx.ephemeral.bind_session(principal, session_id)
         call = self._call(principal.tenant, session_id, link, new_session=False)
         last_event_id = request.query_params.get("last_event_id")
         self._serve(call, host.serve_resume(hs, call, last_event_id), hs.driver)
@@ -288,6 +296,8 @@ class WebRtcService:
             return _unauthorized()
         call_id = request.path_params["call_id"]
         known = self.call_sessions.get(call_id)
+        if known is not None and not await ctx.ephemeral.may_access(principal, known[1]):
+            known = None  # an ek_ key hangs up only calls of the sessions it opened
         if known is None or (known[0] != principal.tenant and not ctx.open_mode) or ctx.host is None:
             return error_body(404, "call_not_found", "No such call.")
         tenant, session_id = known
@@ -402,11 +412,11 @@ async def _demo_tenant(ctx: ServerContext, request: Request) -> str | None:
 async def _read_offer(request: Request) -> tuple[str, dict[str, Any] | None] | Response:
     """The SDP offer and optional session config of a call request, or an error response."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > 2 * MAX_OFFER_BYTES:
-        return error_body(413, "request_too_large", f"The offer must be under {MAX_OFFER_BYTES} bytes.")
+    try:  # at most 2 × MAX_OFFER_BYTES read, whatever the framing (web/bodies.py)
+        body = await read_body(request, 2 * MAX_OFFER_BYTES)
+    except BodyRefused as refused:
+        return refused.response
     if content_type in ("application/sdp", "text/plain", ""):
-        body = await request.body()
         return _decode(body), None
     if content_type != "multipart/form-data":
         return error_body(
@@ -415,7 +425,9 @@ async def _read_offer(request: Request) -> tuple[str, dict[str, Any] | None] | R
             f"Send the offer as application/sdp or multipart/form-data, not {content_type!r}.",
         )
     try:
-        form = await request.form(max_files=2, max_fields=4, max_part_size=2 * MAX_OFFER_BYTES)
+        form = await replayed(request, body).form(
+            max_files=2, max_fields=4, max_part_size=2 * MAX_OFFER_BYTES
+        )
     except Exception as exc:
         return error_body(400, "invalid_multipart", f"Cannot read the multipart body: {exc}")
     try:
@@ -432,9 +444,9 @@ async def _read_offer(request: Request) -> tuple[str, dict[str, Any] | None] | R
     finally:
         await form.close()
     try:
-        session = json.loads(session_text)
-    except ValueError:
-        return error_body(400, "invalid_json", "The 'session' part is not valid JSON.")
+        session = loads_checked(session_text)
+    except JsonRejected as exc:
+        return error_body(400, exc.code, f"The 'session' part: {exc.message}")
     if not isinstance(session, dict):
         return error_body(400, "invalid_value", "The 'session' part must be a JSON object.")
     return sdp_text, session

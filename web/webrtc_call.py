@@ -48,7 +48,7 @@ def append_rejection(text: str) -> dict[str, Any] | None:
     audio belongs on the track), or None when `text` is another event."""
     try:
         event = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # the core answers it (session/json_guard.py)
         return None
     if not isinstance(event, dict) or event.get("type") != APPEND:
         return None

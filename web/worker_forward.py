@@ -39,6 +39,7 @@ from starlette.responses import Response
 from starlette.websockets import WebSocket
 
 from session.store.errors import StoreError
+from web.bodies import MAX_FORWARDED_BODY_BYTES, BodyRefused, read_body
 from web.gateway_http import HttpForwarder, ReplicaHttpUnreachable, to_response
 from web.gateway_relay import (
     ReplicaRefused,
@@ -194,7 +195,11 @@ class WorkerForward:
             return False
         scope = dict(scope, headers=[*scope["headers"], (FORWARDED, b"1")])
         request = Request(scope, receive)
-        body = await request.body()
+        try:  # bounded while reading (web/bodies.py)
+            body = await read_body(request, MAX_FORWARDED_BODY_BYTES)
+        except BodyRefused as refused:
+            await refused.response(scope, receive, send)
+            return True
         client = scope.get("client")
         for url in urls:
             try:

@@ -221,6 +221,9 @@ class Conversation:
         self._release = weakref.finalize(self, _discard_spilled, self._items) if audio_store else None
         if self._release is not None:
             self._release.atexit = False  # the spool's own close removes its files at exit
+        # UTF-8 bytes of every item's text (see `text_bytes`): the session's text budget.
+        self.text_bytes = 0
+        self._sizes: dict[str, int] = {}
 
     def close(self) -> None:
         """The session ended: discard all spilled audio (idempotent). Audio still in memory
@@ -275,6 +278,7 @@ class Conversation:
             index = self._items.index(self._by_id[previous_item_id]) + 1
         self._items.insert(index, item)
         self._by_id[item.id] = item
+        self._resize(item)
         self._changed[item.id] = None
         self._audio_holders_bound += 1
         return self._items[index - 1].id if index > 0 else None
@@ -283,6 +287,7 @@ class Conversation:
         item = self.get(item_id)
         self._items.remove(item)
         del self._by_id[item_id]
+        self.text_bytes -= self._sizes.pop(item_id, 0)
         self._changed.pop(item_id, None)
         self._deleted.append(item_id)
         for part in item.content:
@@ -306,8 +311,14 @@ class Conversation:
         if changed:
             for index, item in enumerate(self._items):
                 if item.id in changed:
+                    self._resize(item)  # its text grew (a response, a transcript) or was cut
                     upserts.append((item, self._items[index - 1].id if index > 0 else "root"))
         return deleted, upserts
+
+    def _resize(self, item: Item) -> None:
+        size = text_bytes(item)
+        self.text_bytes += size - self._sizes.get(item.id, 0)
+        self._sizes[item.id] = size
 
     def retain_audio(self, limit_s: float) -> int:
         """Drop the audio of all but the newest items, keeping at most `limit_s` seconds in
@@ -389,6 +400,15 @@ class Conversation:
         if item.status == "in_progress":
             item.status = "incomplete"
         self._changed[item_id] = None
+
+
+def text_bytes(item: Item) -> int:
+    """UTF-8 bytes of an item's text (ids, names, arguments, outputs, text and transcripts;
+    not audio): what the conversation budget (`CoreOptions.max_conversation_bytes`) counts."""
+    fields = [item.id, item.name, item.arguments, item.call_id, item.output]
+    for part in item.content:
+        fields += [part.text, part.transcript, part.heard, part.image_url]
+    return sum(len(f.encode("utf-8", "surrogatepass")) for f in fields if f)
 
 
 def cut_text(text: str, fraction: float) -> str:

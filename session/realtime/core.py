@@ -18,7 +18,7 @@ import numpy as np
 from session.realtime import errors as E
 from session.realtime.audio_store import AudioStore
 from session.realtime.config import SessionConfig
-from session.realtime.conversation import Conversation
+from session.realtime.conversation import Conversation, text_bytes
 from session.realtime.effects import (
     CancelResponse,
     ClearAudioOutput,
@@ -93,6 +93,23 @@ class CoreOptions:
     # (`on_live_response_started`), the user's audio is committed as user items then; no
     # server VAD, and `response.create` is refused.
     live_responses: bool = False
+    # Per-session budgets (docs/sessions.md "Limits"): what one client can make the server
+    # keep. Text of all conversation items (UTF-8 bytes; a create past it is refused with
+    # `conversation_too_large`), the instructions (`string_above_max_length`), and the
+    # uncommitted input audio (`input_audio_buffer_too_large`; commit or clear it). 0: none.
+    max_conversation_bytes: int = 8 * 1024 * 1024
+    max_instructions_bytes: int = 512 * 1024
+    max_input_audio_s: float = 300.0
+
+
+def check_instructions(text: str | None, limit: int, param: str) -> None:
+    """Refuse instructions over `limit` UTF-8 bytes (0: no limit) before anything changes."""
+    if text and limit and len(text) > limit // 4 and len(text.encode("utf-8", "surrogatepass")) > limit:
+        raise ProtocolError(
+            E.STRING_TOO_LONG,
+            f"Invalid '{param}': string too long. Expected a string with maximum length {limit} bytes.",
+            param=param,
+        )
 
 
 class RealtimeSessionCore(UserInput):
@@ -442,6 +459,8 @@ class RealtimeSessionCore(UserInput):
             self._response_cancel(event, now)
 
     def _session_update(self, event: SessionUpdate) -> None:
+        limit = self.options.max_instructions_bytes
+        check_instructions(event.session.instructions, limit, "session.instructions")
         self.config = self.config.apply_update(event.session, voice_locked=self._voice_locked)
         self._config_changed = True
         self._input.set_format(self.config.input_format)
@@ -467,6 +486,14 @@ class RealtimeSessionCore(UserInput):
             input_format=self.config.input_format,
             output_format=self.config.output_format,
         )
+        budget = self.options.max_conversation_bytes
+        if budget and self.conversation.text_bytes + text_bytes(item) > budget:
+            raise ProtocolError(
+                E.CONVERSATION_TOO_LARGE,
+                f"The conversation would hold more than {budget} bytes of text "
+                f"(it holds {self.conversation.text_bytes}); delete items first.",
+                param="item",
+            )
         previous = self.conversation.insert(item, event.previous_item_id)
         self.conversation.retain_audio(self.options.audio_retention_s)
         wire = item.to_wire()
@@ -500,6 +527,9 @@ class RealtimeSessionCore(UserInput):
                 f"Conversation already has an active response in progress: {self._active.id}. "
                 "Wait until the response is finished before creating a new one.",
             )
+        if event is not None and event.response is not None:
+            limit = self.options.max_instructions_bytes
+            check_instructions(event.response.instructions, limit, "response.instructions")
         request = resolve_response_request(
             event.response if event is not None else None,
             config=self.config,

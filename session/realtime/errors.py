@@ -22,6 +22,10 @@ UNSUPPORTED_CONTENT: Final = "unsupported_content_type"
 SESSION_EXPIRED: Final = "session_expired"
 # The pipeline's model could not fit the prompt (an engine failure whose text carries this code).
 CONTEXT_LENGTH_EXCEEDED: Final = "context_length_exceeded"
+# Per-session budgets (CoreOptions.max_*): what one client may make the server keep.
+CONVERSATION_TOO_LARGE: Final = "conversation_too_large"
+STRING_TOO_LONG: Final = "string_above_max_length"
+INPUT_AUDIO_TOO_LARGE: Final = "input_audio_buffer_too_large"
 
 
 class ProtocolError(Exception):

@@ -8,13 +8,19 @@ one could be read, is set on the error so it can be echoed.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 
+from session.json_guard import JsonRejected, check_value, may_hold_surrogates, parse_json
 from session.realtime.config import AudioFormatIn, MaxTokens, Modality, SessionIn, ToolChoice, Tools, Voice
-from session.realtime.errors import INVALID_EVENT, INVALID_JSON, MISSING_PARAMETER, ProtocolError
+from session.realtime.errors import (
+    INVALID_EVENT,
+    INVALID_JSON,
+    INVALID_VALUE,
+    MISSING_PARAMETER,
+    ProtocolError,
+)
 from session.realtime.validation import WireModel, protocol_error_from
 
 ItemStatus = Literal["completed", "incomplete", "in_progress"]
@@ -195,14 +201,23 @@ CLIENT_EVENT_TYPES: dict[str, type[_ClientEvent]] = {
 
 def decode_event(raw: str | bytes | dict[str, Any]) -> dict[str, Any]:
     """Raw JSON text (or an already decoded dict) → the event object; raises `ProtocolError`
-    (`invalid_json`, `invalid_event`) when it is not a JSON object."""
-    if isinstance(raw, dict):
-        data: Any = raw
-    else:
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ProtocolError(INVALID_JSON, f"The event is not valid JSON: {exc}.") from None
+    (`invalid_json`, `invalid_event`) when it is not a JSON object, and `invalid_json` /
+    `invalid_value` for what no session may keep: nesting deeper than 64 levels, or a string
+    that is not valid Unicode (session/json_guard.py)."""
+    data: Any
+    try:
+        data = raw if isinstance(raw, dict) else parse_json(raw)
+    except JsonRejected as exc:
+        raise ProtocolError(INVALID_JSON, exc.message) from None
+    try:
+        check_value(data, strings=isinstance(raw, dict) or may_hold_surrogates(raw))
+    except JsonRejected as exc:
+        err = ProtocolError(
+            INVALID_JSON if exc.code == INVALID_JSON else INVALID_VALUE, exc.message, param=exc.param
+        )
+        if isinstance(data, dict) and isinstance(data.get("event_id"), str):
+            err.event_id = data["event_id"]
+        raise err from None
     if not isinstance(data, dict):
         raise ProtocolError(INVALID_EVENT, "An event must be a JSON object with a 'type'.")
     return data

@@ -109,6 +109,13 @@ class InputAudio:
         return self._end
 
     @property
+    def buffered_ms(self) -> float:
+        """Uncommitted audio, pending appends included, without resampling them (the input
+        budget's check runs per append: it must not break the batching)."""
+        pending = self._raw_samples * 1000 / self.format.rate
+        return (self._end - self.start) / SAMPLES_PER_MS + pending
+
+    @property
     def duration_ms(self) -> int:
         return ms_of(self.end - self.start)
 

@@ -60,12 +60,10 @@ class UserInput(ABC):
 
     # Provided by the core.
     @abstractmethod
-    def _cancel_active(self, reason: CancelReason, now: float) -> None:
-        ...
+    def _cancel_active(self, reason: CancelReason, now: float) -> None: ...
 
     @abstractmethod
-    def _stop_playout(self) -> None:
-        ...
+    def _stop_playout(self) -> None: ...
 
     @abstractmethod
     def _start_response(
@@ -75,8 +73,7 @@ class UserInput(ABC):
         *,
         transcript_key: tuple[str, int] | None = None,
         live: bool = False,
-    ) -> None:
-        ...
+    ) -> None: ...
 
     def feed_input_audio(self, samples: np.ndarray, rate: int, now: float) -> CoreOutput:
         """Mic audio from a media track (WebRTC), float32 mono at `rate`."""
@@ -221,8 +218,12 @@ class UserInput(ABC):
         return self._out.drain()
 
     def _append(self, audio: str) -> None:
+        """`input_audio_buffer.append`: the input budget is checked here, where every append
+        arrives, whatever buffers the audio afterwards."""
         try:
-            pcm = self._input.append_wire(b64decode_audio(audio))
+            data = b64decode_audio(audio)
+            self._check_input_budget(len(data))
+            pcm = self._input.append_wire(data)
         except AudioFormatError as exc:
             raise ProtocolError(
                 E.INVALID_VALUE, f"Invalid value for 'audio': {exc}.", param="audio"
@@ -230,6 +231,20 @@ class UserInput(ABC):
         self._request_vad()
         if self.options.live_responses and len(pcm):
             self._live_input(int16_to_float32(pcm), self._input.format.rate)
+
+    def _check_input_budget(self, size: int) -> None:
+        limit_s = self.options.max_input_audio_s
+        if not limit_s:
+            return
+        fmt = self._input.format
+        incoming_ms = size / fmt.bytes_per_sample * 1000 / fmt.rate
+        if self._input.buffered_ms + incoming_ms > limit_s * 1000:
+            raise ProtocolError(
+                E.INPUT_AUDIO_TOO_LARGE,
+                f"The input audio buffer would hold more than {limit_s:g} s of uncommitted audio: "
+                "commit or clear it (this append was not added).",
+                param="audio",
+            )
 
     def _request_vad(self) -> None:
         frames = self._input.next_frames()

@@ -43,6 +43,17 @@ class StaleEpoch(StoreError):
         self.current = current
 
 
+class WriteRejected(StoreError):
+    """A session's own ops could not be written (not a Redis outage: they cannot even be
+    encoded, or the write raised a bug). Fatal for that session's writer alone, so the writer
+    hub goes on persisting every other session."""
+
+    def __init__(self, session_id: str, cause: BaseException) -> None:
+        super().__init__(f"session {session_id}: its log could not be written: {type(cause).__name__}")
+        self.session_id = session_id
+        self.cause = cause
+
+
 class SessionGone(StoreError):
     """The session's keys vanished under a writer (expired or deleted); the writer stops."""
 

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from session.store.aio import cancel_and_wait, wait_event
-from session.store.errors import SessionGone, StaleEpoch, StoreError, StoreUnavailable
+from session.store.errors import SessionGone, StaleEpoch, StoreError, StoreUnavailable, WriteRejected
 from session.store.event_ids import StampedEvent, format_event_id, session_tag
 from session.store.redis_store import MAX_OPS_PER_CALL, BatchOp, SessionBatch, SessionRecord, SessionStore
 
@@ -74,6 +74,7 @@ class SessionWriter:
         flush_interval_s: float = 0.025,
         max_batch_events: int = 128,
         max_pending: int = 8192,
+        max_pending_bytes: int = 32 * 1024 * 1024,
         touch_interval_s: float | None = None,
         on_fatal: Callable[[StoreError], None] | None = None,
         hub: WriterHub | None = None,
@@ -88,6 +89,14 @@ class SessionWriter:
         self._interval = flush_interval_s
         self._max_batch = max_batch_events
         self._max_pending = max_pending
+        # Bytes, not only counts: queued event JSON while Redis is down, and the stream's
+        # own budget (entries past it are trimmed, oldest first, with a ``t`` op).
+        self._max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
+        self._log_max_bytes = int(getattr(store, "log_max_bytes", 0) or 0)
+        self._log_maxlen = int(getattr(store, "stream_maxlen", 0) or 0)
+        self._log_sizes: deque[tuple[int, int]] = deque()  # (seq, bytes) of events in the stream
+        self._log_bytes = 0
         self._touch_interval = touch_interval_s or max(1.0, store.policy.idle_ttl_s / 4)
         self._on_fatal = on_fatal
         self._pending: deque[BatchOp] = deque()
@@ -126,9 +135,30 @@ class SessionWriter:
         if self.fatal is None:
             stamped.wire = json.dumps(stamped, separators=(",", ":"))  # logged, and sent as is
             self._pending_events += 1
+            self._pending_bytes += len(stamped.wire)
             op = ("e", str(seq), stamped["event_id"], stamped.wire)
             self._queue(op, urgent=self._pending_events >= self._max_batch)
+            self._account_log(seq, len(stamped.wire))
+            while self._pending_bytes > self._max_pending_bytes and self._pending_events > 1:
+                if not self._drop_oldest_event():
+                    break
         return stamped
+
+    def _account_log(self, seq: int, size: int) -> None:
+        """The stream holds at most ``log_max_bytes`` of events: past it, queue a trim of the
+        oldest (a resume from before them gets the snapshot, ``trimmed``)."""
+        sizes = self._log_sizes
+        sizes.append((seq, size))
+        self._log_bytes += size
+        while self._log_maxlen and len(sizes) > self._log_maxlen:  # gone by MAXLEN already
+            self._log_bytes -= sizes.popleft()[1]
+        trim_to = 0
+        while self._log_max_bytes and self._log_bytes > self._log_max_bytes and len(sizes) > 1:
+            old_seq, old_size = sizes.popleft()
+            self._log_bytes -= old_size
+            trim_to = old_seq + 1
+        if trim_to:
+            self._queue(("t", str(trim_to), "", ""))
 
     def mark_activity(self) -> None:
         """Client activity with no logged event (e.g. audio in); keeps the TTL fresh."""
@@ -177,13 +207,17 @@ class SessionWriter:
             self._due = hub.clock() + self._interval
             hub.schedule(self._due)
 
-    def _drop_oldest_event(self) -> None:
+    def _drop_oldest_event(self) -> bool:
+        if self._flushing:  # the ops in flight are positions in _pending: leave them be
+            return False
         for i, op in enumerate(self._pending):
             if op[0] == "e":
                 del self._pending[i]
                 self._pending_events -= 1
+                self._pending_bytes -= len(op[3])
                 self.dropped_events += 1
-                return
+                return True
+        return False
 
     # --- flushing ----------------------------------------------------------------------------
 
@@ -211,6 +245,16 @@ class SessionWriter:
                 if registered:  # callers of flush() may swallow the error: the session must still end
                     self._report_fatal(exc)
                 raise
+            except StoreError:
+                self._settle_failed(retry_later=False)
+                raise
+            except Exception as exc:  # not Redis: these ops can never be written (see WriteRejected)
+                rejected = WriteRejected(self.session_id, exc)
+                registered = self._hub is not None and self._hub.holds(self)
+                self._settle_fatal(rejected)
+                if registered:
+                    self._report_fatal(rejected)
+                raise rejected from exc
             except BaseException:
                 self._settle_failed(retry_later=False)
                 raise
@@ -243,6 +287,8 @@ class SessionWriter:
                 await self.flush()
             except StoreError as exc:
                 log.debug("session %s: final flush failed: %s", self.session_id, exc)
+            except Exception as exc:  # whatever it raised, the caller's release paths must run
+                log.warning("session %s: final flush failed: %r", self.session_id, exc)
 
     # --- the flush protocol, shared by flush() and the hub -----------------------------------
 
@@ -274,8 +320,10 @@ class SessionWriter:
     def _settle_ok(self, durable_seq: int, *, round_trips: int) -> None:
         taken = self._end_flight()
         for _ in range(len(taken.ops)):
-            if self._pending.popleft()[0] == "e":
+            op = self._pending.popleft()
+            if op[0] == "e":
                 self._pending_events -= 1
+                self._pending_bytes -= len(op[3])
         self.durable_seq = durable_seq
         self.flushes += 1
         self.round_trips += round_trips
@@ -306,6 +354,7 @@ class SessionWriter:
         self.fatal = exc
         self._pending.clear()
         self._pending_events = 0
+        self._pending_bytes = 0
         if self._hub is not None:
             self._hub.discard(self)
 
@@ -472,13 +521,20 @@ class WriterHub:
         # could land after its first failed, and the log would skip the first's events.
         claimed = [(w, ops) for w in batch if (ops := w._take(MAX_OPS_PER_CALL)) is not None]
         try:
-            results = await self.store.apply_batches(
+            results: list[int | StoreError] = await self.store.apply_batches(
                 [SessionBatch(w.session_id, ops, w.epoch, w.expires_at) for w, ops in claimed]
             )
-        except BaseException:
+        except (StoreUnavailable, asyncio.CancelledError):
             for w, _ in claimed:
                 w._settle_failed(retry_later=False)
             raise
+        except Exception as exc:  # one session's ops (e.g. a string Redis cannot encode)
+            log.warning(
+                "writer hub: a pipeline of %d sessions failed (%r): writing them one by one",
+                len(claimed),
+                exc,
+            )
+            results = await self._one_by_one(claimed)
         self.round_trips += 1
         for (w, _), result in zip(claimed, results, strict=True):
             try:
@@ -488,10 +544,31 @@ class WriterHub:
                 if w._flushing:
                     w._settle_failed(retry_later=True)
 
+    async def _one_by_one(self, claimed: list[tuple[SessionWriter, list[BatchOp]]]) -> list[int | StoreError]:
+        """Each claimed writer's ops in a pipeline of its own: the writer whose ops raise gets
+        :class:`WriteRejected` (fatal for it alone); the others are written as usual."""
+        results: list[int | StoreError] = []
+        for i, (w, ops) in enumerate(claimed):
+            try:
+                (result,) = await self.store.apply_batches(
+                    [SessionBatch(w.session_id, ops, w.epoch, w.expires_at)]
+                )
+            except (StoreUnavailable, asyncio.CancelledError):
+                for later, _ in claimed[i:]:
+                    later._settle_failed(retry_later=False)
+                for (done, _), res in zip(claimed[:i], results, strict=True):
+                    self._settle(done, res)
+                raise
+            except Exception as exc:
+                log.error("session %s: its log cannot be written: %r", w.session_id, exc)
+                result = WriteRejected(w.session_id, exc)
+            results.append(result)
+        return results
+
     def _settle(self, w: SessionWriter, result: int | StoreError) -> None:
         if isinstance(result, int):
             w._settle_ok(result, round_trips=1)
-        elif isinstance(result, StaleEpoch | SessionGone):
+        elif isinstance(result, StaleEpoch | SessionGone | WriteRejected):
             registered = w in self._writers  # not if close() began meanwhile: it gets the error
             w._settle_fatal(result)
             if registered:

@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     from session.store.event_log import WriterHub
 
 # (op, a, b, c): ("e", seq, event_id, event_json) | ("i", item_id, item_json, after) |
-# ("d", item_id, "", "") | ("m", field, value, "")  — ``after``: "" append, "^" first, else an item id
+# ("d", item_id, "", "") | ("m", field, value, "") | ("t", min_seq, "", "") — ``after``: "" append,
+# "^" first, else an item id; ``t`` trims the event stream below ``min_seq`` (its byte budget)
 BatchOp = tuple[str, str, str, str]
 MAX_OPS_PER_CALL = 1024
 
@@ -119,6 +120,8 @@ for i = 0, n - 1 do
     redis.call('LREM', KEYS[4], 0, a)
   elseif op == 'm' then
     redis.call('HSET', KEYS[1], a, x)
+  elseif op == 't' then
+    redis.call('XTRIM', KEYS[2], 'MINID', '0-' .. a)
   end
 end
 redis.call('HSET', KEYS[1], 'event_seq', top, 'last_active', ARGV[2])
@@ -222,12 +225,16 @@ class SessionStore:
         *,
         policy: RetentionPolicy | None = None,
         stream_maxlen: int = 4096,
+        log_max_bytes: int = 16 * 1024 * 1024,
         prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.redis = redis
         self.policy = policy or RetentionPolicy()
         self.stream_maxlen = stream_maxlen
+        # Each session's event stream also holds at most this many bytes of event JSON (its
+        # writer trims the oldest entries, ``t`` ops): 4,096 events of 1.9 MB would be 8 GB.
+        self.log_max_bytes = log_max_bytes
         self.prefix = prefix
         self.clock = clock
         self._create = redis.register_script(_CREATE_LUA)

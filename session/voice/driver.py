@@ -35,6 +35,7 @@ from runtime.capabilities import PipelineCapabilities
 from runtime.orchestrator import Orchestrator
 from runtime.payloads import AudioChunk, TextDelta, Transcript
 from runtime.progress import AdmissionError, RequestStatus
+from session.internal_errors import client_facing, report_internal
 from session.link import AudioSink, ConnectionInfo, LinkEnd, Transport, TransportLink
 from session.realtime.core import RealtimeSessionCore
 from session.realtime.effects import (
@@ -126,6 +127,7 @@ class _CallbackTransport:
 @dataclass(slots=True)
 class DriverOptions:
     outbox_limit: int = 4096  # server events queued for a client before it counts as not reading
+    outbox_max_bytes: int = 8 * 1024 * 1024  # ... and bytes of their JSON (close 1008 past either)
     session_key: str | None = None  # sticky key for the orchestrator (the session id)
     clock: Callable[[], float] = time.monotonic
     epoch: Callable[[], float] = time.time
@@ -197,7 +199,11 @@ class RealtimeDriver:
         self.live: LiveRequest | None = None
         if self.options.live is not None and orchestrator is not None:
             self.live = LiveRequest(
-                orchestrator, self.options.live, core, self.apply, self.now,
+                orchestrator,
+                self.options.live,
+                core,
+                self.apply,
+                self.now,
                 session_key=self.options.session_key,
                 input_limit_bytes=self.options.live_input_bytes,
             )
@@ -232,6 +238,7 @@ class RealtimeDriver:
             transport,
             self._on_client_text,
             limit=self.options.outbox_limit,
+            max_bytes=self.options.outbox_max_bytes,
             held=held,
             name=f"{self.core.session_id}:link{self._links}",
         )
@@ -439,8 +446,8 @@ class RealtimeDriver:
         try:
             text = await self._transcribe_audio(effect.audio)
         except Exception as exc:  # a model failure fails this transcription only
-            log.warning("transcription failed: %s", exc)
-            self.apply(self.core.on_input_transcript_failed(effect.item_id, str(exc)))
+            message = report_internal(log, f"transcription of {effect.item_id} failed", exc, exc_info=True)
+            self.apply(self.core.on_input_transcript_failed(effect.item_id, message))
             return
         self.apply(self.core.on_input_transcript(effect.item_id, text, now=self.now()))
 
@@ -523,12 +530,17 @@ class RealtimeDriver:
                 elif isinstance(out, RequestStatus):
                     if observer is not None:
                         observer.response_finished(out.status, self.now() - started)
-                    self.apply(self.core.on_response_done(rid, out.status, out.error, now=self.now()))
+                    error = out.error  # the runtime's text (stage, exception): for the log only
+                    if error is not None and out.status == "failed":
+                        error = client_facing(error) or report_internal(
+                            log, f"response {rid} failed in the pipeline", error
+                        )
+                    self.apply(self.core.on_response_done(rid, out.status, error, now=self.now()))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("response %s failed", rid)
-            self.apply(self.core.on_response_done(rid, "failed", str(exc), now=self.now()))
+            message = report_internal(log, f"response {rid} failed", exc, exc_info=True)
+            self.apply(self.core.on_response_done(rid, "failed", message, now=self.now()))
         finally:
             self._responses.pop(rid, None)
             if self._audio_sink is None and self._track_response == rid:

@@ -60,6 +60,7 @@ from session.store.errors import (
     StaleEpoch,
     StoreError,
     StoreUnavailable,
+    WriteRejected,
 )
 from session.voice.driver import RealtimeDriver, SessionLog
 from session.voice.hosting_resume import AdmissionRefused, ResumeHosting, SessionElsewhere
@@ -80,6 +81,20 @@ Claim = Callable[[str], Awaitable[Binding]]
 
 CLEAN_CLOSE = 1000
 RESTART_CLOSE = (1012, "server restarting; resume the session")
+
+
+def stored_failure_event(last_event_id: str | None, error: WriteRejected) -> dict[str, Any]:
+    """The `error` a client gets when its session's own data could not be stored (the
+    cause stays in the server log, under the session id the message names)."""
+    message = f"The session's state could not be stored; it ended (ref {error.session_id})."
+    body = {
+        "type": "server_error",
+        "code": "session_failed",
+        "message": message,
+        "param": None,
+        "event_id": None,
+    }
+    return connection_event("error", last_event_id, error=body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,19 +394,23 @@ class SessionHost(ResumeHosting):
         self.sessions.pop(sid, None)
         self._drivers.pop(sid, None)
         try:
-            if close is not None and not hs.driver.closed.is_set():
-                hs.driver.request_close(*close)
-            await hs.driver.shutdown()
-            if delete:
-                await hs.writer.close(flush=False)
-                try:
-                    await self.store.delete_session(sid)
-                except StoreError:  # its keys expire by their TTL
-                    log.warning("session %s: could not delete it from Redis", sid)
-            else:
-                hs.writer.set_state("parked")
-                await hs.writer.close()
-            await self._release(sid)
+            try:
+                if close is not None and not hs.driver.closed.is_set():
+                    hs.driver.request_close(*close)
+                await hs.driver.shutdown()
+                if delete:
+                    await hs.writer.close(flush=False)
+                    try:
+                        await self.store.delete_session(sid)
+                    except StoreError:  # its keys expire by their TTL
+                        log.warning("session %s: could not delete it from Redis", sid)
+                else:
+                    hs.writer.set_state("parked")
+                    await hs.writer.close()
+            except Exception:  # whatever the driver or writer raised, the slot goes back
+                log.exception("session %s: ending it failed (%s); releasing its slot", sid, cause)
+            finally:
+                await self._release(sid)
         finally:
             self._ending.pop(sid, None)
             done.set()
@@ -412,6 +431,10 @@ class SessionHost(ResumeHosting):
                 self._spawn(self._expire(hs, verdict), f"expired:{session_id}")
                 return
             close = (1001, "session ended")
+        elif isinstance(error, WriteRejected):  # its own data cannot be stored: it ends
+            if hs.driver.link is not None:  # not logged: its log is what failed
+                hs.driver.link.push(stored_failure_event(hs.driver.last_event_id, error))
+            close = (1011, "session state could not be stored")
         else:
             close = (1011, "session store error")
         self._spawn(self._end(hs, "fenced", delete=False, close=close), f"fenced:{session_id}")

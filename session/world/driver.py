@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from media.video import EncodedChunk
 from runtime.payloads import Action, Conditioning, Frames, Payload
 from runtime.progress import AdmissionError, RequestHandle, RequestStatus
+from session.internal_errors import report_internal
 from session.world.core import (
     CancelGeneration,
     CloseConnection,
@@ -356,10 +357,9 @@ class VideoSessionDriver:
             await self._perform(self.core.on_start_failed(ErrorCode.CAPACITY, str(exc)))
             return
         except Exception as exc:
-            log.exception("video session %s: could not start %s", self.core.session_id, start.pipeline)
-            await self._perform(
-                self.core.on_start_failed(ErrorCode.GENERATION_FAILED, f"{type(exc).__name__}: {exc}")
-            )
+            context = f"video session {self.core.session_id}: could not start {start.pipeline}"
+            message = report_internal(log, context, exc, exc_info=True)
+            await self._perform(self.core.on_start_failed(ErrorCode.GENERATION_FAILED, message))
             return
         self._runtime = runtime
         outlet: ConnectionOutlet | None = None
@@ -375,9 +375,10 @@ class VideoSessionDriver:
         except TransportClosed:
             await self._on_transport_closed()
         except Exception as exc:
-            log.exception("video session %s: media loop failed", self.core.session_id)
+            context = f"video session {self.core.session_id}: media loop failed"
+            message = report_internal(log, context, exc, exc_info=True)
             await runtime.cancel(start.request_id)
-            await self._perform(self.core.on_generation_end("failed", f"{type(exc).__name__}: {exc}"))
+            await self._perform(self.core.on_generation_end("failed", message))
         finally:
             if outlet is not None:
                 outlet.close()

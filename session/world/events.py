@@ -13,6 +13,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Literal
 
+from session.json_guard import JsonRejected, loads_checked
+
 KeyEventKind = Literal["keydown", "keyup"]
 
 
@@ -164,10 +166,11 @@ def _parse_start(data: dict[str, Any]) -> SessionStart:
 
 def parse_client_event(text: str, *, max_actions: int = 64) -> ClientEvent:
     """One JSON text frame → a typed event, or :class:`ProtocolError` saying what is wrong."""
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ProtocolError(ErrorCode.INVALID_JSON, f"not JSON: {exc}") from None
+    try:  # depth and Unicode checked too: nothing deeper than 64 levels reaches a world
+        data = loads_checked(text)
+    except JsonRejected as exc:
+        code = ErrorCode.INVALID_JSON if exc.code == "invalid_json" else ErrorCode.INVALID_PARAMETER
+        raise ProtocolError(code, exc.message) from None
     if not isinstance(data, dict):
         raise ProtocolError(ErrorCode.INVALID_JSON, "an event is a JSON object")
     kind = data.get("type")

@@ -1,0 +1,110 @@
+"""JSON from clients, checked at parse time: nesting depth and Unicode scalar values.
+
+Python's ``json`` accepts two things the rest of the server cannot keep:
+
+* deep nesting. A 4 KB frame nested ~1,000 levels makes the C scanner raise
+  ``RecursionError`` (not ``ValueError``), and ~600 levels parse but break ``copy.deepcopy``
+  and pydantic later, after the value was applied to a session's config. Refused here, so
+  nothing deeper than :data:`MAX_JSON_DEPTH` ever reaches session state;
+* lone surrogates. ``"\\ud800"`` is legal JSON but not a Unicode scalar value: it cannot be
+  encoded as UTF-8, so Redis (and any UTF-8 writer) fails on it later, far from the client.
+
+Every endpoint that parses client JSON (the realtime and video WebSockets, the WebRTC
+``session`` part, ``client_secrets``) goes through :func:`loads_checked`, which raises
+:class:`JsonRejected` with a code the caller turns into its own error shape. The check is one
+iterative walk over the decoded value; a frame with no ``\\u`` escape cannot hold a surrogate
+(the transport already decoded strict UTF-8), so the walk then only measures depth.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Final
+
+MAX_JSON_DEPTH: Final = 64  # containers inside containers; tool schemas need far fewer
+INVALID_JSON: Final = "invalid_json"
+INVALID_STRING: Final = "invalid_value"
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class JsonRejected(ValueError):
+    """Client JSON the server will not take; ``code`` is ``invalid_json`` (syntax, depth) or
+    ``invalid_value`` (a string that is not valid Unicode), ``param`` the dotted path."""
+
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+def loads_checked(raw: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads`` that refuses what :func:`check_value` refuses, with :class:`JsonRejected`."""
+    data = parse_json(raw, max_depth=max_depth)
+    check_value(data, max_depth=max_depth, strings=may_hold_surrogates(raw))
+    return data
+
+
+def parse_json(raw: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads``, with its syntax errors and its ``RecursionError`` as :class:`JsonRejected`."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise JsonRejected(INVALID_JSON, f"The JSON is nested deeper than {max_depth} levels.") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise JsonRejected(INVALID_JSON, f"The JSON is not valid: {exc}.") from None
+
+
+def may_hold_surrogates(raw: str | bytes) -> bool:
+    """Text the transport decoded as strict UTF-8 gets a surrogate only from a ``\\u`` escape."""
+    return not isinstance(raw, str) or "\\u" in raw
+
+
+def check_value(data: Any, *, max_depth: int = MAX_JSON_DEPTH, strings: bool = True) -> None:
+    """Raise :class:`JsonRejected` if ``data`` nests deeper than ``max_depth`` or (with
+    ``strings``) holds a key or string that is not made of Unicode scalar values."""
+    stack: list[tuple[Any, int, tuple[str | int, ...]]] = [(data, 0, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            if strings and not value.isascii() and _SURROGATE.search(value):
+                raise _bad_string(path)
+            continue
+        if isinstance(value, dict):
+            items: Any = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            continue
+        if depth >= max_depth:
+            raise JsonRejected(
+                INVALID_JSON, f"The JSON is nested deeper than {max_depth} levels.", _dotted(path) or None
+            )
+        for key, item in items:
+            if strings and isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
+                raise _bad_string((*path, key))
+            if isinstance(item, dict | list) or (strings and isinstance(item, str)):
+                stack.append((item, depth + 1, (*path, key)))
+
+
+def _bad_string(path: tuple[str | int, ...]) -> JsonRejected:
+    param = _dotted(path)
+    where = f" in '{param}'" if param else ""
+    return JsonRejected(
+        INVALID_STRING,
+        f"Invalid value{where}: the string is not valid Unicode (a lone surrogate such as \\ud800).",
+        param or None,
+    )
+
+
+def _dotted(path: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            part = _SURROGATE.sub("\ufffd", part)  # the error event must itself be encodable
+            out = f"{out}.{part}" if out else part
+    return out

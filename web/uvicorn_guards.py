@@ -1,0 +1,185 @@
+"""uvicorn's HTTP and WebSocket protocols with the deadlines a public server needs.
+
+uvicorn alone keeps a connection forever while the client sends nothing (no request yet, or
+half a request line, or headers that never end: its keep-alive timer only starts after a
+response), and a WebSocket whose client stops reading blocks every send once the socket
+buffer is full, for as long as the TCP connection stays up. 200 such connections held 200 fds
+(and, before authentication, nothing else limited them). Here:
+
+* :class:`GuardedHttpToolsProtocol`: a request's headers must be complete within
+  ``http_timeout_s`` of its first byte (or of the connection, for the first request), and at
+  most :data:`MAX_HEADER_BYTES` long (431 past it); otherwise the connection is closed. A
+  body's own deadline is in web/bodies.py; idle keep-alive is uvicorn's ``timeout_keep_alive``.
+* :class:`GuardedWebSocketProtocol`: once the send buffer has stayed full (the transport
+  paused writing) for ``ws_send_timeout_s``, the connection is closed with 1008 ``client is
+  not reading its events`` and dropped (a peer that reads nothing cannot receive the close
+  frame, and must not hold the socket). The app sees a disconnect: the session is detached,
+  resumable, and its slot goes back when its grace ends. A text frame that is not UTF-8 is
+  closed with 1007 and logged as one line, not uvicorn's traceback.
+
+The deadlines come from :class:`~web.settings.ServerSettings` through the uvicorn ``Config``
+(:func:`install`), so tests can set them small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+log = logging.getLogger(__name__)
+
+MAX_HEADER_BYTES = 64 * 1024
+SLOW_CLIENT_CODE = 1008
+SLOW_CLIENT_REASON = "client is not reading its events"
+
+
+class Deadlines:
+    """What the protocols read from ``config.omni_deadlines``."""
+
+    def __init__(self, http_timeout_s: float = 10.0, ws_send_timeout_s: float = 15.0) -> None:
+        self.http_timeout_s = http_timeout_s
+        self.ws_send_timeout_s = ws_send_timeout_s
+
+
+def _deadlines(config: uvicorn.Config) -> Deadlines:
+    found = getattr(config, "omni_deadlines", None)
+    return found if isinstance(found, Deadlines) else Deadlines()
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self._header_timeout_s = _deadlines(config).http_timeout_s
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._header_bytes = 0
+        self._in_headers = True  # from the connection until the first request's headers
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_headers:
+            self._header_bytes += len(data)
+            if self._header_bytes > MAX_HEADER_BYTES:
+                self._refuse(431, b"Request Header Fields Too Large")
+                return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if not self._in_headers:  # a later request on a keep-alive connection
+            self._in_headers = True
+            self._header_bytes = 0
+            self._arm_header_timer()
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        self._cancel_header_timer()
+        super().on_headers_complete()
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None and self._header_timeout_s > 0:
+            self._header_timer = self.loop.call_later(self._header_timeout_s, self._headers_late)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self._in_headers and not self.transport.is_closing():
+            log.debug("%s: no complete request within %.1f s: closed", self.client, self._header_timeout_s)
+            self.transport.abort()  # it sent nothing worth answering; nothing waits to be flushed
+
+    def _refuse(self, status: int, phrase: bytes) -> None:
+        self._cancel_header_timer()
+        self._in_headers = False
+        body = phrase + b"\n"
+        head = (
+            b"HTTP/1.1 %d %s\r\ncontent-type: text/plain\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+        )
+        self.transport.write(head % (status, phrase, len(body)) + body)
+        self.transport.close()
+
+
+class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self._send_timeout_s = _deadlines(config).ws_send_timeout_s
+        self._stall_timer: asyncio.TimerHandle | None = None
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall_timer is None and self._send_timeout_s > 0:
+            self._stall_timer = self.loop.call_later(self._send_timeout_s, self._send_stalled)
+
+    def resume_writing(self) -> None:
+        self._cancel_stall_timer()
+        super().resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_stall_timer()
+        super().connection_lost(exc)
+
+    def _cancel_stall_timer(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _send_stalled(self) -> None:
+        self._stall_timer = None
+        if self.transport.is_closing() and self.disconnected:
+            return
+        log.info(
+            "%s: WebSocket closed 1008: its send buffer stayed full for %.1f s",
+            self.client,
+            self._send_timeout_s,
+        )
+        if not self.close_sent and self.handshake_complete and self.initial_response is None:
+            try:  # behind everything unread: a client that reads again before the reset sees it
+                self.conn.send_close(SLOW_CLIENT_CODE, SLOW_CLIENT_REASON)
+                self.transport.write(b"".join(self.conn.data_to_send()))
+            except Exception:  # the protocol state refused a close frame: drop the socket anyway
+                log.debug("no close frame for a stalled WebSocket", exc_info=True)
+            self.close_sent = True
+        self.transport.abort()  # connection_lost follows: the app sees a disconnect
+
+    def send_receive_event_to_app(self) -> None:
+        if self.curr_msg_data_type == "text" and not self.close_sent:
+            data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
+            try:
+                text = data.decode()
+            except UnicodeDecodeError as exc:
+                self.frames = []
+                log.warning(
+                    "%s: WebSocket closed 1007: a text frame is not UTF-8 (%s)", self.client, exc.reason
+                )
+                self.conn.send_close(1007, "invalid UTF-8 in a text frame")
+                self.handle_parser_exception()
+                return
+            self.frames = []
+            self.queue.put_nowait({"type": "websocket.receive", "text": text})
+            if not self.read_paused:
+                self.read_paused = True
+                self.transport.pause_reading()
+            return
+        super().send_receive_event_to_app()
+
+
+def install(config: uvicorn.Config, *, http_timeout_s: float, ws_send_timeout_s: float) -> uvicorn.Config:
+    """Use the guarded protocols with these deadlines on ``config`` (before ``config.load``)."""
+    config.omni_deadlines = Deadlines(http_timeout_s, ws_send_timeout_s)  # type: ignore[attr-defined]
+    config.http = GuardedHttpToolsProtocol
+    config.ws = GuardedWebSocketProtocol
+    return config
