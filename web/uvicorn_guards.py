@@ -70,10 +70,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._in_headers:
             self._header_bytes += len(data)
-            if self._header_bytes > MAX_HEADER_BYTES:
-                self._refuse(431, b"Request Header Fields Too Large")
-                return
         super().data_received(data)
+        # Still in the headers after this much (a chunk that also ends them may carry a body):
+        if self._in_headers and self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+            self._refuse(431, b"Request Header Fields Too Large")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

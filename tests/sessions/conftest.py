@@ -32,12 +32,17 @@ def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @contextmanager
 def session_server(
-    folder: Path, redis_url: str | None, *, audio_ms: int = 800, **overrides: Any
+    folder: Path,
+    redis_url: str | None,
+    *,
+    audio_ms: int = 800,
+    engine_options: dict[str, Any] | None = None,
+    **overrides: Any,
 ) -> Iterator[LiveServer]:
     """A live server on the history-echo test pipeline (no VAD model) using `redis_url`
-    (None: its own embedded redis-server in `folder`)."""
+    (None: its own embedded redis-server in `folder`); `engine_options` go to its engine."""
     register()
-    pipeline = pipeline_file(folder, audio_ms=audio_ms)
+    pipeline = pipeline_file(folder, audio_ms=audio_ms, **(engine_options or {}))
     settings: dict[str, Any] = {"pipeline": str(pipeline), "vad": False, **overrides}
     if redis_url is not None:
         settings["redis_url"] = redis_url

@@ -71,6 +71,10 @@ class HistoryEchoEngine(Engine):
         return EchoState(time.monotonic(), words, audio, chunks=self._chunks if audio else [])
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
+        marker = self.options.get("fail_on")  # a test's internal failure: the step raises
+        for item in batch:
+            if marker and item.state.words and item.state.words[0].startswith(str(marker)):
+                raise RuntimeError(f"secret internal detail of {item.state.words[0]!r}")
         now = time.monotonic()
         outputs = [self._one(item.state, now) for item in batch]
         if all(not (o.client or o.done) for o in outputs):
