@@ -181,5 +181,15 @@ def install(config: uvicorn.Config, *, http_timeout_s: float, ws_send_timeout_s:
     """Use the guarded protocols with these deadlines on ``config`` (before ``config.load``)."""
     config.omni_deadlines = Deadlines(http_timeout_s, ws_send_timeout_s)  # type: ignore[attr-defined]
     config.http = GuardedHttpToolsProtocol
-    config.ws = GuardedWebSocketProtocol
+    config.ws = guarded_ws_protocol(config.ws)
     return config
+
+
+def guarded_ws_protocol(chosen: Any) -> type[WebSocketsSansIOProtocol]:
+    """The guarded protocol, on top of `chosen` when that is already a sans-I/O subclass
+    (e.g. the robot route's frame limit, web/robot.py), so both behaviours hold."""
+    if isinstance(chosen, type) and issubclass(chosen, WebSocketsSansIOProtocol):
+        if issubclass(chosen, GuardedWebSocketProtocol):
+            return chosen
+        return type(f"Guarded{chosen.__name__}", (GuardedWebSocketProtocol, chosen), {})
+    return GuardedWebSocketProtocol

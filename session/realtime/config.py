@@ -15,6 +15,13 @@ from pydantic import BeforeValidator, Field
 
 from media.audio import PCM24K, PCMA, PCMU, WireFormat
 from session.realtime.errors import INVALID_VALUE, ProtocolError
+from session.realtime.session_fields import (
+    check_prompt,
+    check_tool_choice,
+    check_tools,
+    check_tracing,
+    check_truncation,
+)
 from session.realtime.validation import WireModel
 
 Modality = Literal["text", "audio"]
@@ -28,23 +35,6 @@ def _check_max_tokens(value: Any) -> Any:
     return value
 
 
-def _check_tool_choice(value: Any) -> Any:
-    if value in ("auto", "none", "required"):
-        return value
-    if isinstance(value, dict) and value.get("type") in ("function", "mcp"):
-        return value
-    raise ValueError("expected 'auto', 'none', 'required' or a {type: function|mcp, ...} object")
-
-
-def _check_tools(value: Any) -> Any:
-    if not isinstance(value, list):
-        raise ValueError("expected a list of tools")
-    for tool in value:
-        if not isinstance(tool, dict) or tool.get("type", "function") not in ("function", "mcp"):
-            raise ValueError("each tool must be an object with type 'function' or 'mcp'")
-    return value
-
-
 def _check_voice(value: Any) -> Any:
     if isinstance(value, str) and value:
         return value
@@ -54,8 +44,11 @@ def _check_voice(value: Any) -> Any:
 
 
 MaxTokens = Annotated[Any, BeforeValidator(_check_max_tokens)]
-ToolChoice = Annotated[Any, BeforeValidator(_check_tool_choice)]
-Tools = Annotated[Any, BeforeValidator(_check_tools)]
+ToolChoice = Annotated[Any, BeforeValidator(check_tool_choice)]
+Tools = Annotated[Any, BeforeValidator(check_tools)]
+Tracing = Annotated[Any, BeforeValidator(check_tracing)]
+Truncation = Annotated[Any, BeforeValidator(check_truncation)]
+PromptRef = Annotated[Any, BeforeValidator(check_prompt)]
 Voice = Annotated[Any, BeforeValidator(_check_voice)]
 
 
@@ -125,9 +118,9 @@ class SessionIn(WireModel):
     max_output_tokens: MaxTokens = None
     tools: Tools = None
     tool_choice: ToolChoice = None
-    tracing: Any = None
-    truncation: Any = None
-    prompt: Any = None
+    tracing: Tracing = None
+    truncation: Truncation = None
+    prompt: PromptRef = None
     reasoning: Any = None
     parallel_tool_calls: bool | None = None
     # Read-only fields of the session object; accepted (and ignored) so that a client may
