@@ -141,7 +141,7 @@ async def retrieve(rig: Rig) -> str:
     frame = json.dumps({"type": "conversation.item.retrieve", "item_id": "item_big"})
     for _ in range(100):
         await ws.send(frame)
-    await asyncio.sleep(20)  # the outbox budget (8 MiB) or the send deadline (15 s) ends it
+    await asyncio.sleep(20)  # the outbox budget (16 MiB) or the send deadline (15 s) ends it
     ws.transport.abort()
     return "one 1.9 MB item, 100 retrieves, client not reading"
 

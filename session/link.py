@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 SLOW_CLIENT_CODE = 1008
 SLOW_CLIENT_REASON = "client is not reading its events"
 CLOSE_TIMEOUT_S = 5.0  # closing a transport (its close frame) waits at most this long
-DEFAULT_MAX_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 
 
 def event_size(event: dict[str, Any]) -> int:

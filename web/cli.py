@@ -80,7 +80,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--max-input-audio-s", type=float, default=300.0, help="uncommitted input audio per session"
     )
     p.add_argument(
-        "--outbox-max-bytes", type=int, default=8 * 1024 * 1024, help="unsent events per connection"
+        "--outbox-max-bytes", type=int, default=16 * 1024 * 1024, help="unsent events per connection"
     )
     p.add_argument(
         "--event-log-max-bytes", type=int, default=16 * 1024 * 1024, help="logged events per session"

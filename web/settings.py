@@ -50,7 +50,7 @@ class ServerSettings:
     max_conversation_bytes: int = 8 * 1024 * 1024  # text of a session's items (conversation_too_large)
     max_instructions_bytes: int = 512 * 1024  # instructions (string_above_max_length)
     max_input_audio_s: float = 300.0  # uncommitted input audio (input_audio_buffer_too_large)
-    outbox_max_bytes: int = 8 * 1024 * 1024  # unsent events per connection, then close 1008
+    outbox_max_bytes: int = 16 * 1024 * 1024  # unsent events per connection, then close 1008
     event_log_max_bytes: int = 16 * 1024 * 1024  # event JSON kept per session for replay
     # Connections (web/uvicorn_guards.py): half-open and silent peers are dropped.
     http_timeout_s: float = 10.0  # request headers (and a body) must arrive within this
@@ -110,7 +110,7 @@ class ServerSettings:
             max_conversation_bytes=int(get("max_conversation_bytes", 8 * 1024 * 1024)),
             max_instructions_bytes=int(get("max_instructions_bytes", 512 * 1024)),
             max_input_audio_s=float(get("max_input_audio_s", 300.0)),
-            outbox_max_bytes=int(get("outbox_max_bytes", 8 * 1024 * 1024)),
+            outbox_max_bytes=int(get("outbox_max_bytes", 16 * 1024 * 1024)),
             event_log_max_bytes=int(get("event_log_max_bytes", 16 * 1024 * 1024)),
             http_timeout_s=float(get("http_timeout_s", 10.0)),
             keep_alive_s=float(get("keep_alive_s", 5.0)),

@@ -127,7 +127,7 @@ class _CallbackTransport:
 @dataclass(slots=True)
 class DriverOptions:
     outbox_limit: int = 4096  # server events queued for a client before it counts as not reading
-    outbox_max_bytes: int = 8 * 1024 * 1024  # ... and bytes of their JSON (close 1008 past either)
+    outbox_max_bytes: int = 16 * 1024 * 1024  # ... and bytes of their JSON (close 1008 past either)
     session_key: str | None = None  # sticky key for the orchestrator (the session id)
     clock: Callable[[], float] = time.monotonic
     epoch: Callable[[], float] = time.time

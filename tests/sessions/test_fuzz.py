@@ -45,7 +45,7 @@ from tests.sessions.history_engine import pipeline_file
 SEED = int(os.environ.get("OMNI_FUZZ_SEED", "1313"))
 SECONDS = float(os.environ.get("OMNI_FUZZ_SECONDS", "20"))
 SESSIONS = 3
-SLOTS = SESSIONS + 1  # the fuzzed sessions and one world at a time
+SLOTS = SESSIONS + 2  # the fuzzed sessions, a world, and the one still leaving before it
 ROOT = Path(__file__).resolve().parents[2]
 BURST = 25
 RSS_BOUND = 256 << 20
@@ -152,7 +152,7 @@ def weird_value(rng: random.Random) -> Any:
             value = [value] if rng.random() < 0.5 else {"k": value}
         return value
     if choice == 2:
-        return "h" * rng.choice([10_000, 300_000, 1_500_000])
+        return "h" * rng.choice([1_000, 50_000, 400_000])  # the 1.9 MB cases: test_abuse_sessions.py
     if choice == 3:
         return rng.choice([-1, 0, 2**63, -(2**70), 1e308, float("nan"), float("inf")])
     if choice == 4:
