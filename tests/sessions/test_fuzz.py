@@ -9,7 +9,8 @@ Afterwards:
 * 0 tracebacks in the server log (the server runs as its own process, `--log-level info`,
   its output in a file);
 * 0 broken sessions: each answers a well-formed `session.update` after every burst;
-* bounded memory: the server's RSS grew by less than ``RSS_BOUND``;
+* bounded memory: the server's RSS grew by less than ``RSS_BOUND`` in all, and by less than
+  ``LATE_GROWTH`` from the first half of the run to the second (no growth with time);
 * every admission slot is returned: afterwards ``SLOTS`` sessions open at once, none queued
   (``--admission-queue-s 1``: a leaked slot would refuse the last with 1013).
 
@@ -48,7 +49,8 @@ SESSIONS = 3
 SLOTS = SESSIONS + 2  # the fuzzed sessions, a world, and the one still leaving before it
 ROOT = Path(__file__).resolve().parents[2]
 BURST = 25
-RSS_BOUND = 256 << 20
+RSS_BOUND = 512 << 20  # in all: the per-session budgets of SLOTS sessions, plus allocator slack
+LATE_GROWTH = 64 << 20  # in the second half of the run, once the budgets are reached
 
 
 @dataclass
@@ -253,12 +255,24 @@ async def test_fuzz_realtime_rest_and_video(server: ServerProcess) -> None:
     rss_before = server.rss()
     rngs = [random.Random(SEED * 100 + i) for i in range(SESSIONS + 1)]
     until_t = time.monotonic() + SECONDS
+    samples: list[tuple[float, int]] = []
+
+    async def sample_rss() -> None:
+        while time.monotonic() < until_t:
+            samples.append((time.monotonic(), server.rss()))
+            await asyncio.sleep(0.25)
+
+    sampler = asyncio.create_task(sample_rss())
     counts = await asyncio.gather(
         *(fuzz_session(server, rngs[i], until_t) for i in range(SESSIONS)),
         fuzz_rest_and_video(server, rngs[-1], until_t),
     )
+    await sampler
     assert sum(counts) > 100, counts
     rss_growth = server.rss() - rss_before
+    half = until_t - SECONDS / 2  # bounded: no growth with time once the budgets are full
+    first = max((r for t, r in samples if t < half), default=rss_before)
+    second = max((r for t, r in samples if t >= half), default=rss_before)
     async with httpx.AsyncClient(timeout=10) as http:  # the closed sessions leave (parked/ended)
         for _ in range(300):  # 30 s: a loaded CI host
             live = (await http.get(f"{server.http}/readyz")).json()
@@ -273,3 +287,4 @@ async def test_fuzz_realtime_rest_and_video(server: ServerProcess) -> None:
     tracebacks = [line for line in log.splitlines() if "Traceback" in line]
     assert tracebacks == [], f"seed {SEED}: {len(tracebacks)} tracebacks in the server log:\n{log[-4000:]}"
     assert rss_growth < RSS_BOUND, f"seed {SEED}: the server grew by {rss_growth >> 20} MB"
+    assert second - first < LATE_GROWTH, f"seed {SEED}: still growing: +{(second - first) >> 20} MB late"
