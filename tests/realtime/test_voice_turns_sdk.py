@@ -177,6 +177,10 @@ async def test_server_vad_turn_end_to_end(server: LiveServer) -> None:
         done = turn[-1].event.response
         assert done.status == "completed"
         assert words(done.output[0].content[0].transcript) == words(ECHO)
+        # The turn was transcribed on the pipeline's transcribe entry during the silence that
+        # ended it, and the response used that transcript instead of transcribing again.
+        stats = server.ctx.sessions[events.log[0].raw["session"]["id"]].stats
+        assert stats.transcripts_prepared >= 1 and stats.transcripts_prepared_used == 1
 
 
 LONG_REQUEST = (
