@@ -24,6 +24,7 @@ from session.realtime.effects import (
     ClearAudioOutput,
     Close,
     CoreOutput,
+    LiveUpdate,
     StartResponse,
 )
 from session.realtime.errors import ProtocolError
@@ -60,6 +61,9 @@ from session.realtime.turns import SpeechDetector
 from session.realtime.user_input import MIN_COMMIT_MS, UserInput
 
 __all__ = ["MIN_COMMIT_MS", "CoreOptions", "RealtimeSessionCore"]
+
+# Session settings a model that takes its own turns is conditioned on (`LiveUpdate`).
+_LIVE_CONDITIONING = ("instructions", "voice", "output_modalities", "tools")
 
 
 @dataclass(slots=True)
@@ -461,8 +465,17 @@ class RealtimeSessionCore(UserInput):
     def _session_update(self, event: SessionUpdate) -> None:
         limit = self.options.max_instructions_bytes
         check_instructions(event.session.instructions, limit, "session.instructions")
+        before = self.config
         self.config = self.config.apply_update(event.session, voice_locked=self._voice_locked)
         self._config_changed = True
+        if self.options.live_responses:
+            changed = {
+                key: getattr(self.config, key)
+                for key in _LIVE_CONDITIONING
+                if getattr(self.config, key) != getattr(before, key)
+            }
+            if changed:
+                self._out.effect(LiveUpdate(changed))
         self._input.set_format(self.config.input_format)
         self._apply_turn_detection()
         self._out.event("session.updated", session=self.session_object())

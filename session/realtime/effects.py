@@ -107,6 +107,15 @@ class LiveAudio:
     rate: int
 
 
+@dataclass(slots=True)
+class LiveUpdate:
+    """`session.update` changes that reach a model taking its own turns: give them to the
+    live request as `update(Conditioning(values))` (only the keys that changed among
+    `instructions`, `voice`, `output_modalities`, `tools`)."""
+
+    values: dict[str, Any]
+
+
 Effect = (
     StartResponse
     | PrepareTranscript
@@ -117,6 +126,7 @@ Effect = (
     | ClearAudioOutput
     | Close
     | LiveAudio
+    | LiveUpdate
 )
 
 

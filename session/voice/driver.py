@@ -45,6 +45,7 @@ from session.realtime.effects import (
     CoreOutput,
     DetectSpeech,
     LiveAudio,
+    LiveUpdate,
     PlayAudio,
     PrepareTranscript,
     StartResponse,
@@ -412,6 +413,8 @@ class RealtimeDriver:
                 self.request_close(effect.code, effect.reason)
             elif isinstance(effect, LiveAudio) and self.live is not None:
                 self.live.push(effect)
+            elif isinstance(effect, LiveUpdate) and self.live is not None:
+                self.live.update(effect.values)
 
     # --- transcription on the pipeline's transcribe entry ----------------------------------
 

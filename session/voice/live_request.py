@@ -41,6 +41,7 @@ from runtime.orchestrator import Orchestrator
 from runtime.payloads import (
     AudioChunk,
     AudioInput,
+    Conditioning,
     ResponseDone,
     ResponseStarted,
     SpeechStarted,
@@ -85,7 +86,7 @@ class _Segment:
     frames: int
 
 
-_Input = np.ndarray | DetectSpeech | TurnControl
+_Input = np.ndarray | DetectSpeech | TurnControl | Conditioning
 
 
 class LiveRequest:
@@ -149,6 +150,10 @@ class LiveRequest:
     def control(self, control: TurnControl) -> None:
         """Manual turn control, in order with the audio (a few small objects, never dropped)."""
         self._queue_input(control, 0)
+
+    def update(self, values: dict[str, Any]) -> None:
+        """`session.update` changes for the model (`orch.update`), in order with the audio."""
+        self._queue_input(Conditioning(dict(values)), 0)
 
     def _queue_input(self, item: _Input, size: int) -> None:
         self._queue.append(item)
@@ -232,6 +237,9 @@ class LiveRequest:
             while self._queue:
                 item = self._queue.popleft()
                 payload: AudioInput | TurnControl
+                if isinstance(item, Conditioning):
+                    await self._orch.update(request_id, item)  # False: ended (the reader sees it)
+                    continue
                 if isinstance(item, TurnControl):
                     payload = item
                 elif isinstance(item, DetectSpeech):
