@@ -29,6 +29,7 @@ from tests.realtime.wire import (
     silence,
     stream_realtime,
 )
+from tests.sessions.client import opened, resumed
 from tests.speech_audio import SENTENCE, speak
 
 pytest.importorskip("piper")
@@ -110,3 +111,26 @@ async def test_audio_faster_than_real_time_is_bounded(server: LiveServer) -> Non
         assert {e["code"] for e in errors} == {"input_audio_overflow"}
         assert len(errors) <= 3, errors  # at most one a second, not one per append
         await ping(conn, events)  # still served
+
+
+async def test_a_resumed_session_keeps_its_live_request_and_its_turns(server: LiveServer) -> None:
+    """Drop the connection mid-session and resume on the same process: the session's live
+    request runs on (not reopened, nothing duplicated) and server VAD still detects a turn on
+    the new connection; the events of the turn are new, none replayed twice."""
+    async with opened(server) as conn:
+        await conn.send({"type": "session.update", "session": UPDATE})
+        await conn.events.wait_for("session.updated")
+        sid, token, last = conn.session_id, conn.resume_token, conn.last_event_id
+        live = server.ctx.sessions[sid].live
+        assert isinstance(live, LiveRequest)
+        first = live.request_id
+        conn.abort()  # no close frame: the session is detached, resumable
+    async with resumed(server, sid, token, last) as conn:
+        for piece in chunks(speech(), 20):
+            await conn.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(piece)})
+        started = await conn.events.wait_for("input_audio_buffer.speech_started", within_s=30)
+        stopped = await conn.events.wait_for("input_audio_buffer.speech_stopped", within_s=30)
+        assert started.raw["item_id"] == stopped.raw["item_id"]
+        assert live.opened == 1 and live.request_id == first and live.failures == 0
+        ids = [r.raw["event_id"] for r in conn.events.log]
+        assert len(ids) == len(set(ids))
