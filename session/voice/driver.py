@@ -482,6 +482,9 @@ class RealtimeDriver:
         if text is None:
             return params
         self.stats.transcripts_prepared_used += 1
+        # Made by the pipeline's ASR during the silence that ended the turn: the client gets it
+        # as a transcription delta, then the completed transcript, before any response output.
+        self.apply(self.core.on_input_transcript(rid, text, final=False, now=self.now()))
         self.apply(self.core.on_input_transcript(rid, text, final=True, now=self.now()))
         return {**{k: v for k, v in params.items() if k != "audio"}, "text": text}
 

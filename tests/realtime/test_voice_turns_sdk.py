@@ -181,6 +181,11 @@ async def test_server_vad_turn_end_to_end(server: LiveServer) -> None:
         # ended it, and the response used that transcript instead of transcribing again.
         stats = server.ctx.sessions[events.log[0].raw["session"]["id"]].stats
         assert stats.transcripts_prepared >= 1 and stats.transcripts_prepared_used == 1
+        kinds = [r.type for r in turn]
+        delta = kinds.index("conversation.item.input_audio_transcription.delta")
+        completed = kinds.index("conversation.item.input_audio_transcription.completed")
+        assert delta < completed < kinds.index("response.output_audio.delta")
+        assert words(turn[delta].event.delta) == words(SENTENCE)
 
 
 LONG_REQUEST = (
