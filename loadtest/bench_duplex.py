@@ -3,7 +3,8 @@
 Runs the ``duplex-tiny`` pipeline in this process (the orchestrator and its stage worker
 thread, no HTTP): N sessions each open the live request and append one 80 ms frame of 24 kHz
 audio every 80 ms (random start phases, like N microphones), for ``--seconds``. The engine
-streams every frame's audio (``stream_silence``), so each user frame has a model frame to time.
+streams every frame's audio (``stream_silence``) and never inserts silence frames (a long
+``idle_grace_ms``), so each user frame has exactly one model frame to time.
 
 Measured per N:
 - **frame step**: wall time of each engine step (``MetricsHook.on_step``) that carried a
@@ -90,7 +91,9 @@ async def one_session(orch: Orchestrator, index: int, seconds: float, latencies:
 async def run(sessions: int, seconds: float, threads: int) -> dict[str, Any]:
     spec = load_pipeline("duplex-tiny")
     stage = spec.stages[0]
-    options = {**stage.options, "stream_silence": True, "threads": threads,
+    # No silence frames (idle_grace 60 s): every model frame then answers exactly one user
+    # frame, which is what the in → out pairing below counts on.
+    options = {**stage.options, "stream_silence": True, "threads": threads, "idle_grace_ms": 60_000,
                "max_sessions": max(sessions, int(stage.options.get("max_sessions", 64)))}
     spec = replace(spec, stages=(replace(stage, options=options), *spec.stages[1:]))
     log = StepLog()
