@@ -13,6 +13,10 @@ at a time, with the server's default limits:
 * ``silent``: a client that asks for output (responses, retrieves) and never reads;
 * ``idle``: 200 TCP connections that send nothing or half a request.
 
+Each pattern's session ends with its client (parked: resumable, its state still in Redis, as
+``Redis while parked`` shows), then is deleted (``after end``). "server after" is RSS the
+process keeps (Python's allocator does not hand every freed page back), not live objects.
+
     .venv/bin/python -m loadtest.bench_abuse            # all patterns
     .venv/bin/python -m loadtest.bench_abuse --patterns retrieve,items
 """
@@ -63,6 +67,7 @@ class Rig:
         ]  # fmt: skip
         self.server = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.client = redis.asyncio.Redis(port=self.redis_port)
+        self.opened: list[str] = []  # sessions the current pattern opened (DELETEd after it)
 
     @property
     def http(self) -> str:
@@ -110,8 +115,9 @@ async def connect(rig: Rig, *, silent: bool = False) -> ClientConnection:
         f"ws://127.0.0.1:{rig.port}/v1/realtime", sock=sock, max_size=None, max_queue=1 if silent else 16,
         compression=None, open_timeout=30,
     )  # fmt: skip
-    while json.loads(await ws.recv())["type"] != "session.created":
+    while (event := json.loads(await ws.recv()))["type"] != "session.created":
         pass
+    rig.opened.append(event["session"]["id"])
     return ws
 
 
@@ -204,7 +210,8 @@ async def idle(rig: Rig) -> str:
             sock.sendall(b"GET /v1/realtime HTTP/1.1\r\nHost: x\r\n")
         socks.append(sock)
     await asyncio.sleep(12)  # --http-timeout-s 10
-    open_ = sum(1 for c in psutil.Process(rig.server.pid).net_connections() if c.status == "ESTABLISHED")
+    conns = psutil.Process(rig.server.pid).net_connections()
+    open_ = sum(1 for c in conns if c.status == "ESTABLISHED" and c.laddr and c.laddr.port == rig.port)
     for sock in socks:
         sock.close()
     return f"200 idle/partial TCP connections ({open_} still established after 12 s)"
@@ -241,6 +248,12 @@ async def measure(rig: Rig, name: str, grace_s: float) -> dict[str, object]:
             break
         await asyncio.sleep(0.5)
     await asyncio.sleep(1.0)
+    parked = await rig.memory()  # its client gone: parked, resumable (state kept in Redis)
+    async with httpx.AsyncClient() as http:  # then ended for good
+        for session_id in rig.opened:
+            await http.delete(f"{rig.http}/v1/sessions/{session_id}", timeout=10)
+    rig.opened.clear()
+    await asyncio.sleep(1.0)
     after = await rig.memory()
     return {
         "pattern": name,
@@ -248,6 +261,7 @@ async def measure(rig: Rig, name: str, grace_s: float) -> dict[str, object]:
         "server_peak_mb": round(peak[0] - before[0], 1),
         "redis_peak_mb": round(peak[1] - before[1], 1),
         "total_peak_mb": round(peak[0] - before[0] + peak[1] - before[1], 1),
+        "redis_parked_mb": round(parked[1] - before[1], 1),
         "server_after_mb": round(after[0] - before[0], 1),
         "redis_after_mb": round(after[1] - before[1], 1),
         "sessions_after": await rig.sessions(),
@@ -280,15 +294,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown patterns: {sorted(unknown)}")
     rows = asyncio.run(main_async(names, args.grace_s))
+    print()
     print(
-        "\n| pattern | server peak | Redis peak | total peak | server after | Redis after | sessions after |"
+        "| pattern | server peak | Redis peak | total peak | Redis parked | server after end "
+        "| Redis after end |"
     )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['what']} | +{r['server_peak_mb']} MB | +{r['redis_peak_mb']} MB "
-            f"| +{r['total_peak_mb']} MB | {r['server_after_mb']:+} MB | {r['redis_after_mb']:+} MB "
-            f"| {r['sessions_after']} |"
+            f"| +{r['total_peak_mb']} MB | {r['redis_parked_mb']:+} MB | {r['server_after_mb']:+} MB "
+            f"| {r['redis_after_mb']:+} MB |"
         )
     return 0
 
