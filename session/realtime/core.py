@@ -128,6 +128,7 @@ class RealtimeSessionCore(UserInput):
         self._input = InputAudio(self.config.input_format)
         self._vad = SpeechDetector()
         self._speech_item_id: str | None = None
+        self._track_overflow = False
         self._speech_start = 0
         self._prepared: tuple[str, int] | None = None  # key of the last PrepareTranscript
         self._active: ResponseRun | None = None

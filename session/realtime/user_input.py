@@ -56,6 +56,7 @@ class UserInput(ABC):
     _transcribed: set[str]
     _transcribe_requested: set[str]
     _idle_deadline: float | None
+    _track_overflow: bool  # track audio past the input budget is being dropped
     last_user_item_id: str | None
 
     # Provided by the core.
@@ -76,7 +77,10 @@ class UserInput(ABC):
     ) -> None: ...
 
     def feed_input_audio(self, samples: np.ndarray, rate: int, now: float) -> CoreOutput:
-        """Mic audio from a media track (WebRTC), float32 mono at `rate`."""
+        """Mic audio from a media track (WebRTC), float32 mono at `rate`. Past the input budget
+        (push-to-talk never committed) frames are dropped, with one `error` per overflow."""
+        if not self.closed and self._track_over_budget():
+            return self._out.drain()
         if not self.closed:
             samples = np.asarray(samples, dtype=np.float32)
             self._input.append_samples(samples, rate)
@@ -245,6 +249,20 @@ class UserInput(ABC):
                 "commit or clear it (this append was not added).",
                 param="audio",
             )
+
+    def _track_over_budget(self) -> bool:
+        limit_s = self.options.max_input_audio_s
+        over = bool(limit_s) and not self.options.live_responses and self._input.buffered_ms > limit_s * 1000
+        if over and not self._track_overflow:
+            self._out.error(
+                ProtocolError(
+                    E.INPUT_AUDIO_TOO_LARGE,
+                    f"The input audio buffer holds {limit_s:g} s of uncommitted audio: track audio is "
+                    "dropped until it is committed or cleared.",
+                )
+            )
+        self._track_overflow = over
+        return over
 
     def _request_vad(self) -> None:
         frames = self._input.next_frames()
