@@ -185,6 +185,7 @@ async def serve(fd: int, config: dict[str, Any]) -> int:
         seed=int(config.get("seed", 0)),
         gpu_memory_utilization=float(config.get("gpu_memory_utilization", 0.9)),
         disable_log_stats=True,
+        **dict(config.get("engine_args") or {}),  # any other AsyncEngineArgs field, as given
     )
     engine = AsyncLLM.from_engine_args(args)
     host = Host(engine, writer)

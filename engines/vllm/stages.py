@@ -23,7 +23,8 @@ Options: ``model`` (directory, or ``smollm2``), ``python`` (the vLLM interpreter
 ``max_model_len``, ``block_size`` (32 on CPU: its attention kernel needs a multiple of 32),
 ``max_num_seqs``, ``prefix_caching`` (true),
 ``max_tokens`` (64), ``temperature`` (0: greedy), ``ignore_eos``, ``poll_ms`` (10),
-``startup_timeout_s``, ``env`` (extra environment). The KV cache space on CPU is the stage's
+``startup_timeout_s``, ``env`` (extra environment), ``engine_args`` (any other vLLM
+``AsyncEngineArgs`` field, e.g. ``limit_mm_per_prompt`` for a text-only multimodal model). The KV cache space on CPU is the stage's
 ``budget.kv_bytes`` (whole GiB, at least 1; vLLM's ``VLLM_CPU_KVCACHE_SPACE``).
 """
 
@@ -129,6 +130,7 @@ class VllmEngine(Engine):
             "enforce_eager": o.get("enforce_eager", device == "cpu"),
             "gpu_memory_utilization": o.get("gpu_memory_utilization", 0.9),
             "seed": o.get("seed", 0),
+            "engine_args": dict(o.get("engine_args") or {}),
         }
         return HostConfig(
             model=str(self.model_dir),

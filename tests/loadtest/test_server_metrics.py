@@ -28,6 +28,8 @@ def test_metrics_from_hooks_and_scrape_time_state() -> None:
     runtime.step("respond", 0, batch=8, step_s=0.002)
     runtime.queue("respond", 0, depth=3, live=9)
     runtime.request("respond", 0.5, "completed")
+    runtime.counters("respond", {"prompt": 120, "prompt_cached": 96})  # a prefix-caching LM stage
+    runtime.counters("respond", {"prompt": 40, "prompt_cached": 0})
     metrics.response_started()
     metrics.first_audio(0.21)
     metrics.response_finished("completed", 2.3)
@@ -40,6 +42,8 @@ def test_metrics_from_hooks_and_scrape_time_state() -> None:
     assert scrape.value("omniduplex_stage_batch_size_sum", stage="respond") == 8
     assert scrape.value("omniduplex_stage_queue_depth", stage="respond", replica="0") == 3
     assert scrape.value("omniduplex_stage_live_requests", stage="respond", replica="0") == 9
+    assert scrape.by_label("omniduplex_stage_engine_total", "counter") == {"prompt": 160, "prompt_cached": 96}
+    assert runtime.snapshot()["stages"]["respond"]["counters"] == {"prompt": 160, "prompt_cached": 96}
     assert scrape.value("omniduplex_time_to_first_audio_seconds_sum") == 0.21
     assert scrape.value("omniduplex_turn_latency_seconds_count", status="completed") == 1
     assert scrape.value("omniduplex_errors_total", code="invalid_value") == 1
