@@ -52,6 +52,7 @@ CHUNK_MS = 20
 CHUNK = RATE * CHUNK_MS // 1000
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 INTERRUPTION = "Wait, stop please."
+TURN_WAIT_S = 60.0  # per event of a turn; --turn-wait-s (an LM responder on a loaded box needs more)
 LONG_REPLY = ", ".join(f"the story goes on with chapter {k}" for k in range(1, 30)) + "."
 
 
@@ -249,10 +250,10 @@ async def one_turn(client: VoiceClient, frames: list[str]) -> TurnTiming:
     def first(kind: str) -> Callable[[dict[str, Any]], bool]:
         return lambda e: e["type"] == kind
 
-    stopped = client.wait(first("input_audio_buffer.speech_stopped"))
-    text = client.wait(first("response.output_audio_transcript.delta"))
-    audio = client.wait(first("response.output_audio.delta"))
-    done = client.wait(first("response.done"))
+    stopped = client.wait(first("input_audio_buffer.speech_stopped"), TURN_WAIT_S)
+    text = client.wait(first("response.output_audio_transcript.delta"), TURN_WAIT_S)
+    audio = client.wait(first("response.output_audio.delta"), TURN_WAIT_S)
+    done = client.wait(first("response.done"), TURN_WAIT_S)
     _, last, _ = await client.speak(frames)
     t_stopped, t_text, t_audio, t_done = await asyncio.gather(stopped, text, audio, done)
     response = t_done.event["response"]
@@ -502,6 +503,7 @@ def vars_of(obj: Any) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global TURN_WAIT_S
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -514,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-arg", action="append", default=[], help="extra `omniduplex serve` argument")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     parser.add_argument(
+        "--turn-wait-s", type=float, default=TURN_WAIT_S, help="how long a turn may take (LM replies: longer)"
+    )
+    parser.add_argument(
         "--scenarios",
         nargs="+",
         choices=SCENARIOS,
@@ -521,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         help="what to run (default: all)",
     )
     args = parser.parse_args(argv)
+    TURN_WAIT_S = args.turn_wait_s
     report = asyncio.run(main_async(args))
     print(f"voice-cascade, silence_duration_ms={args.silence_ms}, {os.cpu_count()} CPUs\n")
     print(report.markdown())

@@ -118,6 +118,7 @@ class VllmEngine(Engine):
         o = self.options
         device = str(o.get("device", "cpu"))
         env = {str(k): str(v) for k, v in (o.get("env") or {}).items()}
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would drown the server's log
         if device == "cpu":
             kv_gib = max(1, math.ceil(current_kv_store().budget_bytes / GIB))
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_gib))
