@@ -53,6 +53,7 @@ GC_THRESHOLDS = (20_000, 10, 10)
 RESPONDER = "speech.responder"
 # The responder on vLLM batches every live turn in one engine: its stage steps them together.
 VLLM_RESPONDER_BATCH = 64
+VLLM_RESPONDER = "engines.vllm.stages:VllmResponderEngine"
 
 
 def pipeline_spec(settings: ServerSettings) -> PipelineSpec:
@@ -75,7 +76,8 @@ def pipeline_spec(settings: ServerSettings) -> PipelineSpec:
         return spec.with_stage(
             RESPONDER,
             options={"model": model},
-            new_engine="vllm.responder",
+            # by path: loads even where the installed entry points predate vllm.responder
+            new_engine=VLLM_RESPONDER,
             budget={"max_batch": batch, "max_concurrency": max(stage.budget.max_concurrency, batch)},
         )
     return spec.with_stage(RESPONDER, options=options) if options else spec

@@ -25,7 +25,8 @@ Options: ``model`` (directory, or ``smollm2``), ``python`` (the vLLM interpreter
 ``max_tokens`` (64), ``temperature`` (0: greedy), ``ignore_eos``, ``poll_ms`` (10),
 ``startup_timeout_s``, ``env`` (extra environment), ``engine_args`` (any other vLLM
 ``AsyncEngineArgs`` field, e.g. ``limit_mm_per_prompt`` for a text-only multimodal model).
-The KV cache space on CPU is the stage's ``budget.kv_bytes`` (whole GiB, at least 1; vLLM's ``VLLM_CPU_KVCACHE_SPACE``).
+The KV cache space on CPU is the stage's
+``budget.kv_bytes`` (whole GiB, at least 1; vLLM's ``VLLM_CPU_KVCACHE_SPACE``).
 """
 
 from __future__ import annotations

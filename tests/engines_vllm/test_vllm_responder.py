@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engines.vllm.stages import VllmResponderEngine
 from runtime.orchestrator import Orchestrator
 from runtime.payloads import TextDelta
-from runtime.registry import register_engine
 from web.context import pipeline_spec
 from web.settings import ServerSettings
 
@@ -18,7 +16,7 @@ pytestmark = pytest.mark.timeout(600)
 def test_llm_engine_vllm_swaps_the_responder_stage() -> None:
     spec = pipeline_spec(ServerSettings(llm_engine="vllm"))
     stage = next(s for s in spec.stages if s.name == "responder")
-    assert stage.engine == "vllm.responder"
+    assert stage.engine == "engines.vllm.stages:VllmResponderEngine"
     assert stage.options["model"] == "smollm2"
     assert stage.budget.max_batch == 64  # every live turn in one engine step
     echo = pipeline_spec(ServerSettings(llm_engine="vllm", responder="echo"))
@@ -33,7 +31,6 @@ def test_llm_engine_vllm_swaps_the_responder_stage() -> None:
 
 
 async def test_smollm2_on_vllm_answers_two_sessions_with_prefix_cache() -> None:
-    register_engine("vllm.responder", VllmResponderEngine)
     spec = pipeline_spec(ServerSettings(llm_engine="vllm"))
     question = "What is the capital of France?"
     async with Orchestrator.from_spec(spec) as orch:
