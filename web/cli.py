@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -152,6 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _in_process_lm(args: argparse.Namespace) -> bool:
+    """Whether `serve` will run a transformers LM responder in this process."""
+    if args.responder == "echo" or args.llm_engine == "vllm":
+        return False
+    try:
+        from runtime.spec import load_pipeline
+
+        stages = load_pipeline(args.pipeline).stages
+    except Exception:
+        return False  # serve reports a bad pipeline itself
+    return any(s.engine == "speech.responder" and s.options.get("responder") != "echo" for s in stages)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["loadtest"]:
@@ -161,6 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(args_list)
     args.argv = args_list  # `serve --workers N` starts its workers with these arguments
     if args.command == "serve":
+        if _in_process_lm(args):
+            # An in-process LM (the default responder) next to the other torch users (VAD,
+            # transcription): OpenMP's spinning idle threads oversubscribed the cores, end of
+            # speech -> first audio 9.4 s against 2.3 s with passive waits (docs/benchmarks.md).
+            # Read once when torch loads, so it is set before anything imports it.
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from web.serve import serve
 
         return serve(args)
