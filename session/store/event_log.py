@@ -146,7 +146,9 @@ class SessionWriter:
 
     def _account_log(self, seq: int, size: int) -> None:
         """The stream holds at most ``log_max_bytes`` of events: past it, queue a trim of the
-        oldest (a resume from before them gets the snapshot, ``trimmed``)."""
+        oldest (a resume from before them gets the snapshot, ``trimmed``). Entries a previous
+        process wrote (a restored session) are not counted; the first trim (``MINID``) removes
+        them with the rest, and until then they are bounded by that process's own budget."""
         sizes = self._log_sizes
         sizes.append((seq, size))
         self._log_bytes += size
