@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup vllm-env run test lint unit system-deps bench clean openpi-venv
+.PHONY: setup vllm-env run test lint unit fast system-deps bench clean openpi-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,10 @@ lint: setup
 
 unit: setup openpi-venv
 	$(PY) -m pytest -q
+
+# The unit layer only (no sockets, processes or models; tests/conftest.py): under a minute.
+fast: setup
+	$(PY) -m pytest -q -m unit --ignore=tests/engines_vllm
 
 test: setup vllm-env system-deps lint unit
 

@@ -10,6 +10,9 @@ from runtime.payloads import AudioChunk, CodecCodes, Embeddings
 from tests.engines_qwen.conftest import reference_generate, speech_like
 from tests.engines_qwen.driver import Engines, Run, make_engines, run_pipeline
 
+# Layer: builds the tiny Qwen3-Omni model.
+pytestmark = pytest.mark.system
+
 GREEDY = {"greedy": True, "seed": 0}
 
 

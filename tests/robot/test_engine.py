@@ -10,6 +10,9 @@ from engines.policy.stages import Pi0TinyEngine
 from runtime.engine import EngineRequest, StepInput
 from runtime.payloads import ActionChunk, Conditioning, Observation
 
+# Layer: builds the tiny pi0 policy model.
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def engine() -> Pi0TinyEngine:

@@ -15,7 +15,8 @@ from runtime.process_worker import ProcessWorker
 from runtime.shm import SHM_DIR
 from tests.runtime.conftest import running
 
-pytestmark = pytest.mark.timeout(60)
+# Layer: stages run in worker processes.
+pytestmark = [pytest.mark.system, pytest.mark.timeout(60)]
 
 PROCESS_PIPELINE = """
 name: proc

@@ -9,10 +9,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.robot.robot_client import RobotClient, observation
 from tests.scaleout.cluster import get
 from tests.scaleout.workers_parent import start_parent
+
+# Layer: real worker processes.
+pytestmark = pytest.mark.system
 
 
 def robot_url(base: str, query: str = "") -> str:

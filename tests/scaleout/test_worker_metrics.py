@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.realtime_client import RealtimeClient
@@ -15,6 +16,9 @@ from tests.scaleout.cluster import get
 from tests.scaleout.workers_parent import descendants, live_workers, start_parent, stop_everything
 from web.metrics import GAUGE_MERGE, ServerMetrics, merge_worker_metrics
 from web.workers import worker_label
+
+# Layer: real worker processes.
+pytestmark = pytest.mark.system
 
 A = """# HELP c_total A counter.
 # TYPE c_total counter

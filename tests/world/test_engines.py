@@ -75,6 +75,7 @@ def test_controls_snapshot_at_demand() -> None:
         ControlState.from_params({"flow": "sometimes"})
 
 
+@pytest.mark.system  # a world model
 def test_tiny_jepa_deterministic_and_actions_change_frames(jepa: TinyJepaEngine) -> None:
     params = {"seed": 3, "flow": "demand"}
     still = run(jepa, params, {}, 8)
@@ -89,6 +90,7 @@ def test_tiny_jepa_deterministic_and_actions_change_frames(jepa: TinyJepaEngine)
     assert not np.array_equal(other[7], moved[7])  # left is not right
 
 
+@pytest.mark.system  # a world model
 def test_tiny_jepa_frames_and_num_frames(jepa: TinyJepaEngine) -> None:
     state = jepa.start(EngineRequest("r", {"num_frames": 5, "chunk_frames": 2}))  # free-running
     counts, done = [], False
@@ -103,6 +105,7 @@ def test_tiny_jepa_frames_and_num_frames(jepa: TinyJepaEngine) -> None:
     assert counts == [2, 2, 1]
 
 
+@pytest.mark.system  # a world model
 def test_tiny_jepa_batch_equals_single(jepa: TinyJepaEngine) -> None:
     singles = [run(jepa, {"seed": s, "flow": "demand"}, {1: [Action("keydown", "w")]}, 3) for s in (1, 2)]
     states = [jepa.start(EngineRequest(f"r{s}", {"seed": s, "flow": "demand"})) for s in (1, 2)]
@@ -115,6 +118,7 @@ def test_tiny_jepa_batch_equals_single(jepa: TinyJepaEngine) -> None:
             assert np.array_equal(payload.frames, singles[i][k])
 
 
+@pytest.mark.system  # a world model
 def test_tiny_video_random_prompt_changes_output_from_its_chunk(video: TinyVideoRandomEngine) -> None:
     params = {"seed": 7, "prompt": "a red fox", "flow": "demand"}
     base = run(video, params, {}, 6)
