@@ -1,4 +1,4 @@
-"""``python -m loadtest`` / ``omniduplex loadtest``: run, compare, capacity, report.
+"""``python -m loadtest`` / ``omniduplex-loadtest``: run, compare, capacity, report.
 
     python -m loadtest run --server-args "--pipeline null --max-sessions 256" --sessions 200 ...
     python -m loadtest compare --config "A=--pipeline x" --config "B=--pipeline x --edge-mode a->b=full"

@@ -132,10 +132,10 @@ async def bench_admission(redis: Redis, trials: int, opens: int, spread_ms: floa
 
 
 def _req(ctl: AdmissionController, sid: str, tenant: str) -> Any:
-    from session.admission import _Request
+    from session.admission import PendingAdmission
 
     fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    return _Request(sid, tenant, ctl.tenant_limit(tenant), True, fut)
+    return PendingAdmission(sid, tenant, ctl.tenant_limit(tenant), True, fut)
 
 
 async def bench_resume(redis: Redis, trials: int) -> dict[str, Any]:

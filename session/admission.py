@@ -243,7 +243,9 @@ class AdmissionCounts:
 
 
 @dataclass(slots=True)
-class _Request:
+class PendingAdmission:
+    """One open waiting for the next batch's decision (public: the admission bench builds batches)."""
+
     session_id: str
     tenant: str
     tenant_limit: int
@@ -285,7 +287,7 @@ class AdmissionController:
         self._release = redis.register_script(_RELEASE_LUA)
         self._renew = redis.register_script(_RENEW_LUA)
         self._counts = redis.register_script(_COUNTS_LUA)
-        self._pending: list[_Request] = []
+        self._pending: list[PendingAdmission] = []
         self._orphans: list[str] = []
         self._drainer: asyncio.Task[None] | None = None
         self._renewer: asyncio.Task[None] | None = None
@@ -349,7 +351,7 @@ class AdmissionController:
         if self.draining:
             return Rejected(session_id, "draining", retry_after_s=1)
         fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(session_id, tenant, self.tenant_limit(tenant), may_queue, fut))
+        self._pending.append(PendingAdmission(session_id, tenant, self.tenant_limit(tenant), may_queue, fut))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain(), name=f"admission-batch:{self.replica_id}")
         return await fut
@@ -376,7 +378,7 @@ class AdmissionController:
                 elif isinstance(decision, Admitted):
                     self._orphans.append(req.session_id)
 
-    async def _decide_batch(self, batch: list[_Request]) -> list[Decision]:
+    async def _decide_batch(self, batch: list[PendingAdmission]) -> list[Decision]:
         keys = [*self._base_keys, f"{self._p}seq", f"{self._p}stats", *self._replica_keys]
         index: dict[str, int] = {}
         args: list[Any] = [

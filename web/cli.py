@@ -1,4 +1,4 @@
-"""The `omniduplex` command line: serve, run, gateway, loadtest."""
+"""The `omniduplex` command line: serve, run, gateway (the load generator is `omniduplex-loadtest`)."""
 
 from __future__ import annotations
 
@@ -149,7 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--admin-key", default=None, help="admin API key (or env OMNIDUPLEX_ADMIN_KEY)")
     g.add_argument("--insecure", action="store_true")
     g.add_argument("--log-level", default="info")
-    sub.add_parser("loadtest", help="run the load generator (same as python -m loadtest)", add_help=False)
     return parser
 
 
@@ -168,10 +167,6 @@ def _in_process_lm(args: argparse.Namespace) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["loadtest"]:
-        from loadtest.__main__ import main as loadtest_main
-
-        return loadtest_main(args_list[1:])
     args = build_parser().parse_args(args_list)
     args.argv = args_list  # `serve --workers N` starts its workers with these arguments
     if args.command == "serve":

@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from runtime.metrics import RuntimeMetrics
+from session.voice.driver import RealtimeDriver
 
 PREFIX = "omniduplex"
 LATENCY_BUCKETS = (
@@ -342,21 +343,9 @@ class ServerMetrics:
 
 
 def conversation_audio_bytes(drivers: Iterable[Any]) -> int:
-    """Bytes of audio the conversation items of realtime drivers hold in memory (others count
-    0): spilled audio counts only while its write to the spool is pending (or failed)."""
-    total = 0
-    for driver in list(drivers):
-        conversation = getattr(getattr(driver, "core", None), "conversation", None)
-        for item in getattr(conversation, "items", ()):
-            for part in item.content:
-                if part.input_audio is not None:
-                    total += part.input_audio.nbytes
-                if part.output_audio is not None:
-                    total += len(part.output_audio)
-                spilled = getattr(part, "spilled", None)
-                if spilled is not None:
-                    total += spilled.resident_bytes
-    return total
+    """Bytes of audio the conversations of realtime drivers hold in memory (each driver says,
+    `RealtimeDriver.audio_bytes_in_memory`; other session kinds count 0)."""
+    return sum(d.audio_bytes_in_memory() for d in list(drivers) if isinstance(d, RealtimeDriver))
 
 
 @contextlib.asynccontextmanager

@@ -298,7 +298,7 @@ async def replica_membership(
 # --- ASGI: refuse new sessions while draining ----------------------------------------------------
 
 
-def _membership_of(scope: Scope) -> ReplicaMembership | None:
+def membership_of(scope: Scope) -> ReplicaMembership | None:
     app = scope.get("app")
     state = getattr(app, "state", None)
     replica = getattr(state, "replica", None) if state is not None else None
@@ -345,7 +345,7 @@ class ReplicaGate:
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket") and opens_new_session(scope):
-            replica = _membership_of(scope)
+            replica = membership_of(scope)
             if replica is not None and replica.draining:
                 await self._refuse(scope, receive, send)
                 return
@@ -427,7 +427,7 @@ async def replicas_endpoint(request: Request) -> Response:
     denied = admin_denial(request.headers.get("authorization"), admin_key)
     if denied is not None:
         return _error(*denied)
-    replica = _membership_of(request.scope)
+    replica = membership_of(request.scope)
     if replica is None:
         return _error(404, "not_a_replica", "This server is not part of a deployment (no --advertise-url).")
     try:

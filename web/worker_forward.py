@@ -50,7 +50,7 @@ from web.gateway_relay import (
     upgrade_headers,
     ws_url,
 )
-from web.replica import SESSION_SOCKETS, ReplicaMembership, _membership_of
+from web.replica import SESSION_SOCKETS, ReplicaMembership, membership_of
 from web.workers import worker_label
 
 log = logging.getLogger("omniduplex.workers")
@@ -91,7 +91,7 @@ class WorkerForward:
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket") and not any(k == FORWARDED for k, _ in scope["headers"]):
-            replica = _membership_of(scope)
+            replica = membership_of(scope)
             if replica is not None:
                 try:
                     if await self._forwarded(replica, scope, receive, send):

@@ -8,6 +8,7 @@ import numpy as np
 
 from loadtest.server_metrics import Scrape
 from runtime.metrics import RuntimeMetrics
+from session.voice.driver import RealtimeDriver
 from web.metrics import ServerMetrics
 
 
@@ -22,7 +23,7 @@ def test_metrics_from_hooks_and_scrape_time_state() -> None:
             SimpleNamespace(input_audio=None, output_audio=bytearray(960)),
         ]
     )
-    driver = SimpleNamespace(core=SimpleNamespace(conversation=SimpleNamespace(items=[item])))
+    driver = RealtimeDriver(SimpleNamespace(conversation=SimpleNamespace(items=[item])), None)  # type: ignore[arg-type]
     metrics.bind_sessions(lambda: [driver, object()])
 
     runtime.step("respond", 0, batch=8, step_s=0.002)

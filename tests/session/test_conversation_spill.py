@@ -13,6 +13,7 @@ import pytest
 
 from session.realtime.audio_store import AudioStore, MemoryAudioStore, SpoolAudioStore
 from session.realtime.records import item_to_record
+from session.voice.driver import RealtimeDriver
 from tests.session.realtime_harness import Harness, pcm16_b64, tone, types
 from web.metrics import conversation_audio_bytes
 
@@ -78,7 +79,7 @@ def test_answered_turns_are_spilled_and_retrieve_returns_identical_audio(store: 
         assert a.content[0].audio_ms() == pytest.approx(b.content[0].audio_ms())
         assert item_to_record(a) == item_to_record(b)
     # what /metrics counts as conversation audio in memory: nothing once the writes landed
-    driver = type("Driver", (), {"core": spilled.core})()
+    driver = RealtimeDriver(spilled.core, None)
     in_memory = conversation_audio_bytes([driver])
     assert in_memory == (
         0 if isinstance(store, SpoolAudioStore) else sum(i.content[0].spilled_len for i in items)

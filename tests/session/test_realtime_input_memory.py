@@ -10,6 +10,7 @@ import pytest
 
 from media.audio import PCM24K, VAD_RATE, StreamingResampler, resample
 from session.realtime.input_audio import InputAudio
+from session.voice.driver import RealtimeDriver
 from tests.session.realtime_harness import Harness, pcm16_b64, tone, types
 from web.metrics import conversation_audio_bytes
 
@@ -159,7 +160,7 @@ def test_retention_keeps_only_the_newest_seconds_of_audio() -> None:
     history = h.started().params["history"]
     assert [e["text"] for e in history if e["role"] == "user"] == [f"turn {k}" for k in range(5)]
     # what /metrics reports (omniduplex_conversation_audio_bytes) is bounded with it
-    driver = type("Driver", (), {"core": h.core})()
+    driver = RealtimeDriver(h.core, None)
     assert conversation_audio_bytes([driver]) <= 2 * 48_000 + 1.2 * 32_000  # ≤ 2 s, mixed
 
 
