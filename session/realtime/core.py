@@ -18,7 +18,7 @@ import numpy as np
 from session.realtime import errors as E
 from session.realtime.audio_store import AudioStore
 from session.realtime.config import SessionConfig
-from session.realtime.conversation import Conversation, text_bytes
+from session.realtime.conversation import Content, Conversation, Item, text_bytes
 from session.realtime.effects import (
     CancelResponse,
     ClearAudioOutput,
@@ -48,9 +48,10 @@ from session.realtime.ids import IdFactory, random_id
 from session.realtime.input_audio import InputAudio, ms_of
 from session.realtime.prompt import build_submit_params, item_from_client
 from session.realtime.records import StateChanges, config_record, item_from_record, item_to_record
-from session.realtime.response_request import resolve_response_request
+from session.realtime.response_request import ResponseRequest, resolve_response_request
 from session.realtime.responses import (
     CancelReason,
+    PromptStats,
     ResponseRun,
     ResponseSettings,
     ResponseStatus,
@@ -81,6 +82,11 @@ class CoreOptions:
     # (capped at the silence duration) the turn so far is transcribed ahead of the turn's
     # end (`PrepareTranscript`), hiding ASR time inside the silence. 0: never.
     prepare_transcript_after_ms: int = 64
+    # ... and once it has lasted this long (capped likewise), the response that the turn's end
+    # would start is started ahead on that transcript (`RespondAhead`), its output held back
+    # until the turn does end (then the client gets it at once) or dropped if the speaker goes
+    # on. Hides the responder's and TTS's time to first audio inside the silence. 0: never.
+    respond_ahead_after_ms: int = 200
     # Seconds of audio the conversation keeps, newest items first (the newest item with audio
     # always keeps its own): older items keep transcripts and text, and are retrieved without
     # `audio`. Bounds a session's memory (at most ~0.5 MB at 10 s; far less with an
@@ -131,6 +137,7 @@ class RealtimeSessionCore(UserInput):
         self._track_overflow = False
         self._speech_start = 0
         self._prepared: tuple[str, int] | None = None  # key of the last PrepareTranscript
+        self._ahead: tuple[str, int] | None = None  # key of a RespondAhead not yet settled
         self._active: ResponseRun | None = None
         self._prompt_items: OrderedDict[str, list[str]] = OrderedDict()  # response → audio items
         self._transcribed: set[str] = set()
@@ -431,6 +438,7 @@ class RealtimeSessionCore(UserInput):
             self._input.clear()
             self._vad.reset()
             self._speech_item_id = None
+            self._drop_ahead()
             self._out.event("input_audio_buffer.cleared")
         elif isinstance(event, OutputAudioBufferClear):
             self._clear_output(now)
@@ -544,22 +552,9 @@ class RealtimeSessionCore(UserInput):
         if event is not None and event.response is not None:
             limit = self.options.max_instructions_bytes
             check_instructions(event.response.instructions, limit, "response.instructions")
-        request = resolve_response_request(
-            event.response if event is not None else None,
-            config=self.config,
-            conversation=self.conversation,
-            new_id=self._new_id,
-            frame_ms=self.options.output_frame_ms,
-            via_track=self.options.audio_out_via_track,
-        )
+        request = self._response_request(event)
         settings = request.settings
-        params, stats = build_submit_params(
-            request.items,
-            instructions=request.instructions,
-            modalities=settings.modalities,
-            max_output_tokens=settings.max_output_tokens,
-            truncation=self.config.truncation,
-        )
+        params, stats = self._submit_params(request, request.items)
         response_id = self._new_id("resp")
         run = ResponseRun(
             response_id,
@@ -582,6 +577,36 @@ class RealtimeSessionCore(UserInput):
             transcript_key = None  # the prompt's audio is not (only) what was transcribed ahead
         if not live:  # a live response is already being made by the live request
             self._out.effect(StartResponse(response_id, params, transcript_key=transcript_key))
+
+    def _response_request(self, event: ResponseCreate | None) -> ResponseRequest:
+        return resolve_response_request(
+            event.response if event is not None else None,
+            config=self.config,
+            conversation=self.conversation,
+            new_id=self._new_id,
+            frame_ms=self.options.output_frame_ms,
+            via_track=self.options.audio_out_via_track,
+        )
+
+    def _submit_params(
+        self, request: ResponseRequest, items: list[Item]
+    ) -> tuple[dict[str, Any], PromptStats]:
+        return build_submit_params(
+            items,
+            instructions=request.instructions,
+            modalities=request.settings.modalities,
+            max_output_tokens=request.settings.max_output_tokens,
+            truncation=self.config.truncation,
+        )
+
+    def _params_ahead(self, item_id: str) -> dict[str, Any]:
+        """The submit params of the response that server VAD would start if the turn being
+        spoken (`item_id`) ended now: the conversation plus that turn as a user audio item (a
+        one-sample stand-in: the driver puts the prepared transcript in place of `audio`)."""
+        request = self._response_request(None)
+        audio = Content(type="input_audio", input_audio=np.zeros(1, np.int16))
+        stand_in = Item(item_id, "message", role="user", content=[audio])
+        return self._submit_params(request, [*request.items, stand_in])[0]
 
     def _response_cancel(self, event: ResponseCancel, now: float) -> None:
         if self._active is None or (event.response_id is not None and event.response_id != self._active.id):

@@ -39,6 +39,27 @@ class PrepareTranscript:
 
 
 @dataclass(slots=True)
+class RespondAhead:
+    """The pause of an earlier `PrepareTranscript` with this `key` has lasted long enough
+    that the turn will probably end there: the driver may start the response now, on the
+    prepared transcript (`params` are those of the response the turn's end would start,
+    with `audio` to be replaced by that transcript as `text`), holding its output unread. A
+    later `StartResponse` with this key whose params (audio replaced the same way) are equal
+    takes that request over; any other outcome drops it (`DropAhead`)."""
+
+    key: tuple[str, int]
+    params: dict[str, Any]
+
+
+@dataclass(slots=True)
+class DropAhead:
+    """The speaker went on (or the turn ended without a response): cancel the request a
+    `RespondAhead` with this `key` started, if any. Nothing of it reached the client."""
+
+    key: tuple[str, int]
+
+
+@dataclass(slots=True)
 class CancelResponse:
     """Cancel the pipeline request of `response_id` (the core already told the client)."""
 
@@ -119,6 +140,8 @@ class LiveUpdate:
 Effect = (
     StartResponse
     | PrepareTranscript
+    | RespondAhead
+    | DropAhead
     | CancelResponse
     | TranscribeInput
     | DetectSpeech

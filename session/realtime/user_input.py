@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,7 +19,14 @@ from media.audio import AudioFormatError, b64decode_audio, float32_to_int16_exac
 from session.realtime import errors as E
 from session.realtime.config import SessionConfig, TurnDetection
 from session.realtime.conversation import Content, Conversation, Item
-from session.realtime.effects import CoreOutput, LiveAudio, PrepareTranscript, TranscribeInput
+from session.realtime.effects import (
+    CoreOutput,
+    DropAhead,
+    LiveAudio,
+    PrepareTranscript,
+    RespondAhead,
+    TranscribeInput,
+)
 from session.realtime.errors import ProtocolError
 from session.realtime.ids import IdFactory
 from session.realtime.input_audio import FRAME, SAMPLES_PER_MS, InputAudio, ms_of
@@ -51,6 +58,7 @@ class UserInput(ABC):
     _speech_item_id: str | None
     _speech_start: int
     _prepared: tuple[str, int] | None
+    _ahead: tuple[str, int] | None
     _active: ResponseRun | None
     _prompt_items: OrderedDict[str, list[str]]
     _transcribed: set[str]
@@ -65,6 +73,9 @@ class UserInput(ABC):
 
     @abstractmethod
     def _stop_playout(self) -> None: ...
+
+    @abstractmethod
+    def _params_ahead(self, item_id: str) -> dict[str, Any]: ...
 
     @abstractmethod
     def _start_response(
@@ -164,6 +175,7 @@ class UserInput(ABC):
                 self._on_speech_stopped(change, td, now)
             else:
                 self._maybe_prepare_transcript(frame_start + FRAME, td)
+                self._maybe_respond_ahead(frame_start + FRAME, td)
         if not self._vad.speaking:
             self._input.drop_before(self._input.first_unscored - td.prefix_padding_ms * SAMPLES_PER_MS)
         return self._out.drain()
@@ -334,6 +346,9 @@ class UserInput(ABC):
             "input_audio_buffer.speech_stopped", item_id=item_id, audio_end_ms=ms_of(change.end_sample)
         )
         respond = td.create_response and self._active is None
+        if not respond or self._ahead != (item_id, change.end_sample):
+            self._drop_ahead()  # else StartResponse below settles it
+        self._ahead = None
         audio = self._input.take(self._speech_start, change.commit_end)
         self._commit(item_id, audio, respond=respond)
         if respond:
@@ -355,3 +370,30 @@ class UserInput(ABC):
             return
         self._prepared = (item_id, pause)
         self._out.effect(PrepareTranscript((item_id, pause), self._input.slice(self._speech_start, pause)))
+
+    def _maybe_respond_ahead(self, frame_end: int, td: TurnDetection) -> None:
+        """The pause transcribed ahead has lasted `respond_ahead_after_ms`: start the response
+        the turn's end would start (`RespondAhead`); the speaker going on drops it."""
+        pause = self._vad.silence_start
+        item_id = self._speech_item_id
+        key = (item_id, pause) if item_id is not None and pause is not None else None
+        if self._ahead is not None and self._ahead != key:
+            self._drop_ahead()  # speech resumed after the pause the response was started in
+        after_ms = min(self.options.respond_ahead_after_ms, td.effective_silence_ms())
+        if (
+            key is None
+            or pause is None
+            or after_ms <= 0
+            or self._prepared != key
+            or self._ahead == key
+            or self._active is not None
+            or frame_end - pause < after_ms * SAMPLES_PER_MS
+        ):
+            return
+        self._ahead = key
+        self._out.effect(RespondAhead(key, self._params_ahead(key[0])))
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._out.effect(DropAhead(self._ahead))
+            self._ahead = None

@@ -44,14 +44,17 @@ from session.realtime.effects import (
     Close,
     CoreOutput,
     DetectSpeech,
+    DropAhead,
     LiveAudio,
     LiveUpdate,
     PlayAudio,
     PrepareTranscript,
+    RespondAhead,
     StartResponse,
     TranscribeInput,
 )
 from session.store.aio import cancel_and_wait
+from session.voice.ahead import ResponseAhead, with_transcript
 from session.voice.live_request import LiveEntry, LiveRequest
 from session.voice.turn_gate import TurnGate, TurnRejected
 
@@ -197,6 +200,12 @@ class RealtimeDriver:
         self.stats = _Stats()
         # The latest PrepareTranscript: its key and the transcription (None if it failed).
         self._prepared: tuple[tuple[str, int], asyncio.Task[str | None]] | None = None
+        self._ahead: ResponseAhead | None = None
+        if orchestrator is not None:
+            opts = self.options
+            self._ahead = ResponseAhead(
+                orchestrator, gate=opts.turn_gate, session_key=opts.session_key, spawn=self._spawn
+            )
         self.live: LiveRequest | None = None
         if self.options.live is not None and orchestrator is not None:
             self.live = LiveRequest(
@@ -313,6 +322,8 @@ class RealtimeDriver:
         delivering what the core said last, e.g. session_expired, when closing), stop tasks,
         discard the conversation's spilled audio (a later resume rebuilds it from Redis)."""
         try:
+            if self._ahead is not None:
+                self._ahead.drop()
             for resp in list(self._responses.values()):
                 await self._cancel_request(resp)
             link, self.link = self.link, None
@@ -327,6 +338,11 @@ class RealtimeDriver:
             self._tasks.clear()
         finally:
             self.core.release_audio()
+
+    @property
+    def response_ahead(self) -> ResponseAhead | None:
+        """Responses started ahead of their turn's end (counters `started`, `used`, `dropped`)."""
+        return self._ahead
 
     @property
     def active_responses(self) -> int:
@@ -409,6 +425,11 @@ class RealtimeDriver:
                 self._start_response(effect)
             elif isinstance(effect, PrepareTranscript):
                 self._prepare_transcript(effect)
+            elif isinstance(effect, RespondAhead):
+                self._respond_ahead(effect)
+            elif isinstance(effect, DropAhead):
+                if self._ahead is not None:
+                    self._ahead.drop(effect.key)
             elif isinstance(effect, CancelResponse):
                 resp = self._responses.get(effect.response_id)
                 if resp is not None:
@@ -485,6 +506,12 @@ class RealtimeDriver:
         # An earlier one (the speaker went on after a pause) is left to finish unread.
         self._prepared = (effect.key, self._spawn(transcribe(), f"prepare:{effect.key[0]}"))
 
+    def _respond_ahead(self, effect: RespondAhead) -> None:
+        prepared = self._prepared
+        if self._ahead is None or prepared is None or prepared[0] != effect.key:
+            return
+        self._ahead.start(effect.key, effect.params, asyncio.shield(prepared[1]))
+
     async def _prepared_params(
         self, rid: str, key: tuple[str, int], params: dict[str, Any]
     ) -> dict[str, Any]:
@@ -501,11 +528,13 @@ class RealtimeDriver:
         # as a transcription delta, then the completed transcript, before any response output.
         self.apply(self.core.on_input_transcript(rid, text, final=False, now=self.now()))
         self.apply(self.core.on_input_transcript(rid, text, final=True, now=self.now()))
-        return {**{k: v for k, v in params.items() if k != "audio"}, "text": text}
+        return with_transcript(params, text)
 
     # --- responses -----------------------------------------------------------------------
 
     def _start_response(self, effect: StartResponse) -> None:
+        if self._ahead is not None and self._ahead.key != effect.transcript_key:
+            self._ahead.drop()  # started for a pause that did not end this turn
         resp = _Response(effect.response_id)
         self._responses[effect.response_id] = resp
         self.stats.responses += 1
@@ -528,13 +557,19 @@ class RealtimeDriver:
                 return
             if transcript_key is not None:
                 params = await self._prepared_params(rid, transcript_key, params)
-            if not await self._take_turn_slot(resp):
-                return
-            try:
-                handle = await self._orch.submit(params, session_key=self.options.session_key)
-            except AdmissionError as exc:
-                self.apply(self.core.on_response_done(rid, "failed", str(exc), now=self.now()))
-                return
+            taken = None
+            if transcript_key is not None and self._ahead is not None and "text" in params:
+                taken = await self._ahead.take(transcript_key, params)
+            if taken is not None:
+                handle, resp.slot = taken.handle, taken.slot
+            else:
+                if not await self._take_turn_slot(resp):
+                    return
+                try:
+                    handle = await self._orch.submit(params, session_key=self.options.session_key)
+                except AdmissionError as exc:
+                    self.apply(self.core.on_response_done(rid, "failed", str(exc), now=self.now()))
+                    return
             resp.request_id = handle.request_id
             if resp.cancelled:
                 await self._orch.cancel(handle.request_id)

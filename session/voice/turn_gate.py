@@ -48,6 +48,14 @@ class TurnGate:
             self.waiting -= 1
         self.generating += 1
 
+    async def try_acquire(self) -> bool:
+        """Take a free slot at once, never queueing (a response started ahead of its turn)."""
+        if self._slots.locked():
+            return False
+        await self._slots.acquire()  # free: does not wait
+        self.generating += 1
+        return True
+
     def release(self) -> None:
         self.generating -= 1
         self._slots.release()

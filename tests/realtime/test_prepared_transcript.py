@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from session.realtime import PrepareTranscript, StartResponse
+from session.realtime import DropAhead, PrepareTranscript, RespondAhead, StartResponse
+from session.voice.ahead import with_transcript
 from tests.session.realtime_harness import Harness, silence, tone
 
 
@@ -75,3 +76,77 @@ def test_no_key_when_the_prompt_holds_more_audio_than_was_transcribed() -> None:
     start = h.started()
     assert start.transcript_key is None  # the response's audio is both items
     assert len(start.params["audio"]) > len(prepared(h)[0].audio) + 0.25 * 16_000
+
+
+# --- the response started ahead (`RespondAhead` / `DropAhead`) ---------------------------------
+
+
+def ahead_effects(h: Harness) -> list[RespondAhead]:
+    return [e for e in h.effects if isinstance(e, RespondAhead)]
+
+
+def dropped(h: Harness) -> list[DropAhead]:
+    return [e for e in h.effects if isinstance(e, DropAhead)]
+
+
+def test_a_long_pause_starts_the_response_ahead_with_the_params_of_the_turns_end() -> None:
+    h = Harness()
+    h.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                         "content": [{"type": "input_text", "text": "earlier"}]}})
+    h.append(np.concatenate([silence(0.3), tone(1.0), silence(0.15)]))
+    assert len(prepared(h)) == 1 and ahead_effects(h) == []  # 150 ms: transcribed, not yet answered
+    h.append(silence(0.2))
+    [ahead] = ahead_effects(h)
+    assert ahead.key == prepared(h)[0].key
+    assert not any(isinstance(e, StartResponse) for e in h.effects)
+    h.append(silence(0.4))
+    start = h.started()
+    assert start.transcript_key == ahead.key and dropped(h) == []
+    # What the driver compares: both with the turn's audio replaced by the same transcript.
+    assert with_transcript(ahead.params, "hi") == with_transcript(start.params, "hi")
+    assert "earlier" in str(with_transcript(ahead.params, "hi")["history"])
+
+
+def test_speech_after_the_pause_drops_the_response_started_ahead() -> None:
+    h = Harness()
+    h.append(np.concatenate([silence(0.3), tone(0.5), silence(0.3)]))
+    [first] = ahead_effects(h)
+    h.append(tone(0.5))
+    assert [d.key for d in dropped(h)] == [first.key]
+    h.append(silence(0.7))
+    second = ahead_effects(h)[-1]
+    assert len(ahead_effects(h)) == 2 and second.key != first.key
+    assert h.started().transcript_key == second.key
+    assert len(dropped(h)) == 1  # the one that became the turn's end is taken, not dropped
+
+
+def test_no_response_ahead_while_one_is_active_or_when_none_would_start() -> None:
+    h = Harness()
+    h.update(audio={"input": {"turn_detection": {"type": "server_vad", "create_response": False}}})
+    h.append(np.concatenate([silence(0.3), tone(0.5), silence(0.7)]))
+    assert ahead_effects(h) == []
+
+    h = Harness()
+    h.update(audio={"input": {"turn_detection": {"type": "server_vad", "interrupt_response": False}}})
+    h.send({"type": "response.create"})  # active, not interrupted: the turn's end starts none
+    h.append(np.concatenate([silence(0.3), tone(0.5), silence(0.7)]))
+    assert ahead_effects(h) == []
+
+
+def test_a_cleared_buffer_drops_the_response_started_ahead() -> None:
+    h = Harness()
+    h.append(np.concatenate([silence(0.3), tone(0.5), silence(0.3)]))
+    [ahead] = ahead_effects(h)
+    h.send({"type": "input_audio_buffer.clear"})
+    assert [d.key for d in dropped(h)] == [ahead.key]
+
+
+def test_a_session_update_during_the_pause_changes_the_params() -> None:
+    h = Harness()
+    h.append(np.concatenate([silence(0.3), tone(0.5), silence(0.3)]))
+    [ahead] = ahead_effects(h)
+    h.update(instructions="Answer in French.")
+    h.append(silence(0.4))
+    start = h.started()
+    assert start.transcript_key == ahead.key  # the driver finds the params differ and resubmits
+    assert with_transcript(ahead.params, "x") != with_transcript(start.params, "x")

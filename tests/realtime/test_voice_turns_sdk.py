@@ -181,11 +181,43 @@ async def test_server_vad_turn_end_to_end(server: LiveServer) -> None:
         # ended it, and the response used that transcript instead of transcribing again.
         stats = server.ctx.sessions[events.log[0].raw["session"]["id"]].stats
         assert stats.transcripts_prepared >= 1 and stats.transcripts_prepared_used == 1
+        # ... and the response itself was started on it during that silence, its output held
+        # until the turn ended (docs/sessions.md, "Responses started ahead").
+        ahead = server.ctx.sessions[events.log[0].raw["session"]["id"]].response_ahead
+        assert ahead is not None and ahead.used == 1
         kinds = [r.type for r in turn]
         delta = kinds.index("conversation.item.input_audio_transcription.delta")
         completed = kinds.index("conversation.item.input_audio_transcription.completed")
         assert delta < completed < kinds.index("response.output_audio.delta")
         assert words(turn[delta].event.delta) == words(SENTENCE)
+
+
+async def test_a_pause_inside_the_turn_drops_the_response_started_ahead(server: LiveServer) -> None:
+    """A 400 ms pause mid-sentence (the turn ends after 700 ms): the response started in the
+    pause is dropped unseen when the speaker goes on; the one answer covers the whole turn."""
+    first, second = "The quick brown fox", "jumps over the lazy dog."
+    async with sdk_session(server) as (conn, events):
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "audio": {"input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 700}}},
+            }
+        )
+        await events.wait_for("session.updated")
+        audio = np.concatenate(
+            [silence(0.3), speak(first, WIRE_RATE), silence(0.4), speak(second, WIRE_RATE), silence(1.2)]
+        )
+        streaming = asyncio.create_task(stream_realtime(conn, audio))
+        turn = await events.collect_until("response.done", within_s=60)
+        await streaming
+
+        assert [r.type for r in turn].count("response.created") == 1
+        assert [r.type for r in turn].count("input_audio_buffer.speech_stopped") == 1
+        done = turn[-1].event.response
+        assert done.status == "completed"
+        assert words(done.output[0].content[0].transcript) == words(f"You said: {first} {second}")
+        ahead = server.ctx.sessions[events.log[0].raw["session"]["id"]].response_ahead
+        assert ahead is not None and ahead.dropped >= 1 and ahead.used == 1
 
 
 LONG_REQUEST = (
