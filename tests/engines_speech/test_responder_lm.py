@@ -65,6 +65,25 @@ def test_responder_engine_with_llm_option(tiny_lm_dir: Path) -> None:
     assert all(len(o.client) <= 2 for _, o in steps)
 
 
+def test_llm_dtype_bfloat16_streams_its_own_greedy_generate(tiny_lm_dir: Path) -> None:
+    engine = ResponderEngine({"llm": str(tiny_lm_dir), "llm_dtype": "bfloat16", "max_tokens": 8})
+    engine.load()
+    lm = make_responder(str(tiny_lm_dir), dtype="bfloat16")
+    assert isinstance(lm, CausalLmResponder) and lm is not make_responder(str(tiny_lm_dir))
+    assert lm.model.dtype == torch.bfloat16
+    turn = Turn(user_text="The quick brown fox", max_tokens=8)
+    ids = torch.tensor([lm.prompt_ids(turn)])
+    with torch.inference_mode():
+        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    assert "".join(lm.respond(turn)) == lm.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    steps = run_engine(engine, {}, [EdgeChunk(items=[TextDelta("The quick brown fox")], finished=True)])
+    assert "".join(p.text for _, o in steps for p in o.client if isinstance(p, TextDelta)) == "".join(
+        lm.respond(turn)
+    )
+    with pytest.raises(ValueError, match="llm dtype"):
+        make_responder(str(tiny_lm_dir), dtype="float8")
+
+
 def test_lm_prompt_without_instructions_is_a_voice_assistant(tiny_lm_dir: Path) -> None:
     lm = make_responder(str(tiny_lm_dir))
     assert isinstance(lm, CausalLmResponder)
