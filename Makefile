@@ -63,7 +63,7 @@ unit: setup openpi-venv
 
 # The unit layer only (no sockets, processes or models; tests/conftest.py): under a minute.
 fast: setup
-	$(PY) -m pytest -q -m unit --ignore=tests/engines_vllm
+	$(PY) -m pytest -q -m unit
 
 test: setup vllm-env system-deps lint unit
 

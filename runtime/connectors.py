@@ -29,6 +29,25 @@ class Handle:
     ref: Any = None  # backend metadata (shared memory: segment name and array layout)
 
 
+def drop_reference(store: dict[str, dict[str, list[Any]]], handle: Handle) -> list[Any] | None:
+    """Count one release in a ``request -> key -> [data, refs, ...]`` table (its lock held).
+
+    Returns the entry when that was its last reference (it is then removed, and the request with
+    it once empty); None while references remain or when the handle is unknown.
+    """
+    items = store.get(handle.request_id)
+    entry = items.get(handle.key) if items else None
+    if items is None or entry is None:
+        return None
+    entry[1] -= 1
+    if entry[1] > 0:
+        return None
+    del items[handle.key]
+    if not items:
+        del store[handle.request_id]
+    return entry
+
+
 class Connector(ABC):
     kind: str = ""
 
@@ -80,17 +99,7 @@ class InProcessConnector(Connector):
 
     def release(self, handle: Handle) -> bool:
         with self._lock:
-            items = self._store.get(handle.request_id)
-            entry = items.get(handle.key) if items else None
-            if items is None or entry is None:
-                return False
-            entry[1] -= 1
-            if entry[1] > 0:
-                return False
-            del items[handle.key]
-            if not items:
-                del self._store[handle.request_id]
-            return True
+            return drop_reference(self._store, handle) is not None
 
     def cleanup(self, request_id: str) -> int:
         with self._lock:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.connectors import Connector, ConnectorError, Handle
+from runtime.connectors import Connector, ConnectorError, Handle, drop_reference
 from runtime.payloads import Payload
 
 SHM_DIR = Path("/dev/shm")
@@ -232,16 +232,9 @@ class SharedMemoryConnector(Connector):
 
     def release(self, handle: Handle) -> bool:
         with self._lock:
-            items = self._items.get(handle.request_id)
-            entry = items.get(handle.key) if items else None
-            if items is None or entry is None:
-                return False
-            entry[1] -= 1
-            if entry[1] > 0:
-                return False
-            del items[handle.key]
-            if not items:
-                del self._items[handle.request_id]
+            entry = drop_reference(self._items, handle)
+        if entry is None:
+            return False
         if entry[0] is not None:
             unlink_segment(entry[0])
         return True

@@ -9,7 +9,6 @@ on different threads can share the object.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicCache
 
+from engines.model_cache import ModelCache
 from engines.qwen3_omni.config import tiny_config
 from engines.qwen3_omni.seeded import build_tiny_model
 from engines.qwen3_omni.tokenizer import build_tiny_tokenizer
@@ -100,8 +100,7 @@ class LoadedModel:
         return DynamicCache(config=self.talker_config.code_predictor_config)
 
 
-_CACHE: dict[tuple[str, int], LoadedModel] = {}
-_LOCK = threading.Lock()
+_MODELS: ModelCache[tuple[str, int], LoadedModel] = ModelCache()
 
 
 def _num_threads(options: Mapping[str, Any], tiny: bool) -> int:
@@ -127,13 +126,7 @@ def load_model(options: Mapping[str, Any]) -> LoadedModel:
     """The model named by ``options["model"]`` ("tiny" or a local directory), cached per process."""
     name = str(options.get("model", TINY))
     seed = int(options.get("seed", 0))
-    key = (name, seed)
-    with _LOCK:
-        loaded = _CACHE.get(key)
-        if loaded is None:
-            loaded = _build(name, seed, options)
-            _CACHE[key] = loaded
-        return loaded
+    return _MODELS.get((name, seed), lambda: _build(name, seed, options))
 
 
 def _build(name: str, seed: int, options: Mapping[str, Any]) -> LoadedModel:

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from engines.model_cache import ModelCache
+
 SAMPLE_RATE = 16_000
 _MIN_SAMPLES = SAMPLE_RATE // 10  # under 100 ms there is nothing Whisper can read
 SHORT_ENCODE_ENV = "OMNIDUPLEX_ASR_SHORT_ENCODE"  # "0": always encode the padded 30 s window
@@ -274,15 +276,9 @@ def _min_token_logprob(logits: Any, tokens: list[int]) -> float:
     return lowest
 
 
-_CACHE_LOCK = threading.Lock()
-_CACHE: dict[AsrConfig, WhisperAsr] = {}
+_MODELS: ModelCache[AsrConfig, WhisperAsr] = ModelCache()
 
 
 def shared_asr(config: AsrConfig) -> WhisperAsr:
     """The process-wide model for ``config``; loads it on first use."""
-    with _CACHE_LOCK:
-        asr = _CACHE.get(config)
-        if asr is None:
-            asr = WhisperAsr(config)
-            _CACHE[config] = asr
-        return asr
+    return _MODELS.get(config, lambda: WhisperAsr(config))

