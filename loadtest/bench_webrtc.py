@@ -180,7 +180,7 @@ class Packets:
 
 @contextlib.asynccontextmanager
 async def webrtc_call(target: Target) -> AsyncIterator[Any]:
-    from media.webrtc_client import RealtimeCallClient
+    from loadtest.webrtc_client import RealtimeCallClient
 
     client = RealtimeCallClient(target.base_url, keep_audio=False, tap_rtp=True)
     await client.connect()

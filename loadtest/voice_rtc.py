@@ -38,10 +38,10 @@ from aiortc.mediastreams import MediaStreamTrack
 from loadtest.speech import RATE, SpeechBank
 from loadtest.turns import TurnRecord
 from loadtest.voice_common import LiveCounters, SessionResult, VoiceSession, session_update
+from loadtest.webrtc_client import RealtimeCallClient, audio_frames
 from loadtest.workload import Workload
 from media.audio import OPUS_RATE, resample
 from media.tracks import frame_to_mono
-from media.webrtc_client import RealtimeCallClient, audio_frames
 
 AUDIBLE = 0.02  # first audio: a decoded peak above this (full scale 1.0)
 # A frame whose decoded peak is below this is digital silence: Opus decodes zeros to exact
@@ -118,7 +118,7 @@ class CallClient(RealtimeCallClient):
             except (ValueError, KeyError, TypeError):
                 return f"http_{resp.status_code}"
         location = resp.headers["location"]
-        from media.webrtc_client import CallInfo
+        from loadtest.webrtc_client import CallInfo
 
         self.call = CallInfo(location.rsplit("/", 1)[-1], location, resp.text, resp.status_code)
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=resp.text, type="answer"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from media.webrtc_client import RealtimeCallClient
+from loadtest.webrtc_client import RealtimeCallClient
 from tests.live_server import LiveServer, live_server
 from tests.session.realtime_harness import assert_valid_server_event
 

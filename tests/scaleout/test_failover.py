@@ -198,7 +198,7 @@ async def test_a_call_resume_after_the_owner_died_waits_out_its_lease(two_replic
     """`POST /v1/realtime/calls?session_id=` right after kill -9 of the owner: the gateway
     waits for the owner's lease to lapse (as for a WebSocket resume) and the survivor takes
     the session over on the new call, with its history; no 409 meanwhile."""
-    from media.webrtc_client import RealtimeCallClient
+    from loadtest.webrtc_client import RealtimeCallClient
 
     c = two_replicas
     s = await Session.open(c.gateway)

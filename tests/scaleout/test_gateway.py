@@ -10,7 +10,7 @@ import httpx
 import pytest
 from websockets.exceptions import InvalidStatus
 
-from media.webrtc_client import RealtimeCallClient
+from loadtest.webrtc_client import RealtimeCallClient
 from tests.live_server import free_port
 from tests.scaleout.cluster import (
     LEASE_S,

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import psutil
 
-from media.webrtc_client import RealtimeCallClient
+from loadtest.webrtc_client import RealtimeCallClient
 from tests.scaleout.cluster import RealtimeClient, get
 from tests.scaleout.workers_parent import start_parent
 from web.workers import strip_flags

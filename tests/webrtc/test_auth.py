@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from media.webrtc_client import RealtimeCallClient
+from loadtest.webrtc_client import RealtimeCallClient
 from tests.live_server import LiveServer, live_server
 from tests.session.realtime_harness import assert_valid_server_event
 from web.webrtc import DEMO_KEY_ENV, append_rejection, too_large

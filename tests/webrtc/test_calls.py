@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from media.webrtc_client import RealtimeCallClient
+from loadtest.webrtc_client import RealtimeCallClient
 from tests.live_server import LiveServer
 from tests.session.realtime_harness import assert_valid_server_event
 from tests.speech_audio import SENTENCE, words

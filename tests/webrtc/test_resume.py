@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from media.webrtc_client import RealtimeCallClient
+from loadtest.webrtc_client import RealtimeCallClient
 from session.resume import OMNI_MARK
 from tests.live_server import LiveServer
 from tests.peer_faults import vanish
