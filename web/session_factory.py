@@ -20,9 +20,16 @@ if TYPE_CHECKING:
 
 
 def core_options(
-    ctx: ServerContext, config: SessionConfig, session_id: str, *, audio_out_via_track: bool = False
+    ctx: ServerContext,
+    config: SessionConfig,
+    session_id: str,
+    *,
+    audio_out_via_track: bool = False,
+    logged: bool = False,
 ) -> CoreOptions:
+    """``logged``: the session's events go through a :class:`SessionLog`, which stamps their ids."""
     return CoreOptions(
+        stamp_event_ids=not logged,
         config=config,
         max_duration_s=ctx.settings.max_lifetime,
         audio_retention_s=ctx.settings.audio_retention_s,
@@ -69,7 +76,9 @@ def build_driver(
     if core is None:
         session_id = session_id or new_session_id()
         core = RealtimeSessionCore(
-            core_options(ctx, config, session_id, audio_out_via_track=audio_out_via_track)
+            core_options(
+                ctx, config, session_id, audio_out_via_track=audio_out_via_track, logged=log is not None
+            )
         )
     return RealtimeDriver(
         core,
@@ -116,7 +125,7 @@ def build_host(ctx: ServerContext, replica_id: str) -> SessionHost:
         store,
         admission,
         binding=SessionBinding(ctx.redis, default_ttl_s=s.idle_ttl_s),
-        core_options=lambda config, sid: core_options(ctx, config, sid),
+        core_options=lambda config, sid: core_options(ctx, config, sid, logged=True),
         new_driver=lambda core, log: build_driver(ctx, core.config, core=core, log=log),
         settings=HostSettings(policy=policy, queue_deadline_s=s.admission_queue_s),
         registry=ctx.sessions,

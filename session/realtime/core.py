@@ -98,6 +98,9 @@ class CoreOptions:
     audio_store: AudioStore | None = None
     session_id: str | None = None
     new_id: IdFactory = random_id
+    # Whether the core stamps its events' `event_id`s. False when a session log stamps them as it
+    # logs them (hosted sessions: `SessionLog.append`), so every event is stamped once.
+    stamp_event_ids: bool = True
     # The pipeline takes its own turns (a native full-duplex model): input audio goes out as
     # `LiveAudio` effects for its live request, responses open when it starts speaking
     # (`on_live_response_started`), the user's audio is committed as user items then; no
@@ -130,7 +133,7 @@ class RealtimeSessionCore(UserInput):
         self.conversation_id = self._new_id("conv")
         self.config = opts.config.copy()
         self.conversation = Conversation(opts.audio_store)
-        self._out = Outbox(self._new_id)
+        self._out = Outbox(self._new_id, stamp=opts.stamp_event_ids)
         self._input = InputAudio(self.config.input_format)
         self._vad = SpeechDetector()
         self._speech_item_id: str | None = None

@@ -1,4 +1,5 @@
-"""Server events: the outbox that stamps `event_id`s, and builders for the bigger payloads.
+"""Server events: the outbox that collects them (and stamps their `event_id`s unless a session
+log does), and builders for the bigger payloads.
 
 Every event built here validates strictly against the `openai` SDK's `RealtimeServerEvent`
 (the tests check it); events typed `omni.*` are our extensions.
@@ -15,14 +16,20 @@ from session.realtime.ids import IdFactory
 
 
 class Outbox:
-    """Collects the events and effects of one call into the core."""
+    """Collects the events and effects of one call into the core.
 
-    def __init__(self, new_id: IdFactory) -> None:
+    ``stamp``: give each event a fresh ``event_id``. False when a session log stamps each event
+    as it logs it (its ids are what resume counts on): the event then carries ``None`` there
+    until the log fills it in, which keeps the key where clients expect it.
+    """
+
+    def __init__(self, new_id: IdFactory, *, stamp: bool = True) -> None:
         self._new_id = new_id
+        self._stamp = stamp
         self._out = CoreOutput()
 
     def event(self, type: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": type, "event_id": self._new_id("event"), **fields}
+        event = {"type": type, "event_id": self._new_id("event") if self._stamp else None, **fields}
         self._out.events.append(event)
         return event
 
