@@ -26,9 +26,10 @@ from typing import Any
 from loadtest.commands import comparison, find_capacity, run_levels, server_target, speech_bank
 from loadtest.results import dumps, load, new_results, write_outputs
 from loadtest.robot import add_robot_args, run_robot_scenario
-from loadtest.server_process import ConfigSpec
-from loadtest.slo import parse_slo
-from loadtest.workload import add_workload_args, workload_from_args
+from loadtest.server_process import ConfigSpec, Target
+from loadtest.slo import Objective, parse_slo
+from loadtest.speech import SpeechBank
+from loadtest.workload import Workload, add_workload_args, workload_from_args
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -117,16 +118,27 @@ async def _cmd_run(args: argparse.Namespace, results: dict[str, Any]) -> int:
     async with server_target(args.url, config, args.server_logs, nice=args.nice) as target:
         if args.label:
             target.label = args.label
-        results["levels"] = await run_levels(
-            target,
-            workload,
-            args.sessions,
-            bank,
-            objectives=objectives,
-            progress=not args.no_progress,
-            log=_log,
-        )
+        results["levels"] = await _levels(target, workload, bank, objectives, args)
     return 0 if all(lv.get("slo_ok", True) for lv in results["levels"]) else 1
+
+
+async def _levels(
+    target: Target,
+    workload: Workload,
+    bank: SpeechBank,
+    objectives: list[Objective],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """The session-count levels of ``args.sessions`` against one server."""
+    return await run_levels(
+        target,
+        workload,
+        args.sessions,
+        bank,
+        objectives=objectives,
+        progress=not args.no_progress,
+        log=_log,
+    )
 
 
 async def _cmd_compare(args: argparse.Namespace, results: dict[str, Any]) -> int:
@@ -138,15 +150,7 @@ async def _cmd_compare(args: argparse.Namespace, results: dict[str, Any]) -> int
     bank = speech_bank(workload, args.piper_cache)
     for config in configs:
         async with server_target(None, config, args.server_logs, nice=args.nice) as target:
-            results["levels"] += await run_levels(
-                target,
-                workload,
-                args.sessions,
-                bank,
-                objectives=objectives,
-                progress=not args.no_progress,
-                log=_log,
-            )
+            results["levels"] += await _levels(target, workload, bank, objectives, args)
     results["comparison"] = comparison(results["levels"], configs[0].label, configs[1].label)
     return 0 if all(lv.get("slo_ok", True) for lv in results["levels"]) else 1
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from loadtest.speech import SENTENCES as LOAD_SENTENCES
+
 SENTENCES = (
     "The quick brown fox jumps over the lazy dog.",
     "Hello, how are you today?",
@@ -36,12 +38,7 @@ SENTENCES = (
     "I would like a cup of coffee, please.",
     "Wait, stop please.",
     "Wait, stop. I have another question.",
-    "Hello there, can you tell me what the weather will be like tomorrow?",
-    "I would like to book a table for two people at seven tonight.",
-    "What is the capital of France, and how far is it from London?",
-    "Please remind me to call my sister after lunch.",
-    "Could you play some quiet music while I read?",
-    "How many minutes does it take to boil an egg?",
+    *LOAD_SENTENCES,  # the load generator's utterances
     "The quick brown fox jumps over the lazy dog, then the five boxing wizards jump quickly, "
     "and a lazy cat sleeps all afternoon.",
 )
