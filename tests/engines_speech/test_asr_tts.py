@@ -13,6 +13,7 @@ import soxr
 from engines.speech.asr import normalize_transcript
 from tests.engines_speech.conftest import SENTENCE
 from tests.speech_audio import word_errors, words
+from tests.timing import slack
 
 
 def test_normalize_transcript() -> None:
@@ -71,6 +72,7 @@ def test_tts_output_is_plausible_speech(tts: Any) -> None:
     assert list(tts.synthesize(" ... ")) == []
 
 
+@pytest.mark.timing
 def test_speech_timings(asr: Any, tts: Any, sentence16k: np.ndarray) -> None:
     """Prints the figures the design notes quote; bounds are loose, for loaded machines."""
     asr.transcribe(sentence16k)  # warm
@@ -92,6 +94,6 @@ def test_speech_timings(asr: Any, tts: Any, sentence16k: np.ndarray) -> None:
         f"TTS first clause ({first.size / tts.sample_rate:.2f} s audio): {first_s * 1000:.0f} ms; "
         f"TTS RTF {rtf:.3f}"
     )
-    assert asr_s < 5.0
-    assert first_s < 2.0
+    assert asr_s < slack(5.0)
+    assert first_s < slack(2.0)
     assert rtf < 1.0

@@ -10,6 +10,7 @@ import pytest
 from runtime.payloads import AudioChunk, Payload, TextDelta, Transcript
 from runtime.spec import load_pipeline
 from tests.engines_speech.conftest import SENTENCE, words
+from tests.timing import slack
 
 orchestrator = pytest.importorskip("runtime.orchestrator")
 pytest.importorskip("piper")
@@ -75,6 +76,7 @@ async def test_voice_cascade_cancel_mid_reply() -> None:
     assert got_audio < 20  # it stopped long before all clauses were spoken
 
 
+@pytest.mark.timing
 async def test_null_pipeline() -> None:
     async with orchestrator.Orchestrator.from_pipeline("null") as orch:
         t0 = time.monotonic()
@@ -88,4 +90,4 @@ async def test_null_pipeline() -> None:
         assert len(chunks) == 50 and all(c.samples.size == 960 and c.sample_rate == 24000 for c in chunks)
     # 200 ms delay, then 2 s of audio released in real time (40 ms chunks); concurrent requests
     # do not queue behind each other.
-    assert 2.1 <= elapsed < 3.5
+    assert 2.1 <= elapsed < slack(3.5)

@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from loadtest.__main__ import main
 from tests.live_server import live_server
+from tests.timing import slack
 
 
+@pytest.mark.timing
 def test_voice_webrtc_scenario(tmp_path: Path) -> None:
     out = tmp_path / "out"
     # A server process of its own (as in real runs): an in-process server would share this
@@ -33,7 +37,7 @@ def test_voice_webrtc_scenario(tmp_path: Path) -> None:
     assert len(turns) >= 2
     assert {t["status"] for t in turns} <= {"completed", "cancelled"}
     # The null pipeline answers 200 ms after the request; the track adds pacing and transport.
-    assert all(t["ttfa_ms"] is not None and 150 < t["ttfa_ms"] < 2000 for t in turns), turns
+    assert all(t["ttfa_ms"] is not None and 150 < t["ttfa_ms"] < slack(2000) for t in turns), turns
     whole = [t for t in turns if not t["barge_in"]]
     assert whole, turns
     # 2 s of tone, played in real time on the track: ~2 s of audible 20 ms frames.
@@ -52,6 +56,7 @@ def test_voice_webrtc_scenario(tmp_path: Path) -> None:
     assert (out / "rtc-ttfa-cdf.png").stat().st_size > 1000
 
 
+@pytest.mark.timing
 def test_world_scenario(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with live_server(tmp_path / "data", pipeline="null", vad=False, max_sessions=8) as live:
@@ -73,7 +78,7 @@ def test_world_scenario(tmp_path: Path) -> None:
     assert 10.0 <= world["fps"]["min"] <= world["fps"]["max"] <= 16.5, world["fps"]
     assert world["frame_jitter_ms"]["n"] > 40
     assert world["actions_sent"] >= 10 and world["actions_applied"] >= world["actions_sent"] - 4
-    assert world["action_ms"]["n"] >= 8 and 0 < world["action_ms"]["p50"] < 1000
+    assert world["action_ms"]["n"] >= 8 and 0 < world["action_ms"]["p50"] < slack(1000)
     assert world["queued_to_applied_ms"]["n"] >= 8
     assert all(d["world"]["frames"] > 40 for d in level["sessions_detail"])
     md = (out / "world.md").read_text()

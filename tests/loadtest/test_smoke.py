@@ -10,12 +10,15 @@ import json
 from pathlib import Path
 
 import httpx
+import pytest
 
 from loadtest.__main__ import main
 from loadtest.server_metrics import Scrape
 from tests.live_server import live_server
+from tests.timing import slack
 
 
+@pytest.mark.timing
 def test_loadtest_smoke(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with live_server(tmp_path / "data", pipeline="null", vad=False, max_sessions=16) as live:
@@ -33,7 +36,7 @@ def test_loadtest_smoke(tmp_path: Path) -> None:
     [level] = results["levels"]
     turns = level["turns"]
     assert len(turns) >= 4
-    assert all(t["ttfa_ms"] is not None and 150 < t["ttfa_ms"] < 2000 for t in turns)
+    assert all(t["ttfa_ms"] is not None and 150 < t["ttfa_ms"] < slack(2000) for t in turns)
     assert level["summary"]["errors"] == 0 and level["summary"]["admissions"] == {"admitted": 4}
     assert {t["status"] for t in turns} <= {"completed", "cancelled"}
     assert all(t["barge_in_stop_ms"] is not None for t in turns if t["barge_in"])

@@ -8,6 +8,7 @@ import signal
 import time
 from typing import Any
 
+import pytest
 import redis.asyncio
 
 from session.affinity import SessionBinding
@@ -23,6 +24,7 @@ from tests.scaleout.cluster import (
     replicas_view,
     wait_until,
 )
+from tests.timing import slack
 
 
 def reply_text(done: dict[str, Any]) -> str:
@@ -63,6 +65,7 @@ async def test_resume_through_the_gateway_lands_on_the_owner(shared: Cluster) ->
     await client.close()
 
 
+@pytest.mark.timing
 async def test_kill9_owner_session_migrates_with_its_history(two_replicas: Cluster) -> None:
     c = two_replicas
     s = await Session.open(c.gateway)
@@ -108,7 +111,7 @@ async def test_kill9_owner_session_migrates_with_its_history(two_replicas: Clust
     assert third["response"]["status"] == "completed"
     history = reply_text(third)
     assert "user:remember the blue door" in history and "user:and a key" in history
-    assert elapsed <= LEASE_S + 2.0, f"failover + next turn took {elapsed:.2f} s"
+    assert elapsed <= slack(LEASE_S + 2.0), f"failover + next turn took {elapsed:.2f} s"
     view = (await get(f"{c.gateway.url}/v1/sessions/{s.session_id}")).json()
     assert view["replica"]["id"] == survivor_id and view["replica"]["epoch"] == 2
     await client.close()
