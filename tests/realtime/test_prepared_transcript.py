@@ -91,10 +91,10 @@ def dropped(h: Harness) -> list[DropAhead]:
 
 def test_a_long_pause_starts_the_response_ahead_with_the_params_of_the_turns_end() -> None:
     h = Harness()
-    h.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
-                                                         "content": [{"type": "input_text", "text": "earlier"}]}})
+    earlier = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "earlier"}]}
+    h.send({"type": "conversation.item.create", "item": earlier})
     h.append(np.concatenate([silence(0.3), tone(1.0), silence(0.15)]))
-    assert len(prepared(h)) == 1 and ahead_effects(h) == []  # 150 ms: transcribed, not yet answered
+    assert len(prepared(h)) == 1 and ahead_effects(h) == []  # 150 ms: transcribed only
     h.append(silence(0.2))
     [ahead] = ahead_effects(h)
     assert ahead.key == prepared(h)[0].key
