@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup vllm-env run test lint unit fast system-deps bench clean openpi-venv
+.PHONY: setup vllm-env run test lint unit fast system-deps bench clean openpi-venv browser-sdk
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,10 +46,22 @@ $(VLLM_STAMP): requirements-vllm.txt
 
 vllm-env: $(VLLM_STAMP)
 
-# Debian packages the tests need: a real redis-server and a real Chromium.
+# Debian packages the tests need: a real redis-server, a real Chromium, and Node.js with npm to
+# bundle the official browser SDK for it.
 system-deps:
-	@command -v redis-server >/dev/null && command -v chromium >/dev/null || \
-	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server chromium)
+	@command -v redis-server >/dev/null && command -v chromium >/dev/null && \
+	  command -v node >/dev/null && command -v npm >/dev/null || \
+	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server chromium nodejs npm)
+
+# The official browser SDK (@openai/agents-realtime, pinned by package-lock.json) bundled into
+# one script for tests/browser/test_agents_sdk.py; rebuilt only when the lock or the page changes.
+SDK_DIR := tests/browser/agents_sdk
+SDK_STAMP := $(SDK_DIR)/dist/.built
+$(SDK_STAMP): $(SDK_DIR)/package.json $(SDK_DIR)/package-lock.json $(SDK_DIR)/page.js
+	cd $(SDK_DIR) && npm ci --no-audit --no-fund && npm run build
+	touch $@
+
+browser-sdk: $(SDK_STAMP)
 
 run: setup
 	$(VENV)/bin/omniduplex serve
@@ -58,14 +70,15 @@ lint: setup
 	$(VENV)/bin/ruff check session media runtime engines web loadtest tests
 	$(VENV)/bin/mypy
 
-unit: setup openpi-venv
+unit: setup openpi-venv browser-sdk
 	$(PY) -m pytest -q
 
 # The unit layer only (no sockets, processes or models; tests/conftest.py): under a minute.
 fast: setup
 	$(PY) -m pytest -q -m unit
 
-test: setup vllm-env system-deps lint unit
+test: setup vllm-env system-deps lint browser-sdk unit
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(OPENPI_VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(SDK_DIR)/node_modules $(SDK_DIR)/dist
