@@ -1,4 +1,4 @@
-"""Pipeline specs: YAML in, validated frozen dataclasses out.
+"""Pipeline specs: YAML in, validated (by pydantic models of the YAML) frozen dataclasses out.
 
 Every validation error is a :class:`PipelineSpecError` whose message names the file, the
 field (``stages[1].budget.max_batch``) and the reason, so a bad YAML never starts anything.
@@ -9,9 +9,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 EdgeMode = Literal["async_chunk", "full"]
 WorkerKind = Literal["thread", "process"]
@@ -216,184 +228,282 @@ def parse_pipeline(
         from runtime.registry import available_engines
 
         known_engines = available_engines()
-    return _Validator(source, set(known_engines)).pipeline(data)
+    try:
+        raw = _PipelineYaml.model_validate(data, context={"engines": set(known_engines)})
+    except ValidationError as exc:
+        raise _spec_error(source, exc) from None
+    return raw.to_spec(source)
 
 
-class _Validator:
-    def __init__(self, source: str, engines: set[str]) -> None:
-        self.source = source
-        self.engines = engines
+# ----------------------------------------------------------------------------- YAML shapes
+# pydantic models of the YAML as written; each check raises a ``pipeline_spec`` error whose
+# context holds the reason (and, for a check made on the enclosing mapping, the field below it),
+# which :func:`_spec_error` turns into one PipelineSpecError naming the path.
 
-    def fail(self, path: str, reason: str) -> PipelineSpecError:
-        return PipelineSpecError(self.source, path, reason)
+_SPEC_ERROR = "pipeline_spec"
 
-    def mapping(self, value: Any, path: str, allowed: Iterable[str]) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            raise self.fail(path or "<top>", f"expected a mapping, got {type(value).__name__}")
-        allowed = tuple(allowed)
-        for key in value:
-            if key not in allowed:
-                expected = ", ".join(allowed)
-                raise self.fail(_join(path, str(key)), f"unknown field (expected one of {expected})")
-        return value
 
-    def required(self, data: dict[str, Any], key: str, path: str) -> Any:
-        if key not in data or data[key] is None:
-            raise self.fail(_join(path, key), "missing required field")
-        return data[key]
+def _fail(reason: str, below: str = "") -> PydanticCustomError:
+    return PydanticCustomError(_SPEC_ERROR, "{reason}", {"reason": reason, "below": below})
 
-    def string(self, value: Any, path: str) -> str:
-        if not isinstance(value, str) or not value:
-            raise self.fail(path, f"expected a non-empty string, got {value!r}")
-        return value
 
-    def integer(self, value: Any, path: str, minimum: int) -> int:
+def _spec_error(source: str, exc: ValidationError) -> PipelineSpecError:
+    """The first error pydantic found (fields are checked in declaration order)."""
+    error = exc.errors(include_url=False)[0]
+    path = ""
+    for part in error["loc"]:
+        path = f"{path}[{part}]" if isinstance(part, int) else _join(path, str(part))
+    ctx = error.get("ctx") or {}
+    if error["type"] == _SPEC_ERROR:
+        below = str(ctx.get("below", ""))
+        if below:
+            path = _join(path, below)
+        reason = str(ctx["reason"])
+    elif error["type"] == "missing":
+        reason = "missing required field"
+    else:  # not reached by the shapes below; pydantic's own words then
+        reason = error["msg"]
+    return PipelineSpecError(source, path or "<top>", reason)
+
+
+def _integer(minimum: int) -> PlainValidator:
+    def check(value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(path, f"expected an integer >= {minimum}, got {value!r}")
+            raise _fail(f"expected an integer >= {minimum}, got {value!r}")
         if value < minimum:
-            raise self.fail(path, f"must be >= {minimum}, got {value}")
+            raise _fail(f"must be >= {minimum}, got {value}")
         return value
 
-    def choice(self, value: Any, path: str, choices: tuple[str, ...]) -> str:
+    return PlainValidator(check)
+
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _choice(choices: tuple[str, ...]) -> PlainValidator:
+    def check(value: Any) -> str:
         if value not in choices:
-            raise self.fail(path, f"must be one of {', '.join(choices)}, got {value!r}")
+            raise _fail(f"must be one of {', '.join(choices)}, got {value!r}")
         return str(value)
 
-    def pipeline(self, data: Any) -> PipelineSpec:
-        data = self.mapping(
-            data, "", ("name", "entry", "stages", "edges", "max_concurrency", "entries", "input_rate")
+    return PlainValidator(check)
+
+
+def _mapping(value: Any) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise _fail("expected a mapping")
+    return dict(value)
+
+
+_Count = Annotated[int, _integer(0)]
+_Positive = Annotated[int, _integer(1)]
+_Name = Annotated[str, PlainValidator(_string)]
+
+
+class _Shape(BaseModel):
+    """A YAML mapping: only the declared keys; ``None`` (and for some keys any empty value)
+    stands for an absent key, so the default applies."""
+
+    model_config = ConfigDict(frozen=True)
+    absent_if_none: ClassVar[frozenset[str]] = frozenset()
+    absent_if_empty: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise _fail(f"expected a mapping, got {type(data).__name__}")
+        allowed = [info.alias or name for name, info in cls.model_fields.items()]
+        for key in data:
+            if key not in allowed:
+                raise _fail(f"unknown field (expected one of {', '.join(allowed)})", str(key))
+        return {
+            key: value
+            for key, value in data.items()
+            if not (value is None and key in cls.absent_if_none)
+            and not (not value and key in cls.absent_if_empty)
+        }
+
+
+class _ChunkYaml(_Shape):
+    first: _Positive = 1
+    steady: _Positive = 1
+    left_context: _Count = 0
+
+    def to_spec(self) -> ChunkPolicy:
+        return ChunkPolicy(self.first, self.steady, self.left_context)
+
+
+_BUDGET = BudgetSpec()
+
+
+class _BudgetYaml(_Shape):
+    max_concurrency: _Positive = _BUDGET.max_concurrency
+    max_batch: _Positive = _BUDGET.max_batch
+    worker: Annotated[WorkerKind, _choice(WORKER_KINDS)] = _BUDGET.worker
+    workers: _Positive = _BUDGET.workers
+    device: _Name = _BUDGET.device
+    kv_bytes: _Count = _BUDGET.kv_bytes
+
+    @model_validator(mode="after")
+    def _one_step_per_process(self) -> _BudgetYaml:
+        if self.worker == "process" and self.workers != 1:
+            raise _fail("a process worker runs one step at a time (use replicas)", "workers")
+        return self
+
+    def to_spec(self) -> BudgetSpec:
+        return BudgetSpec(
+            self.max_concurrency, self.max_batch, self.worker, self.workers, self.device, self.kv_bytes
         )
-        name = self.string(self.required(data, "name", ""), "name")
-        raw_stages = self.required(data, "stages", "")
-        if not isinstance(raw_stages, list) or not raw_stages:
-            raise self.fail("stages", "expected a non-empty list of stages")
-        stages = tuple(self.stage(s, f"stages[{i}]") for i, s in enumerate(raw_stages))
-        names = [s.name for s in stages]
+
+
+class _StageYaml(_Shape):
+    absent_if_none = frozenset({"name", "engine"})
+    absent_if_empty = frozenset({"options", "budget"})
+
+    name: _Name
+    engine: _Name
+    options: Annotated[dict[Any, Any], PlainValidator(_mapping)] = Field(default_factory=dict)
+    budget: _BudgetYaml = Field(default_factory=_BudgetYaml)
+    replicas: _Positive = 1
+
+    @field_validator("engine")
+    @classmethod
+    def _registered(cls, engine: str, info: ValidationInfo) -> str:
+        engines: set[str] = (info.context or {}).get("engines", set())
+        if engine not in engines and ":" not in engine:  # module:QualName: checked at start
+            known = ", ".join(sorted(engines)) or "none"
+            raise _fail(f"unknown engine {engine!r} (registered: {known})")
+        return engine
+
+    def to_spec(self) -> StageSpec:
+        return StageSpec(self.name, self.engine, dict(self.options), self.budget.to_spec(), self.replicas)
+
+
+class _EdgeYaml(_Shape):
+    absent_if_none = frozenset({"from", "to", "max_ahead"})
+    absent_if_empty = frozenset({"chunk"})
+
+    source: _Name = Field(alias="from")
+    target: _Name = Field(alias="to")
+    mode: Annotated[EdgeMode, _choice(EDGE_MODES)] = "async_chunk"
+    connector: Annotated[str, _choice(CONNECTORS)] = "inproc"
+    chunk: _ChunkYaml = Field(default_factory=_ChunkYaml)
+    max_ahead: Annotated[int | None, _integer(1)] = None
+
+    @model_validator(mode="after")
+    def _max_ahead_fits(self) -> _EdgeYaml:
+        if self.max_ahead is None:
+            return self
+        if self.mode != "async_chunk":
+            reason = "only for mode async_chunk (a full edge hands over nothing before the end)"
+            raise _fail(reason, "max_ahead")
+        chunk = self.chunk
+        if self.max_ahead < max(chunk.first, chunk.steady):
+            raise _fail(
+                f"must be >= the chunk sizes (first {chunk.first}, steady {chunk.steady}), "
+                f"got {self.max_ahead}: the upstream stage could never complete a chunk",
+                "max_ahead",
+            )
+        return self
+
+    def to_spec(self) -> EdgeSpec:
+        chunk = self.chunk.to_spec()
+        return EdgeSpec(self.source, self.target, self.mode, self.connector, chunk, self.max_ahead)
+
+
+class _EntriesYaml(_Shape):
+    live: Annotated[str | None, PlainValidator(_string)] = None
+    transcribe: Annotated[str | None, PlainValidator(_string)] = None
+
+    def named(self) -> dict[str, str]:
+        return {key: stage for key, stage in (("live", self.live), ("transcribe", self.transcribe)) if stage}
+
+
+def _stage_list(value: Any) -> Any:
+    if not isinstance(value, list) or not value:
+        raise _fail("expected a non-empty list of stages")
+    return value
+
+
+def _edge_list(value: Any) -> Any:
+    if not isinstance(value, list):
+        raise _fail("expected a list of edges")
+    return value
+
+
+class _PipelineYaml(_Shape):
+    absent_if_none = frozenset({"name", "stages", "entry", "max_concurrency"})
+    absent_if_empty = frozenset({"edges", "entries"})
+
+    name: _Name
+    entry: _Name | None = None  # default: the first stage
+    stages: Annotated[list[_StageYaml], BeforeValidator(_stage_list)]
+    edges: Annotated[list[_EdgeYaml], BeforeValidator(_edge_list)] = Field(default_factory=list)
+    max_concurrency: Annotated[int | None, _integer(1)] = None
+    entries: _EntriesYaml = Field(default_factory=_EntriesYaml)
+    input_rate: Annotated[int, _integer(8000)] = 16000
+
+    @model_validator(mode="after")
+    def _references(self) -> _PipelineYaml:
+        names = [s.name for s in self.stages]
         for i, stage_name in enumerate(names):
             if stage_name in names[:i]:
-                raise self.fail(f"stages[{i}].name", f"duplicate stage name {stage_name!r}")
-        entry = self.string(data.get("entry", names[0]), "entry")
+                raise _fail(f"duplicate stage name {stage_name!r}", f"stages[{i}].name")
+        stages = ", ".join(names)
+        entry = self.entry or names[0]
         if entry not in names:
-            raise self.fail("entry", f"unknown stage {entry!r} (stages: {', '.join(names)})")
-        raw_edges = data.get("edges") or []
-        if not isinstance(raw_edges, list):
-            raise self.fail("edges", "expected a list of edges")
-        by_name = {s.name: s for s in stages}
-        edges = tuple(self.edge(e, f"edges[{i}]", by_name) for i, e in enumerate(raw_edges))
-        max_conc = data.get("max_concurrency")
-        if max_conc is not None:
-            max_conc = self.integer(max_conc, "max_concurrency", 1)
-        raw_entries = self.mapping(data.get("entries") or {}, "entries", ("live", "transcribe"))
-        entries: dict[str, str] = {}
-        for key, value in raw_entries.items():
-            stage_name = self.string(value, f"entries.{key}")
+            raise _fail(f"unknown stage {entry!r} (stages: {stages})", "entry")
+        by_name = {s.name: s for s in self.stages}
+        for i, edge in enumerate(self.edges):
+            for key, end in (("from", edge.source), ("to", edge.target)):
+                if end not in by_name:
+                    raise _fail(f"unknown stage {end!r} (stages: {stages})", f"edges[{i}].{key}")
+            if edge.source == edge.target:
+                raise _fail(f"cycle: edge from {edge.source!r} to itself", f"edges[{i}]")
+            for end in (edge.source, edge.target):
+                if by_name[end].budget.worker == "process" and edge.connector != "shm":
+                    raise _fail(
+                        f"stage {end!r} runs in a worker process, so its edges need connector: shm",
+                        f"edges[{i}].connector",
+                    )
+        entries = self.entries.named()
+        for key, stage_name in entries.items():
             if stage_name not in names:
-                known = ", ".join(names)
-                raise self.fail(f"entries.{key}", f"unknown stage {stage_name!r} (stages: {known})")
-            entries[key] = stage_name
-        input_rate = self.integer(data.get("input_rate", 16000), "input_rate", 8000)
-        self.topology([entry, *entries.values()], names, edges)
-        return PipelineSpec(name, entry, stages, edges, max_conc, self.source, entries, input_rate)
+                raise _fail(f"unknown stage {stage_name!r} (stages: {stages})", f"entries.{key}")
+        _check_topology([entry, *entries.values()], names, [e.to_spec() for e in self.edges])
+        return self
 
-    def stage(self, data: Any, path: str) -> StageSpec:
-        data = self.mapping(data, path, ("name", "engine", "options", "budget", "replicas"))
-        name = self.string(self.required(data, "name", path), _join(path, "name"))
-        engine = self.string(self.required(data, "engine", path), _join(path, "engine"))
-        if engine not in self.engines and ":" not in engine:  # module:QualName: checked at start
-            raise self.fail(
-                _join(path, "engine"),
-                f"unknown engine {engine!r} (registered: {', '.join(sorted(self.engines)) or 'none'})",
-            )
-        options = data.get("options") or {}
-        if not isinstance(options, dict):
-            raise self.fail(_join(path, "options"), "expected a mapping")
-        budget = self.budget(data.get("budget") or {}, _join(path, "budget"))
-        replicas = self.integer(data.get("replicas", 1), _join(path, "replicas"), 1)
-        return StageSpec(name, engine, dict(options), budget, replicas)
-
-    def budget(self, data: Any, path: str) -> BudgetSpec:
-        data = self.mapping(data, path, BudgetSpec.__dataclass_fields__)  # type: ignore[attr-defined]
-        base = BudgetSpec()
-        worker = self.choice(data.get("worker", base.worker), _join(path, "worker"), WORKER_KINDS)
-        workers = self.integer(data.get("workers", base.workers), _join(path, "workers"), 1)
-        if worker == "process" and workers != 1:
-            raise self.fail(_join(path, "workers"), "a process worker runs one step at a time (use replicas)")
-        device = data.get("device", base.device)
-        return BudgetSpec(
-            max_concurrency=self.integer(
-                data.get("max_concurrency", base.max_concurrency), _join(path, "max_concurrency"), 1
-            ),
-            max_batch=self.integer(data.get("max_batch", base.max_batch), _join(path, "max_batch"), 1),
-            worker=worker,  # type: ignore[arg-type]
-            workers=workers,
-            device=self.string(device, _join(path, "device")),
-            kv_bytes=self.integer(data.get("kv_bytes", base.kv_bytes), _join(path, "kv_bytes"), 0),
+    def to_spec(self, source: str) -> PipelineSpec:
+        return PipelineSpec(
+            name=self.name,
+            entry=self.entry or self.stages[0].name,
+            stages=tuple(s.to_spec() for s in self.stages),
+            edges=tuple(e.to_spec() for e in self.edges),
+            max_concurrency=self.max_concurrency,
+            source=source,
+            entries=self.entries.named(),
+            input_rate=self.input_rate,
         )
 
-    def edge(self, data: Any, path: str, stages: Mapping[str, StageSpec]) -> EdgeSpec:
-        data = self.mapping(data, path, ("from", "to", "mode", "connector", "chunk", "max_ahead"))
-        ends = []
-        for key in ("from", "to"):
-            value = self.string(self.required(data, key, path), _join(path, key))
-            if value not in stages:
-                raise self.fail(_join(path, key), f"unknown stage {value!r} (stages: {', '.join(stages)})")
-            ends.append(value)
-        source, target = ends
-        if source == target:
-            raise self.fail(path, f"cycle: edge from {source!r} to itself")
-        mode = self.choice(data.get("mode", "async_chunk"), _join(path, "mode"), EDGE_MODES)
-        connector = self.choice(data.get("connector", "inproc"), _join(path, "connector"), CONNECTORS)
-        for end in (source, target):
-            if stages[end].budget.worker == "process" and connector != "shm":
-                raise self.fail(
-                    _join(path, "connector"),
-                    f"stage {end!r} runs in a worker process, so its edges need connector: shm",
-                )
-        chunk = self.chunk(data.get("chunk") or {}, _join(path, "chunk"))
-        max_ahead = self.max_ahead(data.get("max_ahead"), _join(path, "max_ahead"), mode, chunk)
-        return EdgeSpec(source, target, mode, connector, chunk, max_ahead)  # type: ignore[arg-type]
 
-    def max_ahead(self, value: Any, path: str, mode: str, chunk: ChunkPolicy) -> int | None:
-        if value is None:
-            return None
-        limit = self.integer(value, path, 1)
-        if mode != "async_chunk":
-            raise self.fail(path, "only for mode async_chunk (a full edge hands over nothing before the end)")
-        needed = max(chunk.first, chunk.steady)
-        if limit < needed:
-            raise self.fail(
-                path,
-                f"must be >= the chunk sizes (first {chunk.first}, steady {chunk.steady}), got {limit}: "
-                "the upstream stage could never complete a chunk",
-            )
-        return limit
-
-    def chunk(self, data: Any, path: str) -> ChunkPolicy:
-        data = self.mapping(data, path, ("first", "steady", "left_context"))
-        return ChunkPolicy(
-            first=self.integer(data.get("first", 1), _join(path, "first"), 1),
-            steady=self.integer(data.get("steady", 1), _join(path, "steady"), 1),
-            left_context=self.integer(data.get("left_context", 0), _join(path, "left_context"), 0),
-        )
-
-    def topology(self, entries: list[str], names: list[str], edges: tuple[EdgeSpec, ...]) -> None:
-        seen: set[str] = set()
-        for i, edge in enumerate(edges):
-            if edge.key in seen:
-                raise self.fail(f"edges[{i}]", f"duplicate edge {edge.key}")
-            seen.add(edge.key)
-            if edge.target in entries:
-                raise self.fail(
-                    f"edges[{i}].to", f"the entry stage {edge.target!r} cannot have incoming edges"
-                )
-        cycle = find_cycle(names, lambda n: [e.target for e in edges if e.source == n])
-        if cycle:
-            raise self.fail("edges", f"cycle: {' -> '.join(cycle)}")
-        for i, name in enumerate(names):
-            if name not in entries and not any(e.target == name for e in edges):
-                raise self.fail(
-                    f"stages[{i}]", f"stage {name!r} is unreachable: no incoming edge and not an entry"
-                )
+def _check_topology(entries: list[str], names: list[str], edges: list[EdgeSpec]) -> None:
+    seen: set[str] = set()
+    for i, edge in enumerate(edges):
+        if edge.key in seen:
+            raise _fail(f"duplicate edge {edge.key}", f"edges[{i}]")
+        seen.add(edge.key)
+        if edge.target in entries:
+            raise _fail(f"the entry stage {edge.target!r} cannot have incoming edges", f"edges[{i}].to")
+    cycle = find_cycle(names, lambda n: [e.target for e in edges if e.source == n])
+    if cycle:
+        raise _fail(f"cycle: {' -> '.join(cycle)}", "edges")
+    for i, name in enumerate(names):
+        if name not in entries and not any(e.target == name for e in edges):
+            raise _fail(f"stage {name!r} is unreachable: no incoming edge and not an entry", f"stages[{i}]")
 
 
 def find_cycle(nodes: Iterable[str], successors: Callable[[str], list[str]]) -> list[str] | None:
