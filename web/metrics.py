@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,12 +31,15 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
+from prometheus_client.samples import Sample
 
 from runtime.metrics import RuntimeMetrics
 from session.voice.driver import RealtimeDriver
+
+log = logging.getLogger(__name__)
 
 PREFIX = "omniduplex"
 LATENCY_BUCKETS = (
@@ -390,107 +394,66 @@ WORKER_LABEL = "worker"
 
 @dataclass(slots=True)
 class _Family:
-    """One metric family of the merged exposition: its comments and its samples, in order."""
+    """One metric family of the merged exposition: its samples in first-seen order, a summed
+    series at the index where it first came."""
 
-    name: str
-    help: str | None = None
-    type: str = "untyped"
-    sums: dict[str, float] = field(default_factory=dict)  # series key → summed value
-    # in order: (series key, None) for a summed series, (labelled key, value) for a worker's
-    lines: list[tuple[str, str | None]] = field(default_factory=list)
+    metric: Metric
+    index: dict[tuple[str, tuple[tuple[str, str], ...]], int] = field(default_factory=dict)
 
-    def summed(self, key: str) -> bool:
-        if self.type in SUMMED_TYPES:
+    def summed(self, sample: Sample) -> bool:
+        kind = self.metric.type
+        if kind in SUMMED_TYPES:
             return True
-        if self.type == "gauge":
-            return GAUGE_MERGE.get(self.name, "worker") == "sum"
+        if kind == "gauge":
+            return GAUGE_MERGE.get(self.metric.name, "worker") == "sum"
         # a summary's _sum and _count add up; its quantiles are per-process readings
-        return self.type == "summary" and "quantile=" not in key
+        return kind == "summary" and "quantile" not in sample.labels
+
+    def add(self, worker: str, sample: Sample) -> None:
+        sample = sample._replace(timestamp=None, exemplar=None)  # generate_latest writes none
+        if not self.summed(sample):
+            self.metric.samples.append(sample._replace(labels={**sample.labels, WORKER_LABEL: worker}))
+            return
+        key = (sample.name, tuple(sorted(sample.labels.items())))
+        at = self.index.get(key)
+        if at is None:
+            self.index[key] = len(self.metric.samples)
+            self.metric.samples.append(sample)
+        else:
+            held = self.metric.samples[at]
+            self.metric.samples[at] = held._replace(value=held.value + sample.value)
 
 
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class _Merged(Collector):
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = list(families)
 
-
-def _with_label(key: str, label: str, value: str) -> str:
-    """``name{a="b"}`` → ``name{a="b",label="value"}``; ``name`` → ``name{label="value"}``."""
-    pair = f'{label}="{_escape_label(value)}"'
-    if key.endswith("}"):
-        return f"{key[:-1]},{pair}}}" if not key.endswith("{}") else f"{key[:-1]}{pair}}}"
-    return f"{key}{{{pair}}}"
-
-
-def _split_sample(line: str) -> tuple[str, str] | None:
-    """A sample line → (series key ``name{labels}``, value); None for what is not a sample.
-
-    The key ends at the last ``}`` (label values may hold spaces and braces, the value and an
-    optional timestamp never do); a timestamp is dropped (generate_latest writes none)."""
-    brace = line.find("{")
-    space = line.find(" ")
-    if brace != -1 and (space == -1 or brace < space):
-        end = line.rfind("}") + 1
-        key, rest = line[:end], line[end:].split()
-    else:
-        key, _, tail = line.partition(" ")
-        rest = tail.split()
-    if not key or not rest:
-        return None
-    return key, rest[0]
+    def collect(self) -> Iterable[Metric]:
+        return self.families
 
 
 def merge_worker_metrics(texts: Sequence[tuple[str, str]]) -> str:
     """Prometheus texts of several worker processes, as ``(worker, text)`` → one exposition.
 
+    Each text is read by prometheus-client's parser and the result written by its exposition.
     Counters and histograms (``_bucket``/``_sum``/``_count``) are summed series by series;
     gauges by :data:`GAUGE_MERGE` (summed, or each worker's sample with a ``worker`` label).
     Each family comes out once, its HELP and TYPE first and its samples together (valid text
     format, unlike a line-by-line merge when only some workers have a series); families and
-    series keep the order in which they first appear."""
+    series keep the order in which they first appear. A text the parser refuses is left out
+    (logged), as a worker that did not answer is."""
     families: dict[str, _Family] = {}
-
-    def family(name: str) -> _Family:
-        fam = families.get(name)
-        if fam is None:
-            fam = families[name] = _Family(name)
-        return fam
-
     for worker, text in texts:
-        current: _Family | None = None
-        for line in text.splitlines():
-            if line.startswith("#"):
-                parts = line.split(" ", 3)
-                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
-                    current = family(parts[2])
-                    if parts[1] == "TYPE" and len(parts) == 4:
-                        current.type = parts[3].strip()
-                    elif parts[1] == "HELP" and current.help is None:
-                        current.help = line
-                continue
-            sample = _split_sample(line)
-            if sample is None:
-                continue
-            key, raw = sample
-            name = key.split("{", 1)[0]
-            fam = current
-            if fam is None or not (name == fam.name or name.startswith(fam.name + "_")):
-                fam = family(name)  # a sample without a TYPE line of its own: untyped
-            if fam.summed(key):
-                try:
-                    value = float(raw)
-                except ValueError:
-                    continue
-                if key not in fam.sums:
-                    fam.sums[key] = 0.0
-                    fam.lines.append((key, None))
-                fam.sums[key] += value
-            else:
-                fam.lines.append((_with_label(key, WORKER_LABEL, worker), raw))
-    out: list[str] = []
-    for fam in families.values():
-        if fam.help is not None:
-            out.append(fam.help)
-        if fam.type != "untyped" or fam.help is not None:
-            out.append(f"# TYPE {fam.name} {fam.type}")
-        for series, shown in fam.lines:
-            out.append(f"{series} {floatToGoString(fam.sums[series]) if shown is None else shown}")
-    return "\n".join(out) + "\n"
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except ValueError as exc:
+            log.warning("worker metrics: worker %s: not a Prometheus text: %s", worker, exc)
+            continue
+        for metric in parsed:
+            fam = families.get(metric.name)
+            if fam is None:
+                fam = families[metric.name] = _Family(Metric(metric.name, metric.documentation, metric.type))
+            for sample in metric.samples:
+                fam.add(worker, sample)
+    merged = _Merged(fam.metric for fam in families.values())
+    return generate_latest(merged).decode("utf-8")
