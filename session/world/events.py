@@ -5,13 +5,31 @@ Client (JSON text frames): ``session.start``, ``session.interaction``, ``session
 ``session.ping``. Server: ``video.start``, ``video.chunk_metadata`` (each one immediately
 followed by one binary frame), ``session.interaction.queued``, ``session.interaction.applied``,
 ``session.pong``, ``session.done``, ``error``.
+
+Client events are pydantic models, a discriminated union on ``type``, validated after
+:mod:`session.json_guard` has bounded the frame's depth; a refused event is a
+:class:`ProtocolError` with the protocol's code and message (not pydantic's wording).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from session.json_guard import JsonRejected, loads_checked
 
@@ -47,19 +65,88 @@ class ProtocolError(ValueError):
 
 
 # ----------------------------------------------------------------------------- client events
+# pydantic models, one per ``type`` (a discriminated union). Each check raises one custom error
+# kind whose context carries the code and message the client gets (read back by
+# :func:`_protocol_error`), so the wording is the protocol's, not pydantic's.
+
+_REJECTED = "world_event"
+_EVENT_TYPES = "session.start, session.interaction, session.stop, session.ping"
 
 
-@dataclass(slots=True, frozen=True)
-class SessionStart:
-    model: str
-    prompt: str = ""
-    format: str = "jpeg"
-    width: int | None = None
-    height: int | None = None
-    fps: float | None = None
-    num_frames: int | None = None
-    seed: int | None = None
-    extra_params: dict[str, Any] = field(default_factory=dict)
+def _reject(code: str, message: str, *, with_event_id: bool = False) -> PydanticCustomError:
+    context = {"code": code, "message": message, "with_event_id": with_event_id}
+    return PydanticCustomError(_REJECTED, "{message}", context)
+
+
+def _of_type(name: str, kinds: type | tuple[type, ...], value: Any) -> Any:
+    """``value`` if it is one of ``kinds`` (a boolean only where bool is one of them)."""
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise _reject(ErrorCode.INVALID_EVENT, f"{name}: expected {kinds}, got a boolean")
+    if not isinstance(value, kinds):
+        raise _reject(ErrorCode.INVALID_EVENT, f"{name}: expected {kinds}, got {type(value).__name__}")
+    return value
+
+
+def _typed(name: str, kinds: type | tuple[type, ...], convert: Callable[[Any], Any] | None = None) -> Any:
+    """A field validator: :func:`_of_type`, then ``convert``."""
+
+    def check(value: Any) -> Any:
+        value = _of_type(name, kinds, value)
+        return value if convert is None else convert(value)
+
+    return PlainValidator(check)
+
+
+def _model_name(value: Any) -> str:
+    if not _of_type("model", str, value):
+        raise _reject(ErrorCode.INVALID_EVENT, "session.start needs a model")
+    return str(value)
+
+
+def _action_kind(kind: Any) -> KeyEventKind:
+    if kind not in ("keydown", "keyup"):
+        message = f"action.event must be 'keydown' or 'keyup', got {kind!r}"
+        raise _reject(ErrorCode.INVALID_ACTION, message, with_event_id=True)
+    return cast(KeyEventKind, kind)
+
+
+def _action_key(key: Any) -> str:
+    if not isinstance(key, str) or not key or len(key) > 32:
+        message = f"action.key must be a key name, got {key!r}"
+        raise _reject(ErrorCode.INVALID_ACTION, message, with_event_id=True)
+    return key
+
+
+def _action_time(t_ms: Any) -> float:
+    if isinstance(t_ms, bool) or not isinstance(t_ms, int | float):
+        raise _reject(ErrorCode.INVALID_ACTION, "action.t_ms must be a number", with_event_id=True)
+    return float(t_ms)
+
+
+def _action_list(value: Any, info: ValidationInfo) -> Any:
+    value = _of_type("actions", list, value)
+    max_actions: int = (info.context or {}).get("max_actions", 64)
+    if len(value) > max_actions:
+        message = f"at most {max_actions} actions per interaction"
+        raise _reject(ErrorCode.INVALID_ACTION, message, with_event_id=True)
+    return value
+
+
+class _WireModel(BaseModel):
+    """A JSON object from the client: unknown keys are ignored, ``null`` is an absent key."""
+
+    model_config = ConfigDict(frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _body(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in cls.unnest(data).items() if value is not None}
+
+    @classmethod
+    def unnest(cls, data: dict[str, Any]) -> dict[str, Any]:
+        return data
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,99 +156,71 @@ class KeyEvent:
     t_ms: float | None = None
 
 
-@dataclass(slots=True, frozen=True)
-class SessionInteraction:
-    prompt: str | None = None
-    actions: tuple[KeyEvent, ...] = ()
-    event_id: str | None = None
+class KeyAction(_WireModel):
+    """One key action of a ``session.interaction`` (the held-keys state takes :class:`KeyEvent`)."""
+
+    event: Annotated[KeyEventKind, PlainValidator(_action_kind)] = Field(None, validate_default=True)
+    key: Annotated[str, PlainValidator(_action_key)] = Field(None, validate_default=True)
+    t_ms: Annotated[float | None, PlainValidator(_action_time)] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _an_object(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            message = "an action is an object {event, key, t_ms?}"
+            raise _reject(ErrorCode.INVALID_ACTION, message, with_event_id=True)
+        return raw
 
 
-@dataclass(slots=True, frozen=True)
-class SessionStop:
-    pass
+class SessionStart(_WireModel):
+    # Fields in the order they are checked: the first wrong one is the one reported.
+    type: Literal["session.start"] = "session.start"
+    model: Annotated[str, PlainValidator(_model_name)] = Field("", validate_default=True)
+    fps: Annotated[float | None, _typed("fps", (int, float), float)] = None
+    prompt: Annotated[str, _typed("prompt", str)] = ""
+    format: Annotated[str, _typed("format", str)] = "jpeg"
+    width: Annotated[int | None, _typed("width", int)] = None
+    height: Annotated[int | None, _typed("height", int)] = None
+    num_frames: Annotated[int | None, _typed("num_frames", int)] = None
+    seed: Annotated[int | None, _typed("seed", int)] = None
+    extra_params: Annotated[dict[str, Any], _typed("extra_params", dict, dict)] = Field(default_factory=dict)
 
 
-@dataclass(slots=True, frozen=True)
-class SessionPing:
-    pass
+class SessionInteraction(_WireModel):
+    type: Literal["session.interaction"] = "session.interaction"
+    event_id: Annotated[str | None, _typed("event_id", str)] = None
+    prompt: Annotated[str | None, _typed("prompt", str)] = None
+    actions: Annotated[tuple[KeyAction, ...], BeforeValidator(_action_list)] = ()
+
+    @classmethod
+    def unnest(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """vLLM-Omni nests the update: ``{"interaction": {"event_id": ..., "event": {...}}}``."""
+        nested = data.get("interaction")
+        if not isinstance(nested, dict):
+            return data
+        body = nested.get("event") or {}
+        if not isinstance(body, dict):
+            raise _reject(ErrorCode.INVALID_EVENT, "interaction.event: expected an object")
+        return {"event_id": nested.get("event_id"), **body}
+
+    @model_validator(mode="after")
+    def _says_something(self) -> SessionInteraction:
+        if self.prompt is None and not self.actions:
+            message = "session.interaction needs a prompt or actions"
+            raise _reject(ErrorCode.INVALID_EVENT, message, with_event_id=True)
+        return self
+
+
+class SessionStop(_WireModel):
+    type: Literal["session.stop"] = "session.stop"
+
+
+class SessionPing(_WireModel):
+    type: Literal["session.ping"] = "session.ping"
 
 
 ClientEvent = SessionStart | SessionInteraction | SessionStop | SessionPing
-
-
-def _field(data: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
-    value = data.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise ProtocolError(ErrorCode.INVALID_EVENT, f"{name}: expected {kinds}, got a boolean")
-    if not isinstance(value, kinds):
-        raise ProtocolError(ErrorCode.INVALID_EVENT, f"{name}: expected {kinds}, got {type(value).__name__}")
-    return value
-
-
-def _parse_action(raw: Any, event_id: str | None) -> KeyEvent:
-    if not isinstance(raw, dict):
-        raise ProtocolError(
-            ErrorCode.INVALID_ACTION, "an action is an object {event, key, t_ms?}", event_id=event_id
-        )
-    kind = raw.get("event")
-    key = raw.get("key")
-    if kind not in ("keydown", "keyup"):
-        raise ProtocolError(
-            ErrorCode.INVALID_ACTION,
-            f"action.event must be 'keydown' or 'keyup', got {kind!r}",
-            event_id=event_id,
-        )
-    if not isinstance(key, str) or not key or len(key) > 32:
-        raise ProtocolError(
-            ErrorCode.INVALID_ACTION, f"action.key must be a key name, got {key!r}", event_id=event_id
-        )
-    t_ms = raw.get("t_ms")
-    if t_ms is not None and (isinstance(t_ms, bool) or not isinstance(t_ms, int | float)):
-        raise ProtocolError(ErrorCode.INVALID_ACTION, "action.t_ms must be a number", event_id=event_id)
-    return KeyEvent(kind, key, None if t_ms is None else float(t_ms))
-
-
-def _parse_interaction(data: dict[str, Any], max_actions: int) -> SessionInteraction:
-    # vLLM-Omni nests the update: {"interaction": {"event_id": ..., "event": {"prompt": ...}}}
-    nested = data.get("interaction")
-    if isinstance(nested, dict):
-        body = dict(nested.get("event") or {})
-        body.setdefault("event_id", nested.get("event_id"))
-    else:
-        body = data
-    event_id = _field(body, "event_id", str)
-    prompt = _field(body, "prompt", str)
-    raw_actions = _field(body, "actions", list, [])
-    if len(raw_actions) > max_actions:
-        raise ProtocolError(
-            ErrorCode.INVALID_ACTION, f"at most {max_actions} actions per interaction", event_id=event_id
-        )
-    actions = tuple(_parse_action(raw, event_id) for raw in raw_actions)
-    if prompt is None and not actions:
-        raise ProtocolError(
-            ErrorCode.INVALID_EVENT, "session.interaction needs a prompt or actions", event_id=event_id
-        )
-    return SessionInteraction(prompt=prompt, actions=actions, event_id=event_id)
-
-
-def _parse_start(data: dict[str, Any]) -> SessionStart:
-    model = _field(data, "model", str)
-    if not model:
-        raise ProtocolError(ErrorCode.INVALID_EVENT, "session.start needs a model")
-    fps = _field(data, "fps", (int, float))
-    return SessionStart(
-        model=model,
-        prompt=_field(data, "prompt", str, ""),
-        format=_field(data, "format", str, "jpeg"),
-        width=_field(data, "width", int),
-        height=_field(data, "height", int),
-        fps=None if fps is None else float(fps),
-        num_frames=_field(data, "num_frames", int),
-        seed=_field(data, "seed", int),
-        extra_params=dict(_field(data, "extra_params", dict, {})),
-    )
+_CLIENT_EVENT: TypeAdapter[ClientEvent] = TypeAdapter(Annotated[ClientEvent, Field(discriminator="type")])
 
 
 def parse_client_event(text: str, *, max_actions: int = 64) -> ClientEvent:
@@ -173,20 +232,27 @@ def parse_client_event(text: str, *, max_actions: int = 64) -> ClientEvent:
         raise ProtocolError(code, exc.message) from None
     if not isinstance(data, dict):
         raise ProtocolError(ErrorCode.INVALID_JSON, "an event is a JSON object")
-    kind = data.get("type")
-    if kind == "session.start":
-        return _parse_start(data)
-    if kind == "session.interaction":
-        return _parse_interaction(data, max_actions)
-    if kind == "session.stop":
-        return SessionStop()
-    if kind == "session.ping":
-        return SessionPing()
-    raise ProtocolError(
-        ErrorCode.INVALID_EVENT,
-        f"unknown event type {kind!r} "
-        "(expected session.start, session.interaction, session.stop, session.ping)",
-    )
+    try:
+        return _CLIENT_EVENT.validate_python(data, context={"max_actions": max_actions})
+    except ValidationError as exc:
+        raise _protocol_error(exc, data) from None
+
+
+def _protocol_error(exc: ValidationError, data: dict[str, Any]) -> ProtocolError:
+    """The first error pydantic found (fields are checked in declaration order)."""
+    error = exc.errors(include_url=False)[0]
+    ctx = error.get("ctx") or {}
+    if error["type"] == _REJECTED:
+        event_id = None
+        if ctx.get("with_event_id"):
+            body = SessionInteraction.unnest(data)
+            event_id = body["event_id"] if isinstance(body.get("event_id"), str) else None
+        return ProtocolError(ctx["code"], ctx["message"], event_id=event_id)
+    if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        message = f"unknown event type {data.get('type')!r} (expected {_EVENT_TYPES})"
+        return ProtocolError(ErrorCode.INVALID_EVENT, message)
+    where = ".".join(str(part) for part in error["loc"][1:])  # not reached by the models above
+    return ProtocolError(ErrorCode.INVALID_EVENT, f"{where}: {error['msg']}")
 
 
 # ----------------------------------------------------------------------------- server events
