@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import psutil
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
@@ -49,6 +48,7 @@ from websockets.typing import Subprotocol
 
 from loadtest.server_process import Child, free_port, replica_args, spawn
 from loadtest.stats import summarize
+from runtime.metrics import percentile
 from session.affinity import ReplicaInfo, ReplicaLease, ReplicaRegistry
 from session.store import EmbeddedRedis, redis_connection
 
@@ -170,13 +170,12 @@ async def latency(
     finally:
         await direct.close()
         await via.close()
-    dp, gp = np.percentile(d, [50, 99]), np.percentile(g, [50, 99])
     return {
         "bytes": len(message),
         "rtt_direct_ms": summarize(d, 3),
         "rtt_gateway_ms": summarize(g, 3),
-        "added_per_message_ms_p50": round(float(gp[0] - dp[0]) / 2, 4),
-        "added_per_message_ms_p99": round(float(gp[1] - dp[1]) / 2, 4),
+        "added_per_message_ms_p50": round((percentile(g, 50) - percentile(d, 50)) / 2, 4),
+        "added_per_message_ms_p99": round((percentile(g, 99) - percentile(d, 99)) / 2, 4),
     }
 
 

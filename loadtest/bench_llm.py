@@ -26,6 +26,7 @@ from typing import Any
 
 from engines.speech.stages import ResponderEngine
 from engines.vllm.stages import VllmResponderEngine
+from runtime.metrics import percentile
 from runtime.orchestrator import Orchestrator
 from runtime.payloads import TextDelta
 from runtime.registry import register_engine
@@ -63,11 +64,6 @@ def spec_for(engine: str, model: str) -> PipelineSpec:
     return parse_pipeline(PIPELINE.format(engine=engine, options=options, batch=batch), source="bench_llm")
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))]
-
-
 async def one_turn(orch: Orchestrator, params: dict[str, Any], session: str) -> tuple[float, int]:
     """(TTFT in ms, text deltas) of one turn."""
     t0 = time.perf_counter()
@@ -103,8 +99,8 @@ async def engines_run(engine: str, model: str, levels: list[int], max_tokens: in
                 {
                     "engine": engine,
                     "sessions": n,
-                    "ttft_p50_ms": round(pct(ttfts, 50), 1),
-                    "ttft_p95_ms": round(pct(ttfts, 95), 1),
+                    "ttft_p50_ms": round(percentile(ttfts, 50), 1),
+                    "ttft_p95_ms": round(percentile(ttfts, 95), 1),
                     "tokens_per_s": round(n * max_tokens / wall, 1),
                     "wall_s": round(wall, 2),
                 }

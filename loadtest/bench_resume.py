@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import signal
 import subprocess
 import sys
@@ -41,14 +40,10 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from loadtest.server_process import free_port, wait_ready
+from runtime.metrics import percentile
 
 REPLAY = 100
 COMPRESSION: str | None = "deflate"  # what clients negotiate by default (the SDK's websockets too)
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 @contextlib.asynccontextmanager
@@ -131,7 +126,8 @@ async def bench_resume(host: str, trials: int) -> dict[str, Any]:
             else:
                 await conn.close()  # parked: the next resume restores it from Redis
             await asyncio.sleep(0.02)  # a client's reconnect is never instant either
-        out[mode] = {"n": len(ms), "p50_ms": pct(ms, 50), "p99_ms": pct(ms, 99), "max_ms": max(ms)}
+        p50, p99 = percentile(ms, 50), percentile(ms, 99)
+        out[mode] = {"n": len(ms), "p50_ms": p50, "p99_ms": p99, "max_ms": max(ms)}
     return out
 
 

@@ -105,7 +105,7 @@ async def run_case(orch: Orchestrator, concurrency: int, items: int, interval_s:
     assert len(hops) == concurrency * items * HOPS_PER_ITEM, len(hops)
     return {
         "hops": len(hops),
-        "median": statistics.median(hops),
+        "median": percentile(hops, 50),
         "p99": percentile(hops, 99),
         "mean": statistics.fmean(hops),
         "throughput": len(hops) / elapsed,

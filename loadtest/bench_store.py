@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import tempfile
 import time
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from urllib.parse import urlparse
 
 from redis.asyncio import Connection, ConnectionPool, Redis, UnixDomainSocketConnection
 
+from runtime.metrics import percentile
 from session.admission import AdmissionController, Admitted
 from session.store import EmbeddedRedis, SessionStore, SessionWriter
 
@@ -68,13 +68,9 @@ def counting_client(url: str, max_connections: int = 64) -> Redis:
     return Redis(connection_pool=pool)
 
 
-def pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
 def row(name: str, ms: Sequence[float], extra: str = "") -> str:
-    return f"| {name} | {len(ms)} | {pct(ms, 50):.3f} | {pct(ms, 99):.3f} | {max(ms):.3f} | {extra} |"
+    p50, p99 = percentile(ms, 50), percentile(ms, 99)
+    return f"| {name} | {len(ms)} | {p50:.3f} | {p99:.3f} | {max(ms):.3f} | {extra} |"
 
 
 async def bench_admission(redis: Redis, trials: int, opens: int, spread_ms: float) -> dict[str, Any]:
@@ -120,8 +116,8 @@ async def bench_admission(redis: Redis, trials: int, opens: int, spread_ms: floa
             await ctl.close()
         await redis.config_set("slowlog-log-slower-than", 10000)
         results[mode] = {
-            "p50_ms": pct(lat, 50),
-            "p99_ms": pct(lat, 99),
+            "p50_ms": percentile(lat, 50),
+            "p99_ms": percentile(lat, 99),
             "max_ms": max(lat),
             "calls": len(lat),
             "round_trips_per_burst": sum(trips) / len(trips),
@@ -160,8 +156,8 @@ async def bench_resume(redis: Redis, trials: int) -> dict[str, Any]:
         events = resumed.events
         assert events is not None and len(events) == 100 and events[0]["event_id"] == sent[200]["event_id"]
     return {
-        "p50_ms": pct(lat, 50),
-        "p99_ms": pct(lat, 99),
+        "p50_ms": percentile(lat, 50),
+        "p99_ms": percentile(lat, 99),
         "max_ms": max(lat),
         "round_trips": Sends.count / trials,
         "_lat": lat,

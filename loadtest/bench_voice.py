@@ -33,7 +33,6 @@ import random
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,8 @@ from typing import Any
 import httpx
 import numpy as np
 import websockets
+
+from runtime.metrics import percentile
 
 RATE = 24_000
 CHUNK_MS = 20
@@ -367,7 +368,7 @@ async def cpu_load(url: str, pid: int, sessions: int, seconds: float, frames: li
     wall = t1 - t0
     return {
         "windows_pct": [round(w, 1) for w in windows],
-        "server_cpu_pct": statistics.median(windows),
+        "server_cpu_pct": percentile(windows, 50),
         "client_cpu_pct": 100 * (c1 - c0) / wall,
         # Audio the clients sent per second of wall time, over what real time would be.
         "realtime_ratio": (sent1 - sent0) / RATE / wall / sessions,
@@ -395,13 +396,9 @@ def log(message: str) -> None:
 # --- report -------------------------------------------------------------------------------
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))]
-
-
 def summary(values: list[float]) -> dict[str, float]:
-    return {"p50": statistics.median(values), "p90": pct(values, 90), "max": max(values), "n": len(values)}
+    p50, p90 = percentile(values, 50), percentile(values, 90)
+    return {"p50": p50, "p90": p90, "max": max(values), "n": len(values)}
 
 
 @dataclass(slots=True)
@@ -481,7 +478,7 @@ async def main_async(args: argparse.Namespace) -> Report:
             report.raw["barge_in"] = [vars_of(t) for t in trials]
             report.add("barge-in: first frame → VAD onset (audio)", 1, [t.onset_ms for t in trials], None)
             report.add("barge-in: first frame → speech_started", 1, [t.started_ms for t in trials], None)
-            onset_p50 = statistics.median(t.onset_ms for t in trials)
+            onset_p50 = percentile([t.onset_ms for t in trials], 50)
             report.add(
                 "barge-in: first frame → response.done", 1, [t.done_ms for t in trials], onset_p50 + 150
             )

@@ -35,7 +35,6 @@ import base64
 import contextlib
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ import websockets
 
 from loadtest.server_process import ConfigSpec, ServerProcess, Target
 from loadtest.stats import summarize
+from runtime.metrics import percentile
 
 WS_RATE = 24_000
 RTC_RATE = 48_000
@@ -232,8 +232,8 @@ async def webrtc_turn(
     calls.append(
         {
             "load1": round(os.getloadavg()[0], 2),
-            "jitter_p99_ms": round(float(np.percentile(call_jitter, 99)), 2) if len(call_jitter) else 0.0,
-            "grid_p99_ms": round(float(np.percentile(call_grid, 99)), 2) if call_grid else 0.0,
+            "jitter_p99_ms": round(percentile(call_jitter, 99), 2),
+            "grid_p99_ms": round(percentile(call_grid, 99), 2),
         }
     )
     first = packets.first_audible(utterance.ended_at)
@@ -354,7 +354,7 @@ async def run(trials: int, barge_trials: int, log_dir: Path) -> dict[str, Any]:
 def median_diff(a: list[float | None], b: list[float | None]) -> float | None:
     a_ok = [v for v in a if v is not None]
     b_ok = [v for v in b if v is not None]
-    return round(statistics.median(a_ok) - statistics.median(b_ok), 1) if a_ok and b_ok else None
+    return round(percentile(a_ok, 50) - percentile(b_ok, 50), 1) if a_ok and b_ok else None
 
 
 def track_summaries(log_path: Path) -> list[dict[str, Any]]:

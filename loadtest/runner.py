@@ -28,6 +28,7 @@ from loadtest.turns import TurnRecord
 from loadtest.voice_ws import LiveCounters, SessionResult, VoiceWsSession
 from loadtest.workload import Workload
 from loadtest.world import WorldSession, WorldSessionResult, world_summary
+from runtime.metrics import percentile
 
 
 class SessionRunner(Protocol):
@@ -239,7 +240,7 @@ def level_summary(results: list[SessionResult]) -> dict[str, Any]:
         "audio_ms": summarize(t.audio_ms for t in completed),
         "delta_gap_ms": summarize(gaps_ms.tolist()),
         "delta_gap_quantiles_ms": (
-            [round(float(v), 2) for v in np.percentile(gaps_ms, np.arange(101))] if gaps_ms.size else []
+            [round(percentile(gaps_ms, q), 2) for q in range(101)] if gaps_ms.size else []
         ),
         "underruns": sum(t.underruns for t in turns),
         "turns_with_underruns": sum(1 for t in turns if t.underruns),

@@ -1,10 +1,12 @@
-"""Distribution summaries used by reports (percentiles by linear interpolation)."""
+"""Distribution summaries used by reports (percentiles: :func:`runtime.metrics.percentile`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import numpy as np
+
+from runtime.metrics import percentile
 
 QUANTILES = (50, 90, 95, 99)
 
@@ -18,8 +20,8 @@ def summarize(values: Iterable[float | None], digits: int = 1) -> dict[str, floa
         return out
     out["mean"] = round(float(data.mean()), digits)
     out["min"] = round(float(data.min()), digits)
-    for q, value in zip(QUANTILES, np.percentile(data, QUANTILES), strict=True):
-        out[f"p{q}"] = round(float(value), digits)
+    for q in QUANTILES:
+        out[f"p{q}"] = round(percentile(data, q), digits)
     out["max"] = round(float(data.max()), digits)
     return out
 

@@ -43,6 +43,7 @@ from loadtest.voice_common import (
 )
 from loadtest.voice_ws import refusal_code
 from loadtest.workload import Workload
+from runtime.metrics import percentile
 
 DEFAULT_MODEL = "tiny-jepa"
 WARMUP_S = 1.0  # chunks in the first second after video.start are not counted
@@ -376,7 +377,7 @@ def world_summary(stats: list[WorldStats]) -> dict[str, Any]:
         "frame_jitter_ms": summarize(jitter.tolist()),
         "frame_jitter_abs_ms": summarize(np.abs(jitter).tolist()),
         "frame_jitter_quantiles_ms": (
-            [round(float(v), 2) for v in np.percentile(jitter, np.arange(101))] if jitter.size else []
+            [round(percentile(jitter, q), 2) for q in range(101)] if jitter.size else []
         ),
         "late_chunks": sum(s.late_chunks() for s in stats),
         "action_ms": summarize(action),

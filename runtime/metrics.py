@@ -7,7 +7,10 @@ dicts of numbers; a hook object gets each observation as it happens.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Any, Protocol
+
+import numpy as np
 
 
 class MetricsHook(Protocol):
@@ -18,13 +21,19 @@ class MetricsHook(Protocol):
     def on_queue(self, stage: str, replica: int, depth: int) -> None: ...
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); 0.0 for no values."""
-    if not values:
+def percentile(values: Iterable[float] | np.ndarray, q: float) -> float:
+    """The ``q``-th percentile (``q`` in 0..100) of ``values``; 0.0 for no values.
+
+    One meaning for every percentile this project reports (stage metrics, load tests,
+    benchmarks): linear interpolation between the two nearest ranks, numpy's default
+    (``method="linear"``). So p50 is the median (``statistics.median``), p0 the minimum and
+    p100 the maximum. (``media/`` calls ``np.percentile`` itself, the same definition, as it
+    imports nothing of ours; ``loadtest.server_metrics.histogram_quantile`` estimates from
+    Prometheus buckets, which is another thing.)"""
+    data = values if isinstance(values, np.ndarray) else np.fromiter(values, dtype=np.float64)
+    if data.size == 0:
         return 0.0
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
-    return ordered[rank]
+    return float(np.percentile(data, q))
 
 
 class StageMetrics:
