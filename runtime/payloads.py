@@ -93,6 +93,9 @@ class AudioInput(Payload):
     samples: np.ndarray  # float32 mono
     sample_rate: int
     final: bool = False
+    # Where its first sample lies on the request's input timeline, when a stage hands audio on
+    # downstream (the VAD stage to a live ASR stage); None for audio a session appends.
+    start_sample: int | None = None
 
 
 @dataclass(slots=True)
@@ -101,6 +104,10 @@ class Transcript(Payload):
 
     text: str
     final: bool = True
+    # What it transcribes, when the session asked by name (a live ASR stage's `TurnControl`
+    # "speech_started" / "transcribe" `ref`): a user item id or a key of the session's. None:
+    # the audio of the request it came from.
+    ref: str | None = None
 
 
 # --- live voice requests (docs/CONTRACTS.md, "Live voice requests") -------------------------
@@ -152,10 +159,18 @@ class ResponseDone(Payload):
 
 @dataclass(slots=True)
 class TurnControl(Payload):
-    """Manual turn control appended to a live request (`append_input`): the client's
-    `input_audio_buffer.commit` / `.clear`, `response.create` / `response.cancel`."""
+    """Turn control appended to a live request (`append_input`), in order with its audio.
 
-    kind: str  # "commit" | "clear" | "respond" | "cancel"
+    The client's manual turn control: "commit" (`input_audio_buffer.commit`), "clear"
+    (`.clear`: the pipeline forgets the audio it holds), "respond" (`response.create`; `params`
+    are the response's submit params), "cancel" (`response.cancel`, or a barge-in the session
+    decided). The session's turns, for a live ASR stage (positions: samples of the request's
+    input timeline): "speech_started" (`params`: `ref` the user item being spoken, `start`,
+    `partials`: stream transcription deltas while it is spoken), "speech_stopped" (`ref`),
+    "transcribe" (`ref`, `start`, `end`: one final `Transcript` of that stretch, e.g. the turn
+    so far at a pause). A stage ignores the kinds it has no use for."""
+
+    kind: str
     response_id: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
 

@@ -38,6 +38,7 @@ def core_options(
         pipeline_transcribes_input=ctx.pipeline_transcribes_input,
         session_id=session_id,
         live_responses=ctx.capabilities.live_responses or ctx.capabilities.turn_detection,
+        live_transcribes_input=_live_asr(ctx),
         max_conversation_bytes=ctx.settings.max_conversation_bytes,
         max_instructions_bytes=ctx.settings.max_instructions_bytes,
         max_input_audio_s=ctx.settings.max_input_audio_s,
@@ -55,8 +56,16 @@ def live_entry(ctx: ServerContext) -> LiveEntry | None:
     if caps.live_responses or caps.turn_detection:
         return LiveEntry(caps.live_entry, caps.input_rate)
     if caps.voice_activity and ctx.settings.vad:
-        return LiveEntry(caps.live_entry, 16000, frames=True)
+        return LiveEntry(caps.live_entry, 16000, frames=True, transcribes=_live_asr(ctx))
     return None
+
+
+def _live_asr(ctx: ServerContext) -> bool:
+    """The live request's VAD frames go on to an ASR stage: the user is transcribed as they
+    speak, on the live request (a pipeline taking its own turns transcribes by itself)."""
+    caps = ctx.capabilities
+    own_turns = caps.live_responses or caps.turn_detection
+    return caps.voice_activity and caps.live_transcribes_input and ctx.settings.vad and not own_turns
 
 
 def build_driver(

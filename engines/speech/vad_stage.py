@@ -12,6 +12,10 @@ frames, :func:`~engines.speech.vad.speech_probs_across_streams`), on the stage's
 thread. This replaced a hand-made batching runtime in the session layer and a model loaded by
 the web layer. ``TurnControl("clear")`` resets the stream (audio after it does not continue
 the audio before) and forgets audio not scored yet, as the input buffer does.
+
+Downstream (to a live ASR stage, when the pipeline has an edge from here): the scored audio
+with its position (``AudioInput.start_sample``), its ``VoiceActivity``, and every
+``TurnControl`` in the order it came, so the next stage sees the same timeline.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 
 from engines.speech.vad import FRAME_SAMPLES, SAMPLE_RATE, SileroVad, VadStream, speech_probs_across_streams
 from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
-from runtime.payloads import AudioInput, TurnControl, VoiceActivity
+from runtime.payloads import AudioInput, Payload, TurnControl, VoiceActivity
 
 
 @dataclass(slots=True)
@@ -64,13 +68,20 @@ class VadEngine(Engine):
             self.check_inputs(item)
         frames: list[np.ndarray] = []  # per request: [N, 512]
         starts: list[int] = []
+        controls: list[list[TurnControl]] = []
         for item in batch:
             state: VadState = item.state
+            forward: list[TurnControl] = []
+            controls.append(forward)
             for payload in item.inputs:
                 if isinstance(payload, TurnControl) and payload.kind == "clear":
                     state.stream.reset()
                     state.next_sample += sum(len(p) for p in state.pending)
                     state.pending.clear()
+                    # Where the timeline goes on: the audio before it was dropped unscored.
+                    forward.append(TurnControl("clear", params={**payload.params, "at": state.next_sample}))
+                elif isinstance(payload, TurnControl):
+                    forward.append(payload)
                 elif isinstance(payload, AudioInput):
                     state.pending.append(np.asarray(payload.samples, dtype=np.float32).reshape(-1))
             audio = np.concatenate(state.pending) if state.pending else np.zeros(0, dtype=np.float32)
@@ -80,10 +91,14 @@ class VadEngine(Engine):
             starts.append(state.next_sample)
             state.next_sample += whole
         probs = self._score(batch, frames)
-        return [
-            StepOutput(client=[VoiceActivity(start, p)] if p else [], wait_for_input=True)
-            for start, p in zip(starts, probs, strict=True)
-        ]
+        outputs = []
+        for start, p, audio, control in zip(starts, probs, frames, controls, strict=True):
+            activity: list[Payload] = [VoiceActivity(start, p)] if p else []
+            downstream: list[Payload] = list(control)
+            if p:
+                downstream += [AudioInput(audio.reshape(-1), SAMPLE_RATE, start_sample=start), *activity]
+            outputs.append(StepOutput(client=activity, downstream=downstream, wait_for_input=True))
+        return outputs
 
     def _score(self, batch: Sequence[StepInput], frames: list[np.ndarray]) -> list[list[float]]:
         """Advance every stream frame by frame, all streams with a k-th frame in one call."""

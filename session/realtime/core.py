@@ -24,6 +24,7 @@ from session.realtime.effects import (
     ClearAudioOutput,
     Close,
     CoreOutput,
+    LiveControl,
     LiveUpdate,
     StartResponse,
 )
@@ -106,6 +107,10 @@ class CoreOptions:
     # (`on_live_response_started`), the user's audio is committed as user items then; no
     # server VAD, and `response.create` is refused.
     live_responses: bool = False
+    # The live request transcribes the user while they speak (a live ASR stage after the VAD
+    # stage): the core marks its turns there (`LiveControl` "speech_started" / "speech_stopped")
+    # and the driver transcribes pauses on it (`PrepareTranscript`).
+    live_transcribes_input: bool = False
     # Per-session budgets (docs/sessions.md "Limits"): what one client can make the server
     # keep. Text of all conversation items (UTF-8 bytes; a create past it is refused with
     # `conversation_too_large`), the instructions (`string_above_max_length`), and the
@@ -140,6 +145,7 @@ class RealtimeSessionCore(UserInput):
         self._track_overflow = False
         self._speech_start = 0
         self._prepared: tuple[str, int] | None = None  # key of the last PrepareTranscript
+        self._streamed: OrderedDict[str, str] = OrderedDict()  # transcription deltas sent per item
         self._ahead: tuple[str, int] | None = None  # key of a RespondAhead not yet settled
         self._active: ResponseRun | None = None
         self._prompt_items: OrderedDict[str, list[str]] = OrderedDict()  # response → audio items
@@ -437,12 +443,16 @@ class RealtimeSessionCore(UserInput):
             self._session_update(event)
         elif isinstance(event, InputAudioBufferCommit):
             self._manual_commit()
+            if self.options.live_responses:
+                self._out.effect(LiveControl("commit"))
         elif isinstance(event, InputAudioBufferClear):
             self._input.clear()
             self._vad.reset()
-            self._speech_item_id = None
+            self._end_speech()
             self._drop_ahead()
             self._out.event("input_audio_buffer.cleared")
+            if self.options.live_responses:
+                self._out.effect(LiveControl("clear"))
         elif isinstance(event, OutputAudioBufferClear):
             self._clear_output(now)
         elif isinstance(event, ConversationItemCreate):
@@ -499,7 +509,7 @@ class RealtimeSessionCore(UserInput):
         self._input.set_vad(td is not None)
         if td is None:
             self._vad.reset()
-            self._speech_item_id = None
+            self._end_speech()
             self._idle_deadline = None
         else:
             self._vad.configure(td.threshold, td.effective_silence_ms())
@@ -618,7 +628,10 @@ class RealtimeSessionCore(UserInput):
                 "Cancellation failed: no active response found.",
                 param="response_id" if event.response_id is not None else None,
             )
+        run = self._active
         self._cancel_active("client_cancelled", now)
+        if self.options.live_responses:
+            self._out.effect(LiveControl("cancel", response_id=run.id))
 
     def _cancel_active(self, reason: CancelReason, now: float) -> None:
         run = self._active

@@ -36,6 +36,7 @@ class PrepareTranscript:
 
     key: tuple[str, int]  # (item id, timeline sample where the pause began)
     audio: np.ndarray
+    start_sample: int = 0  # timeline sample where `audio` begins (it ends at key[1])
 
 
 @dataclass(slots=True)
@@ -137,6 +138,20 @@ class LiveUpdate:
     values: dict[str, Any]
 
 
+@dataclass(slots=True)
+class LiveControl:
+    """Turn control for the session's live request, in order with its audio (the pipeline's
+    `TurnControl`, docs/CONTRACTS.md "Live voice requests"). For a model that takes its own
+    turns: the client's "commit", "clear", "cancel" (`response_id`). For a live ASR stage:
+    "speech_started" (`params`: `ref` the item being spoken, `start` its timeline sample,
+    `partials`: stream transcription deltas) and "speech_stopped" (`ref`). Timeline positions
+    (`start`, `end`) are the core's 16 kHz samples; the driver maps them onto the request's."""
+
+    kind: str
+    params: dict[str, Any] = field(default_factory=dict)
+    response_id: str | None = None
+
+
 Effect = (
     StartResponse
     | PrepareTranscript
@@ -150,6 +165,7 @@ Effect = (
     | Close
     | LiveAudio
     | LiveUpdate
+    | LiveControl
 )
 
 

@@ -23,6 +23,7 @@ from session.realtime.effects import (
     CoreOutput,
     DropAhead,
     LiveAudio,
+    LiveControl,
     PrepareTranscript,
     RespondAhead,
     TranscribeInput,
@@ -44,6 +45,24 @@ MIN_COMMIT_MS = 100
 LIVE_COMMIT_MAX_MS = 30_000
 
 
+STREAMED_ITEMS_MAX = 16  # items whose transcription deltas are remembered until their final
+
+
+def _word_keys(text: str) -> list[str]:
+    return ["".join(ch for ch in w.lower() if ch.isalnum() or ch == "'") for w in text.split()]
+
+
+def remaining_words(streamed: str, final: str) -> str:
+    """What a final transcript adds to the deltas already sent: its words after those the
+    deltas said (case and punctuation aside), with a leading space after streamed text; ""
+    when the deltas said it all or said something else (the completed event then corrects)."""
+    said, words = _word_keys(streamed), final.split()
+    if said != _word_keys(" ".join(words[: len(said)])):
+        return ""
+    rest = " ".join(words[len(said) :])
+    return (" " + rest if said else rest) if rest else ""
+
+
 class UserInput(ABC):
     """Input-side entry points and helpers of the session core (see the module docstring)."""
 
@@ -58,6 +77,7 @@ class UserInput(ABC):
     _speech_item_id: str | None
     _speech_start: int
     _prepared: tuple[str, int] | None
+    _streamed: OrderedDict[str, str]  # item id → transcription deltas sent before its final
     _ahead: tuple[str, int] | None
     _active: ResponseRun | None
     _prompt_items: OrderedDict[str, list[str]]
@@ -189,6 +209,12 @@ class UserInput(ABC):
         if target_id in self._prompt_items:
             ids = self._prompt_items[target_id]
             item_id = ids[-1] if ids else ""
+        enabled = self.config.transcription is not None
+        if not final and item_id == self._speech_item_id and item_id is not None:
+            # A live ASR's words while the item is still being spoken (it is added at commit).
+            if enabled and text:
+                self._transcript_delta(item_id, 0, text)
+            return self._out.drain()
         if item_id not in self.conversation or item_id in self._transcribed:
             return self._out.drain()
         item = self.conversation.get(item_id)
@@ -196,20 +222,23 @@ class UserInput(ABC):
         if index is None:
             return self._out.drain()
         part = item.content[index]
-        enabled = self.config.transcription is not None
         if not final:
             if enabled and text:
+                self._transcript_delta(item_id, index, text)
+            return self._out.drain()
+        self._transcribed.add(item_id)
+        streamed = self._streamed.pop(item_id, None)
+        part.heard = text
+        self.conversation.mark_changed(item_id)
+        if enabled:
+            rest = remaining_words(streamed or "", text)
+            if rest:  # what the deltas did not say yet, so the deltas add up to the transcript
                 self._out.event(
                     "conversation.item.input_audio_transcription.delta",
                     item_id=item_id,
                     content_index=index,
-                    delta=text,
+                    delta=rest,
                 )
-            return self._out.drain()
-        self._transcribed.add(item_id)
-        part.heard = text
-        self.conversation.mark_changed(item_id)
-        if enabled:
             part.transcript = text
             seconds = (part.audio_ms() or part.dropped_ms or 0.0) / 1000.0
             self._out.event(
@@ -220,6 +249,18 @@ class UserInput(ABC):
                 usage={"type": "duration", "seconds": round(seconds, 3)},
             )
         return self._out.drain()
+
+    def _transcript_delta(self, item_id: str, index: int, text: str) -> None:
+        self._out.event(
+            "conversation.item.input_audio_transcription.delta",
+            item_id=item_id,
+            content_index=index,
+            delta=text,
+        )
+        streamed = self._streamed
+        streamed[item_id] = streamed.pop(item_id, "") + text
+        while len(streamed) > STREAMED_ITEMS_MAX:  # items that were never committed or finished
+            streamed.popitem(last=False)
 
     def on_input_transcript_failed(self, item_id: str, message: str) -> CoreOutput:
         if item_id in self.conversation and item_id not in self._transcribed:
@@ -291,7 +332,7 @@ class UserInput(ABC):
             )
         item_id = self._speech_item_id or self._new_id("item")
         self._vad.reset()
-        self._speech_item_id = None
+        self._end_speech()
         audio = self._input.take(self._input.start, self._input.end)
         self._input.clear()
         self._commit(item_id, audio, respond=False)
@@ -334,6 +375,10 @@ class UserInput(ABC):
             item_id=self._speech_item_id,
             audio_start_ms=ms_of(self._speech_start),
         )
+        if self.options.live_transcribes_input:
+            partials = self.config.transcription is not None
+            params = {"ref": self._speech_item_id, "start": self._speech_start, "partials": partials}
+            self._out.effect(LiveControl("speech_started", params))
         if td.interrupt_response:
             if self._active is not None:
                 self._cancel_active("turn_detected", now)
@@ -341,7 +386,7 @@ class UserInput(ABC):
 
     def _on_speech_stopped(self, change: SpeechStopped, td: TurnDetection, now: float) -> None:
         item_id = self._speech_item_id or self._new_id("item")
-        self._speech_item_id = None
+        self._end_speech()
         self._out.event(
             "input_audio_buffer.speech_stopped", item_id=item_id, audio_end_ms=ms_of(change.end_sample)
         )
@@ -353,6 +398,12 @@ class UserInput(ABC):
         self._commit(item_id, audio, respond=respond)
         if respond:
             self._start_response(None, now, transcript_key=(item_id, change.end_sample))
+
+    def _end_speech(self) -> None:
+        """The item being spoken ends (committed, cleared): a live ASR stops its deltas."""
+        item_id, self._speech_item_id = self._speech_item_id, None
+        if item_id is not None and self.options.live_transcribes_input:
+            self._out.effect(LiveControl("speech_stopped", {"ref": item_id}))
 
     def _maybe_prepare_transcript(self, frame_end: int, td: TurnDetection) -> None:
         """A pause long enough that the turn may end here: transcribe it ahead (once)."""
@@ -369,7 +420,8 @@ class UserInput(ABC):
         ):
             return
         self._prepared = (item_id, pause)
-        self._out.effect(PrepareTranscript((item_id, pause), self._input.slice(self._speech_start, pause)))
+        audio = self._input.slice(self._speech_start, pause)
+        self._out.effect(PrepareTranscript((item_id, pause), audio, start_sample=self._speech_start))
 
     def _maybe_respond_ahead(self, frame_end: int, td: TurnDetection) -> None:
         """The pause transcribed ahead has lasted `respond_ahead_after_ms`: start the response

@@ -46,6 +46,7 @@ from session.realtime.effects import (
     DetectSpeech,
     DropAhead,
     LiveAudio,
+    LiveControl,
     LiveUpdate,
     PlayAudio,
     PrepareTranscript,
@@ -451,6 +452,8 @@ class RealtimeDriver:
                 self.live.push(effect)
             elif isinstance(effect, LiveUpdate) and self.live is not None:
                 self.live.update(effect.values)
+            elif isinstance(effect, LiveControl) and self.live is not None:
+                self.live.control(effect)
 
     # --- transcription on the pipeline's transcribe entry ----------------------------------
 
@@ -491,12 +494,18 @@ class RealtimeDriver:
         self.apply(self.core.on_input_transcript(effect.item_id, text, now=self.now()))
 
     def _prepare_transcript(self, effect: PrepareTranscript) -> None:
+        """Transcribe the turn so far at a pause: on the live request, whose ASR stage holds
+        that audio already (made while the user spoke), or else on the transcribe entry."""
         caps = self.options.capabilities
-        if caps is None or caps.transcribe_entry is None:
+        live = self.live if self.live is not None and self.live.transcribes else None
+        if live is None and (caps is None or caps.transcribe_entry is None):
             return
 
         async def transcribe() -> str | None:
             try:
+                if live is not None:
+                    text = await live.transcribe(effect.start_sample, effect.key[1])
+                    return text or None  # None: not transcribed (the response's ASR then does)
                 return await self._transcribe_audio(effect.audio)
             except Exception as exc:  # the response then transcribes in the pipeline as usual
                 log.warning("transcription ahead of the turn's end failed: %s", exc)
@@ -524,9 +533,9 @@ class RealtimeDriver:
         if text is None:
             return params
         self.stats.transcripts_prepared_used += 1
-        # Made by the pipeline's ASR during the silence that ended the turn: the client gets it
-        # as a transcription delta, then the completed transcript, before any response output.
-        self.apply(self.core.on_input_transcript(rid, text, final=False, now=self.now()))
+        # Made by the pipeline's ASR during the silence that ended the turn: the client gets
+        # what the deltas during speech did not say, then the completed transcript, before any
+        # response output.
         self.apply(self.core.on_input_transcript(rid, text, final=True, now=self.now()))
         return with_transcript(params, text)
 

@@ -53,7 +53,7 @@ from runtime.payloads import (
 )
 from runtime.progress import RequestStatus
 from session.realtime.core import RealtimeSessionCore
-from session.realtime.effects import CoreOutput, DetectSpeech, LiveAudio
+from session.realtime.effects import CoreOutput, DetectSpeech, LiveAudio, LiveControl
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class LiveEntry:
     entry: str
     input_rate: int
     frames: bool = False
+    transcribes: bool = False  # a live ASR stage follows the VAD (`LiveControl`, `transcribe`)
 
 
 @dataclass(slots=True)
@@ -86,7 +87,8 @@ class _Segment:
     frames: int
 
 
-_Input = np.ndarray | DetectSpeech | TurnControl | Conditioning
+_Input = np.ndarray | DetectSpeech | LiveControl | Conditioning
+SPANS_MAX = 4096  # VAD segments remembered to map core positions onto the request (~2 min)
 
 
 class LiveRequest:
@@ -117,6 +119,9 @@ class LiveRequest:
         self._resampler: StreamingResampler | None = None
         self._overflow_reported_at: float | None = None
         self._segments: deque[_Segment] = deque()  # of the current request (VAD frames)
+        self._spans: deque[_Segment] = deque(maxlen=SPANS_MAX)  # ... scored or not (positions)
+        self._asked: dict[str, asyncio.Future[str]] = {}  # `transcribe` refs awaiting their text
+        self._asks = 0
         self._sent = 0  # input-rate samples handed on or dropped (where a new request starts)
         self._base = 0  # ... when the current request opened
         self.request_id: str | None = None
@@ -147,9 +152,41 @@ class LiveRequest:
         if self._room(effect.samples.nbytes):
             self._queue_input(effect, effect.samples.nbytes)
 
-    def control(self, control: TurnControl) -> None:
-        """Manual turn control, in order with the audio (a few small objects, never dropped)."""
+    def control(self, control: LiveControl) -> None:
+        """Turn control, in order with the audio (a few small objects, never dropped)."""
         self._queue_input(control, 0)
+
+    @property
+    def transcribes(self) -> bool:
+        return self._entry.transcribes
+
+    async def transcribe(self, start: int, end: int) -> str:
+        """The live ASR's final transcript of core timeline [start, end) (audio it already
+        holds); "" when the live request ended before it answered."""
+        self._asks += 1
+        ref = f"t{self._asks}"
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._asked[ref] = future
+        self.control(LiveControl("transcribe", {"ref": ref, "start": start, "end": end}))
+        try:
+            return await future
+        finally:
+            self._asked.pop(ref, None)
+
+    def _request_sample(self, core_sample: int) -> int:
+        """Where core timeline `core_sample` lies on the current request's timeline (a sample
+        in a gap maps to the next audio the request got, one past its audio to its end)."""
+        for seg in reversed(self._spans):
+            if core_sample >= seg.core_start:
+                return seg.request_frame * FRAME + min(core_sample - seg.core_start, seg.frames * FRAME)
+        return self._spans[0].request_frame * FRAME if self._spans else 0
+
+    def _turn_control(self, control: LiveControl) -> TurnControl:
+        params = dict(control.params)
+        for key in ("start", "end"):
+            if key in params and self._entry.frames:
+                params[key] = self._request_sample(int(params[key]))
+        return TurnControl(control.kind, response_id=control.response_id, params=params)
 
     def update(self, values: dict[str, Any]) -> None:
         """`session.update` changes for the model (`orch.update`), in order with the audio."""
@@ -203,6 +240,7 @@ class LiveRequest:
         self.opened += 1
         self.request_id = handle.request_id
         self._segments.clear()
+        self._spans.clear()
         self._unscored = 0
         self._base = self._sent
         pump = asyncio.create_task(self._pump(handle.request_id), name=f"{self._core.session_id}:live-pump")
@@ -218,6 +256,9 @@ class LiveRequest:
             await asyncio.gather(pump, return_exceptions=True)
             self.request_id = None
             self._unscored = 0  # what the request held unscored is gone with it
+            for future in self._asked.values():
+                if not future.done():
+                    future.set_result("")  # its audio went with the request
             if status is None:  # we were cancelled (the session ends or leaves): stop the model
                 await self._orch.cancel(handle.request_id)
             ended = "failed" if status is not None and status.status == "failed" else "cancelled"
@@ -240,14 +281,16 @@ class LiveRequest:
                 if isinstance(item, Conditioning):
                     await self._orch.update(request_id, item)  # False: ended (the reader sees it)
                     continue
-                if isinstance(item, TurnControl):
-                    payload = item
+                if isinstance(item, LiveControl):
+                    payload = self._turn_control(item)
                 elif isinstance(item, DetectSpeech):
                     self._queued_bytes -= item.samples.nbytes
                     clear = TurnControl("clear")
                     if item.reset and frame and not await self._orch.append_input(request_id, clear):
                         return
-                    self._segments.append(_Segment(frame, item.start_sample, item.num_frames))
+                    segment = _Segment(frame, item.start_sample, item.num_frames)
+                    self._segments.append(segment)
+                    self._spans.append(segment)
                     frame += item.num_frames
                     self._unscored += item.num_frames
                     payload = AudioInput(item.samples, VAD_RATE)
@@ -270,6 +313,13 @@ class LiveRequest:
                 self._apply(core.on_live_speech_started(sample, now))
             else:
                 self._apply(core.on_live_speech_stopped(sample, now))
+        elif isinstance(out, Transcript) and out.ref is not None:
+            future = self._asked.get(out.ref)
+            if future is not None:
+                if not future.done():
+                    future.set_result(out.text)
+            else:  # the words of the item being spoken, while it is spoken
+                self._apply(core.on_input_transcript(out.ref, out.text, final=out.final, now=now))
         elif isinstance(out, Transcript):
             item_id = core.last_user_item_id
             if item_id is not None:

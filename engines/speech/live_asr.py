@@ -1,0 +1,199 @@
+"""``speech.live_asr``: the user's words while they speak, on the session's live request.
+
+The stage after the VAD stage on a voice-cascade pipeline's live entry (docs/CONTRACTS.md,
+"Live voice requests"). The VAD stage hands on every scored 16 kHz frame with its position and
+speech probability; the session marks its turns on that timeline with ``TurnControl``:
+
+* ``speech_started`` (``ref``: the user item being spoken, ``start``, ``partials``): an
+  utterance opens. With ``partials``, while the user is still speaking the utterance so far is
+  transcribed again every ``partial_interval_ms`` of new audio and the words two successive
+  hypotheses agree on (local agreement: a word is sent once a later pass confirms it) go out
+  as ``Transcript(delta, final=False, ref=...)``; the session sends them as
+  ``conversation.item.input_audio_transcription.delta``.
+* ``transcribe`` (``ref``, ``start``, ``end``): one final ``Transcript`` of that stretch, e.g.
+  the turn so far once a pause may end it (the response then starts on that text).
+* ``speech_stopped`` / ``clear``: the utterance ends (``clear`` also forgets held audio).
+
+Audio is held from the open utterance's start (at most ``max_audio_s``), else only the last
+``idle_audio_s`` (the session marks a start after the VAD has seen it, with prefix padding
+before it). A ``transcribe`` whose stretch has not arrived yet waits for it. Whisper is the
+process's one model (:func:`engines.speech.asr.shared_asr`, shared with the other ASR stages).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engines.speech.asr import SAMPLE_RATE, AsrConfig, WhisperAsr, shared_asr
+from engines.speech.vad import FRAME_SAMPLES
+from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
+from runtime.payloads import AudioInput, Payload, Transcript, TurnControl, VoiceActivity
+
+_WORD = re.compile(r"[a-z0-9']+")
+_SPEAKING_WINDOW = SAMPLE_RATE // 4  # a partial only while speech was heard in the last 250 ms
+
+
+def word_key(word: str) -> str:
+    """A word as two hypotheses are compared: case and punctuation do not count."""
+    return "".join(_WORD.findall(word.lower()))
+
+
+def agreed_words(previous: Sequence[str], current: Sequence[str]) -> list[str]:
+    """The leading words two hypotheses share (taken from `current`)."""
+    n = 0
+    for a, b in zip(previous, current, strict=False):
+        if word_key(a) != word_key(b):
+            break
+        n += 1
+    return list(current[:n])
+
+
+@dataclass(slots=True)
+class _Utterance:
+    ref: str
+    start: int
+    partials: bool
+    next_at: int  # decode a partial once the audio reaches this sample
+    previous: list[str] = field(default_factory=list)  # the last hypothesis, as words
+    sent: int = 0  # words sent as deltas
+
+
+@dataclass(slots=True)
+class LiveAsrState:
+    audio: deque[tuple[int, np.ndarray]] = field(default_factory=deque)  # (start sample, samples)
+    end: int = 0  # the sample after the last audio received
+    voiced_at: int = -1  # the last frame whose speech probability passed the threshold
+    utterance: _Utterance | None = None
+    jobs: list[TurnControl] = field(default_factory=list)  # "transcribe" waiting for its audio
+
+    def held_from(self) -> int:
+        return self.audio[0][0] if self.audio else self.end
+
+    def span(self, start: int, end: int) -> np.ndarray:
+        """The held audio in [start, end) (what is not held any more is left out)."""
+        parts = []
+        for first, samples in self.audio:
+            last = first + len(samples)
+            if last <= start or first >= end:
+                continue
+            parts.append(samples[max(0, start - first) : min(len(samples), end - first)])
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+    def trim(self, keep_from: int) -> None:
+        while self.audio and self.audio[0][0] + len(self.audio[0][1]) <= keep_from:
+            self.audio.popleft()
+
+
+class LiveAsrEngine(Engine):
+    """``speech.live_asr``. Options: ``partial_interval_ms`` (700), ``speech_threshold`` (0.5),
+    ``max_audio_s`` (30), ``idle_audio_s`` (3), and the Whisper options of ``speech.asr``
+    (``model``, ``compute_type``, ``cpu_threads``, ``num_workers``, ``short_encode``)."""
+
+    provides = frozenset({"input_transcription"})
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        super().__init__(options)
+        opts = self.options
+        self.config = AsrConfig(
+            model_path=str(opts.get("model") or ""),
+            compute_type=str(opts.get("compute_type", "int8")),
+            cpu_threads=int(opts.get("cpu_threads", 0)),
+            num_workers=int(opts.get("num_workers", 1)),
+            short_encode=bool(opts.get("short_encode", True)),
+        )
+        self.partial_interval = int(float(opts.get("partial_interval_ms", 700)) * SAMPLE_RATE / 1000)
+        self.threshold = float(opts.get("speech_threshold", 0.5))
+        self.max_audio = int(float(opts.get("max_audio_s", 30)) * SAMPLE_RATE)
+        self.idle_audio = int(float(opts.get("idle_audio_s", 3)) * SAMPLE_RATE)
+        self._asr: WhisperAsr | None = None
+
+    def load(self) -> None:
+        self._asr = shared_asr(self.config)
+
+    def start(self, request: EngineRequest) -> LiveAsrState:
+        return LiveAsrState()
+
+    def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
+        return [self._step_one(item) for item in batch]
+
+    def _step_one(self, item: StepInput) -> StepOutput:
+        state: LiveAsrState = item.state
+        out: list[Payload] = []
+        for chunk in item.chunks:
+            for payload in chunk.items:
+                self._take(state, payload)
+        ready = [job for job in state.jobs if int(job.params.get("end", 0)) <= state.end]
+        state.jobs = [job for job in state.jobs if int(job.params.get("end", 0)) > state.end]
+        for job in ready:  # first: a response may be waiting on it
+            text = self._transcribe(state.span(int(job.params.get("start", 0)), int(job.params["end"])))
+            out.append(Transcript(text, final=True, ref=str(job.params.get("ref"))))
+        if not ready:
+            self._partial(state, out)
+        utt = state.utterance
+        keep_from = state.end - self.idle_audio
+        if utt is not None:
+            keep_from = max(min(keep_from, utt.start), state.end - self.max_audio)
+        for job in state.jobs:
+            keep_from = min(keep_from, int(job.params.get("start", keep_from)))
+        state.trim(keep_from)
+        return StepOutput(client=out, wait_for_input=True)
+
+    def _take(self, state: LiveAsrState, payload: Payload) -> None:
+        if isinstance(payload, AudioInput):
+            samples = np.asarray(payload.samples, dtype=np.float32).reshape(-1)
+            start = state.end if payload.start_sample is None else payload.start_sample
+            state.audio.append((start, samples))
+            state.end = start + len(samples)
+        elif isinstance(payload, VoiceActivity):
+            for k, p in enumerate(payload.probs):
+                if p >= self.threshold:
+                    state.voiced_at = payload.start_sample + (k + 1) * FRAME_SAMPLES
+        elif isinstance(payload, TurnControl):
+            self._control(state, payload)
+
+    def _control(self, state: LiveAsrState, control: TurnControl) -> None:
+        params = control.params
+        if control.kind == "speech_started":
+            start = int(params.get("start", state.end))
+            state.utterance = _Utterance(
+                str(params.get("ref")), start, bool(params.get("partials")), start + self.partial_interval
+            )
+        elif control.kind == "transcribe":
+            state.jobs.append(control)
+        elif control.kind == "speech_stopped":
+            if state.utterance is not None and state.utterance.ref == params.get("ref"):
+                state.utterance = None
+        elif control.kind == "clear":
+            state.utterance = None
+            state.audio.clear()
+            state.end = max(state.end, int(params.get("at", state.end)))
+
+    def _partial(self, state: LiveAsrState, out: list[Payload]) -> None:
+        """While the user speaks: the words two passes agree on that were not sent yet."""
+        utt = state.utterance
+        if (
+            utt is None
+            or not utt.partials
+            or state.end < utt.next_at
+            or state.voiced_at < state.end - _SPEAKING_WINDOW
+        ):
+            return
+        utt.next_at = state.end + self.partial_interval
+        words = self._transcribe(state.span(utt.start, state.end)).split()
+        agreed = agreed_words(utt.previous, words)
+        utt.previous = words
+        if len(agreed) > utt.sent:
+            delta = " ".join(agreed[utt.sent :])
+            out.append(Transcript(delta if utt.sent == 0 else " " + delta, final=False, ref=utt.ref))
+            utt.sent = len(agreed)
+
+    def _transcribe(self, audio: np.ndarray) -> str:
+        if self._asr is None:
+            raise RuntimeError("LiveAsrEngine.load() must run before the first step")
+        return self._asr.transcribe(audio) if len(audio) else ""
