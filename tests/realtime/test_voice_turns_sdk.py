@@ -27,7 +27,7 @@ from tests.realtime.wire import (
     silence,
     stream_realtime,
 )
-from tests.speech_audio import SENTENCE, speak, words
+from tests.speech_audio import SENTENCE, speak, word_errors, words
 
 pytest.importorskip("piper")
 pytest.importorskip("faster_whisper")
@@ -161,13 +161,20 @@ async def test_server_vad_turn_end_to_end(server: LiveServer) -> None:
             "input_audio_buffer.speech_stopped",
             "input_audio_buffer.committed",
         ]
-        started, stopped = turn[0].event, turn[1].event
-        assert turn[0].type == "input_audio_buffer.speech_started"
+        kinds = [r.type for r in turn]
+        assert kinds[0] == "input_audio_buffer.speech_started"
+        stopped_at = kinds.index("input_audio_buffer.speech_stopped")
+        started, stopped = turn[0].event, turn[stopped_at].event
         assert started.item_id == stopped.item_id
         speech_ms = speech.size * 1000 // WIRE_RATE
         assert 0 <= started.audio_start_ms <= 300 + 100  # onset at 300 ms, minus prefix padding
         assert abs(stopped.audio_end_ms - (300 + speech_ms)) < 400
-        assert turn_order(turn[2:]) == TURN_ORDER
+        assert turn_order(turn[stopped_at + 1 :]) == TURN_ORDER
+        # The live request's ASR stage transcribed the user while they spoke: transcription
+        # deltas of the item being spoken arrived before the end of speech was detected.
+        during = [r.event for r in turn[:stopped_at]]
+        assert {type(e).__name__ for e in during[1:]} == {"ConversationItemInputAudioTranscriptionDeltaEvent"}
+        assert during[1:] and all(e.item_id == started.item_id for e in during[1:])
 
         transcript = await input_transcript(events, turn, started.item_id)
         assert words(transcript) == words(SENTENCE)
@@ -177,19 +184,19 @@ async def test_server_vad_turn_end_to_end(server: LiveServer) -> None:
         done = turn[-1].event.response
         assert done.status == "completed"
         assert words(done.output[0].content[0].transcript) == words(ECHO)
-        # The turn was transcribed on the pipeline's transcribe entry during the silence that
-        # ended it, and the response used that transcript instead of transcribing again.
+        # The turn was transcribed on the live request during the silence that ended it, and
+        # the response used that transcript instead of transcribing again.
         stats = server.ctx.sessions[events.log[0].raw["session"]["id"]].stats
         assert stats.transcripts_prepared >= 1 and stats.transcripts_prepared_used == 1
         # ... and the response itself was started on it during that silence, its output held
         # until the turn ended (docs/sessions.md, "Responses started ahead").
         ahead = server.ctx.sessions[events.log[0].raw["session"]["id"]].response_ahead
         assert ahead is not None and ahead.used == 1
-        kinds = [r.type for r in turn]
-        delta = kinds.index("conversation.item.input_audio_transcription.delta")
         completed = kinds.index("conversation.item.input_audio_transcription.completed")
-        assert delta < completed < kinds.index("response.output_audio.delta")
-        assert words(turn[delta].event.delta) == words(SENTENCE)
+        assert completed < kinds.index("response.output_audio.delta")
+        # The deltas (during speech, and the rest at the turn's end) add up to the transcript.
+        deltas = [r.event.delta for r in of_type(turn, "conversation.item.input_audio_transcription.delta")]
+        assert words("".join(deltas)) == words(SENTENCE), deltas
 
 
 async def test_a_pause_inside_the_turn_drops_the_response_started_ahead(server: LiveServer) -> None:
@@ -215,7 +222,10 @@ async def test_a_pause_inside_the_turn_drops_the_response_started_ahead(server: 
         assert [r.type for r in turn].count("input_audio_buffer.speech_stopped") == 1
         done = turn[-1].event.response
         assert done.status == "completed"
-        assert words(done.output[0].content[0].transcript) == words(f"You said: {first} {second}")
+        # One answer covers both halves (Whisper may mishear a word of a sentence cut by a
+        # pause: "jump" for "jumps" on some CPUs).
+        heard = done.output[0].content[0].transcript
+        assert word_errors(f"You said: {first} {second}", heard) <= 1, heard
         ahead = server.ctx.sessions[events.log[0].raw["session"]["id"]].response_ahead
         assert ahead is not None and ahead.dropped >= 1 and ahead.used == 1
 

@@ -97,8 +97,13 @@ def test_server_vad_turn_with_transcription_from_pipeline() -> None:
     start = h.started()
     assert 1.1 <= len(start.params["audio"]) / 16000 <= 1.4  # prefix + speech + silence tail
     out = h.take(h.core.on_input_transcript(start.response_id, "hello world", now=h.now))
-    assert types(out) == ["conversation.item.input_audio_transcription.completed"]
-    assert out.events[0]["item_id"] == item_id and out.events[0]["transcript"] == "hello world"
+    # As whisper-1 does: the whole transcript as one delta, then completed.
+    assert types(out) == [
+        "conversation.item.input_audio_transcription.delta",
+        "conversation.item.input_audio_transcription.completed",
+    ]
+    assert out.events[0]["item_id"] == item_id and out.events[0]["delta"] == "hello world"
+    assert out.events[1]["item_id"] == item_id and out.events[1]["transcript"] == "hello world"
     out = h.respond("You said: hello world")
     assert collapse(types(out)) == RESPONSE_AUDIO_ORDER
     retrieved = h.send({"type": "conversation.item.retrieve", "item_id": item_id}).events[0]["item"]
@@ -318,7 +323,9 @@ def test_create_response_false_commits_and_transcribes_separately() -> None:
     out = h.take(h.core.on_input_transcript(job.item_id, "hi", final=False, now=h.now))
     assert types(out) == ["conversation.item.input_audio_transcription.delta"]
     out = h.take(h.core.on_input_transcript(job.item_id, "hi there", now=h.now))
-    assert out.events[0]["transcript"] == "hi there"
+    # The deltas add up to the transcript: the final's words after "hi", then completed.
+    assert [e.get("delta") for e in out.events] == [" there", None]
+    assert out.events[1]["transcript"] == "hi there"
     assert h.take(h.core.on_input_transcript(job.item_id, "again", now=h.now)).events == []  # once
 
 
