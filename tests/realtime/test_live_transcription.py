@@ -96,4 +96,5 @@ def test_a_model_that_takes_its_own_turns_gets_the_clients_turn_control() -> Non
     out = h.take(h.core.on_live_response_started(h.now)[1])
     rid = next(e for e in out.events if e["type"] == "response.created")["response"]["id"]
     h.send({"type": "response.cancel"})
-    assert [(c.kind, c.response_id) for c in controls(h)] == [("commit", None), ("clear", None), ("cancel", rid)]
+    got = [(c.kind, c.response_id) for c in controls(h)]
+    assert got == [("commit", None), ("clear", None), ("cancel", rid)]
