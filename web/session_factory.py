@@ -72,8 +72,6 @@ def build_driver(
     ctx: ServerContext,
     config: SessionConfig,
     *,
-    send: Any = None,
-    close: Any = None,
     session_id: str | None = None,
     audio_out_via_track: bool = False,
     audio_sink: Any = None,
@@ -81,7 +79,7 @@ def build_driver(
     log: SessionLog | None = None,
 ) -> RealtimeDriver:
     """A driver on a new core for `config`, or on `core` (hosted sessions pass their own
-    core and event log; WebRTC calls pass send/close and serve with `run()`)."""
+    core and event log)."""
     if core is None:
         session_id = session_id or new_session_id()
         core = RealtimeSessionCore(
@@ -92,8 +90,6 @@ def build_driver(
     return RealtimeDriver(
         core,
         ctx.orchestrator,
-        send=send,
-        close=close,
         audio_sink=audio_sink,
         log=log,
         options=DriverOptions(

@@ -12,8 +12,8 @@ The session outlives its connections: with a :class:`SessionLog` (the store's
 ``SessionWriter``) every server event is first stamped and logged, and the stamped copy is
 what the client gets; conversation items and config changes are logged as they happen. A
 connection can then drop (`attach` returns a link whose end the host watches) while the
-session runs on, and a new one can be attached later. `run(incoming)` keeps the simple
-one-connection life: start, serve one transport, shut down when it ends.
+session runs on, and a new one can be attached later (the host, session/voice/hosting.py,
+owns that life: attach, detach, shutdown).
 
 Model audio leaves as the attached transport says (:func:`transport_audio_sink`): on a media
 track (WebRTC) as `PlayAudio` effects, otherwise as `response.output_audio.delta` events.
@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,7 +36,7 @@ from runtime.orchestrator import Orchestrator
 from runtime.payloads import AudioChunk, TextDelta, Transcript
 from runtime.progress import AdmissionError, RequestStatus
 from session.internal_errors import client_facing, report_internal
-from session.link import AudioSink, ConnectionInfo, LinkEnd, Transport, TransportLink
+from session.link import AudioSink, LinkEnd, Transport, TransportLink
 from session.realtime.core import RealtimeSessionCore
 from session.realtime.effects import (
     CancelResponse,
@@ -100,35 +100,6 @@ class SessionLog(Protocol):
     def mark_activity(self) -> None: ...
 
 
-SendEvent = Callable[[dict[str, Any]], Awaitable[None]]
-CloseTransport = Callable[[int, str], Awaitable[None]]
-
-
-class _CallbackTransport:
-    """`run(incoming)`'s transport: the constructor's send/close plus the `incoming` reader."""
-
-    def __init__(
-        self,
-        send: SendEvent,
-        close: CloseTransport,
-        incoming: Callable[[], Awaitable[str | None]],
-        audio_sink: AudioSink | None = None,
-    ) -> None:
-        self._send = send
-        self._close = close
-        self._incoming = incoming
-        self.info = ConnectionInfo(audio_sink=audio_sink)  # the driver's own (constructor) sink
-
-    async def send(self, event: dict[str, Any]) -> None:
-        await self._send(event)
-
-    async def close(self, code: int, reason: str) -> None:
-        await self._close(code, reason)
-
-    async def receive(self) -> str | None:
-        return await self._incoming()
-
-
 @dataclass(slots=True)
 class DriverOptions:
     outbox_limit: int = 4096  # server events queued for a client before it counts as not reading
@@ -171,16 +142,12 @@ class RealtimeDriver:
         core: RealtimeSessionCore,
         orchestrator: Orchestrator | None,
         *,
-        send: SendEvent | None = None,
-        close: CloseTransport | None = None,
         audio_sink: AudioSink | None = None,
         log: SessionLog | None = None,
         options: DriverOptions | None = None,
     ) -> None:
         self.core = core
         self._orch = orchestrator
-        self._send = send
-        self._close = close
         self._audio_sink = audio_sink  # `attach` replaces it with the transport's (if any)
         self._track_response: str | None = None  # the last response with audio for a track
         self._log = log
@@ -292,24 +259,6 @@ class RealtimeDriver:
         self._audio_sink = None
         if self._track_response is not None:
             self.playout_finished(self._track_response)
-
-    async def run(self, incoming: Callable[[], Awaitable[str | None]]) -> None:
-        """Serve until the client goes away or the core closes the session (one connection,
-        no resume). `incoming()` returns the next client text frame, or None when the client
-        is gone. Exceptions from handling a client frame are re-raised after shutdown."""
-        assert self._send is not None and self._close is not None, "run() needs send and close"
-        link = self.attach(_CallbackTransport(self._send, self._close, incoming, self._audio_sink))
-        self.start()
-        ended = asyncio.ensure_future(link.wait())
-        closed = asyncio.ensure_future(self.closed.wait())
-        try:
-            await asyncio.wait({ended, closed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in (ended, closed):
-                waiter.cancel()
-            await self.shutdown()
-        if link.error is not None:
-            raise link.error
 
     def _on_client_text(self, raw: str) -> None:
         now = self.now()
