@@ -146,6 +146,9 @@ class RealtimeSessionCore(UserInput):
         self._speech_start = 0
         self._prepared: tuple[str, int] | None = None  # key of the last PrepareTranscript
         self._streamed: OrderedDict[str, str] = OrderedDict()  # transcription deltas sent per item
+        # The client `event_id` of the last client event handled (None if it had none): the
+        # driver tags the input it hands the live request with it (its errors name it).
+        self.input_event_id: str | None = None
         self._ahead: tuple[str, int] | None = None  # key of a RespondAhead not yet settled
         self._active: ResponseRun | None = None
         self._prompt_items: OrderedDict[str, list[str]] = OrderedDict()  # response → audio items
@@ -279,10 +282,11 @@ class RealtimeSessionCore(UserInput):
             audio = append_audio(data)
             if audio is not None:  # the hot path: no model built (it reads the same errors)
                 event_id = data.get("event_id")
+                self.input_event_id = event_id if isinstance(event_id, str) else None
                 self._append(audio)
             else:
                 event = parse_client_event(data)
-                event_id = event.event_id
+                event_id = self.input_event_id = event.event_id
                 self._dispatch(event, now)
         except ProtocolError as err:
             self._out.error(err, event_id if event_id is not None else err.event_id)

@@ -78,6 +78,7 @@ class UserInput(ABC):
     _speech_start: int
     _prepared: tuple[str, int] | None
     _streamed: OrderedDict[str, str]  # item id → transcription deltas sent before its final
+    input_event_id: str | None
     _ahead: tuple[str, int] | None
     _active: ResponseRun | None
     _prompt_items: OrderedDict[str, list[str]]
@@ -158,11 +159,14 @@ class UserInput(ABC):
         self._commit(item_id, self._input.take(self._speech_start, end), respond=False)
         return self._out.drain()
 
-    def live_error(self, code: str, message: str, *, server: bool = True) -> CoreOutput:
+    def live_error(
+        self, code: str, message: str, *, server: bool = True, event_id: str | None = None
+    ) -> CoreOutput:
         """An `error` event about the live request (it failed: `server_error`; or the client
-        outran it: `invalid_request_error`). The session stays usable."""
+        outran it: `invalid_request_error`), naming the client `event_id` of the input that
+        caused it where known. The session stays usable."""
         err = ProtocolError(code, message, type=E.SERVER_ERROR if server else E.INVALID_REQUEST)
-        self._out.error(err)
+        self._out.error(err, event_id)
         return self._out.drain()
 
     def _live_input(self, samples: np.ndarray, rate: int) -> None:

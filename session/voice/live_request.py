@@ -112,7 +112,8 @@ class LiveRequest:
         self._now = now
         self._session_key = session_key
         self.limit_bytes = input_limit_bytes
-        self._queue: deque[_Input] = deque()
+        self._queue: deque[tuple[_Input, str | None]] = deque()  # with the client event it came in
+        self._appended_event_id: str | None = None  # of the last input appended to the request
         self._queued_bytes = 0  # audio pushed, not yet appended
         self._unscored = 0  # VAD frames appended, not yet scored
         self._wake = asyncio.Event()
@@ -193,7 +194,7 @@ class LiveRequest:
         self._queue_input(Conditioning(dict(values)), 0)
 
     def _queue_input(self, item: _Input, size: int) -> None:
-        self._queue.append(item)
+        self._queue.append((item, self._core.input_event_id))
         self._queued_bytes += size
         self._wake.set()
 
@@ -267,7 +268,10 @@ class LiveRequest:
             self.failures += 1
             log.warning("live request of %s failed: %s", self._core.session_id, status.error)
             message = f"Input processing failed: {status.error}"
-            self._apply(self._core.live_error("live_request_failed", message))
+            # The error names the client event whose input reached the request last: where the
+            # stage raised on this session's input, the one that caused it or just before it.
+            cause = self._appended_event_id
+            self._apply(self._core.live_error("live_request_failed", message, event_id=cause))
         return status
 
     async def _pump(self, request_id: str) -> None:
@@ -276,7 +280,9 @@ class LiveRequest:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
-                item = self._queue.popleft()
+                item, event_id = self._queue.popleft()
+                if event_id is not None:
+                    self._appended_event_id = event_id
                 payload: AudioInput | TurnControl
                 if isinstance(item, Conditioning):
                     await self._orch.update(request_id, item)  # False: ended (the reader sees it)

@@ -1,7 +1,7 @@
 """The live request's faults, through the official `openai` SDK against a real server.
 
 - A stage raising on one session's input fails that session's live request: the session gets an
-  `error` (`server_error`), opens a new live request and keeps detecting turns; another session
+  `error` (`server_error`, naming the client `event_id` of that input), opens a new live request and keeps detecting turns; another session
   streaming at the same time sees no error and keeps its live request.
 - Audio appended far faster than real time is accepted up to the session's byte bound; past it
   the client gets one `input_audio_overflow` error and the excess is dropped (nothing queues
@@ -75,10 +75,11 @@ async def test_stage_failure_fails_only_that_session(server: LiveServer) -> None
         # Session A: one full-scale burst (the stage raises on it), while B streams speech.
         burst = np.ones(WIRE_RATE // 10, dtype=np.float32)
         b_streaming = asyncio.create_task(stream_realtime(conn_b, speech()))
-        await conn_a.input_audio_buffer.append(audio=pcm16_b64(burst))
+        await conn_a.input_audio_buffer.append(audio=pcm16_b64(burst), event_id="evt_burst")
         error = await ev_a.wait_for("error", within_s=20)
         assert error.event.error.type == "server_error"
         assert error.event.error.code == "live_request_failed"
+        assert error.event.error.event_id == "evt_burst"  # the input that caused it
         assert "poisoned frame" in error.event.error.message
         await b_streaming
         await ev_b.wait_for("input_audio_buffer.speech_stopped", within_s=20)
