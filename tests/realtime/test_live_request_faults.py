@@ -1,7 +1,8 @@
 """The live request's faults, through the official `openai` SDK against a real server.
 
 - A stage raising on one session's input fails that session's live request: the session gets an
-  `error` (`server_error`, naming the client `event_id` of that input), opens a new live request and keeps detecting turns; another session
+  `error` (`server_error`, naming the client `event_id` of that input), opens a new live request
+  and keeps detecting turns; another session
   streaming at the same time sees no error and keeps its live request.
 - Audio appended far faster than real time is accepted up to the session's byte bound; past it
   the client gets one `input_audio_overflow` error and the excess is dropped (nothing queues
