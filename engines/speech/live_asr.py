@@ -136,12 +136,11 @@ class LiveAsrEngine(Engine):
         if not ready:
             self._partial(state, out)
         utt = state.utterance
-        keep_from = state.end - self.idle_audio
+        starts = [int(job.params.get("start", state.end)) for job in state.jobs]
         if utt is not None:
-            keep_from = max(min(keep_from, utt.start), state.end - self.max_audio)
-        for job in state.jobs:
-            keep_from = min(keep_from, int(job.params.get("start", keep_from)))
-        state.trim(keep_from)
+            starts.append(utt.start)
+        # What an open utterance or a waiting job needs, never more than max_audio_s.
+        state.trim(max(min([state.end - self.idle_audio, *starts]), state.end - self.max_audio))
         return StepOutput(client=out, wait_for_input=True)
 
     def _take(self, state: LiveAsrState, payload: Payload) -> None:
