@@ -63,6 +63,7 @@ REOPEN_DELAY_S = 0.5
 REOPEN_DELAY_MAX_S = 10.0
 FRAME = 512  # samples per VAD frame at 16 kHz
 VAD_RATE = 16_000
+TRANSCRIBE_TIMEOUT_S = 10.0  # a `transcribe` the live ASR has not answered by then is given up
 OVERFLOW_REPORT_S = 1.0  # input_audio_overflow errors: at most one per this many seconds
 
 
@@ -163,14 +164,17 @@ class LiveRequest:
 
     async def transcribe(self, start: int, end: int) -> str:
         """The live ASR's final transcript of core timeline [start, end) (audio it already
-        holds); "" when the live request ended before it answered."""
+        holds); "" when the live request ended before it answered, or after 10 s."""
         self._asks += 1
         ref = f"t{self._asks}"
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._asked[ref] = future
         self.control(LiveControl("transcribe", {"ref": ref, "start": start, "end": end}))
         try:
-            return await future
+            async with asyncio.timeout(TRANSCRIBE_TIMEOUT_S):
+                return await future
+        except TimeoutError:  # never left waiting: the response's own ASR transcribes instead
+            return ""
         finally:
             self._asked.pop(ref, None)
 
