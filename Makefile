@@ -47,11 +47,18 @@ $(VLLM_STAMP): requirements-vllm.txt
 vllm-env: $(VLLM_STAMP)
 
 # Debian packages the tests need: a real redis-server, a real Chromium, and Node.js with npm to
-# bundle the official browser SDK for it.
+# bundle the official browser SDK for it. Only what is missing is installed (Debian's npm conflicts
+# with a Node.js that came from elsewhere, which carries its own npm).
 system-deps:
-	@command -v redis-server >/dev/null && command -v chromium >/dev/null && \
-	  command -v node >/dev/null && command -v npm >/dev/null || \
-	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server chromium nodejs npm)
+	@pkgs=""; \
+	command -v redis-server >/dev/null || pkgs="$$pkgs redis-server"; \
+	command -v chromium >/dev/null || pkgs="$$pkgs chromium"; \
+	command -v node >/dev/null || pkgs="$$pkgs nodejs"; \
+	command -v npm >/dev/null || pkgs="$$pkgs npm"; \
+	if [ -n "$$pkgs" ]; then \
+	  echo "installing:$$pkgs"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$pkgs; \
+	fi
 
 # The official browser SDK (@openai/agents-realtime, pinned by package-lock.json) bundled into
 # one script for tests/browser/test_agents_sdk.py; rebuilt only when the lock or the page changes.
