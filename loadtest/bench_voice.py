@@ -54,6 +54,7 @@ CHUNK = RATE * CHUNK_MS // 1000
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 INTERRUPTION = "Wait, stop please."
 TURN_WAIT_S = 60.0  # per event of a turn; --turn-wait-s (an LM responder on a loaded box needs more)
+INPUT_TRANSCRIPTION = False  # --input-transcription: sessions ask for the user's words as they speak
 LONG_REPLY = ", ".join(f"the story goes on with chapter {k}" for k in range(1, 30)) + "."
 
 
@@ -226,15 +227,16 @@ async def session(url: str) -> AsyncIterator[VoiceClient]:
 
 
 def vad(silence_ms: int, *, create_response: bool = True) -> dict[str, Any]:
-    return {
-        "input": {
-            "turn_detection": {
-                "type": "server_vad",
-                "silence_duration_ms": silence_ms,
-                "create_response": create_response,
-            }
+    audio_input: dict[str, Any] = {
+        "turn_detection": {
+            "type": "server_vad",
+            "silence_duration_ms": silence_ms,
+            "create_response": create_response,
         }
     }
+    if INPUT_TRANSCRIPTION:  # deltas of the user's words while they speak, then completed
+        audio_input["transcription"] = {"model": "whisper-1"}
+    return {"input": audio_input}
 
 
 # --- scenarios ----------------------------------------------------------------------------
@@ -500,7 +502,7 @@ def vars_of(obj: Any) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global TURN_WAIT_S
+    global TURN_WAIT_S, INPUT_TRANSCRIPTION
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -516,6 +518,11 @@ def main(argv: list[str] | None = None) -> int:
         "--turn-wait-s", type=float, default=TURN_WAIT_S, help="how long a turn may take (LM replies: longer)"
     )
     parser.add_argument(
+        "--input-transcription",
+        action="store_true",
+        help="sessions ask for input audio transcription (the user's words while they speak)",
+    )
+    parser.add_argument(
         "--scenarios",
         nargs="+",
         choices=SCENARIOS,
@@ -524,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     TURN_WAIT_S = args.turn_wait_s
+    INPUT_TRANSCRIPTION = args.input_transcription
     report = asyncio.run(main_async(args))
     print(f"voice-cascade, silence_duration_ms={args.silence_ms}, {os.cpu_count()} CPUs\n")
     print(report.markdown())

@@ -5,7 +5,9 @@ inputs or updates, or not waiting and not paced to a later time by the engine's
 ``not_before``), up to ``max_batch``, packs them with pending starts and finishes into one
 :class:`~runtime.worker.WorkCall`, runs it on the replica's worker (thread or process; never
 the loop) and hands each request's result to the orchestrator (the *sink*). A timer wakes the
-scheduler when the earliest paced request falls due.
+scheduler when the earliest paced request falls due. With ``budget.gather_ms``, a woken
+scheduler waits that long before it builds the call, so that small inputs arriving close
+together (every session's next VAD frame) are stepped together.
 """
 
 from __future__ import annotations
@@ -192,9 +194,14 @@ class Replica:
     # -- scheduling ---------------------------------------------------------------------------
 
     async def _loop(self) -> None:
+        gather_s = self.spec.budget.gather_ms / 1000
         while True:
             self._launch()
             await self._wake.wait()
+            if gather_s > 0:
+                # What arrives meanwhile joins this round: one step (one worker hand-off) for
+                # many requests' small inputs instead of one each (budget.gather_ms).
+                await asyncio.sleep(gather_s)
             self._wake.clear()
 
     def _launch(self) -> None:

@@ -120,28 +120,37 @@ class LiveAsrEngine(Engine):
         return LiveAsrState()
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
-        return [self._step_one(item) for item in batch]
+        """Every request's new input first; then the pauses' transcripts (a response may be
+        waiting on one), and only in a step that has none of those, the partials."""
+        ready: list[list[TurnControl]] = []
+        for item in batch:
+            state: LiveAsrState = item.state
+            for chunk in item.chunks:
+                for payload in chunk.items:
+                    self._take(state, payload)
+            ready.append([job for job in state.jobs if int(job.params.get("end", 0)) <= state.end])
+            state.jobs = [job for job in state.jobs if int(job.params.get("end", 0)) > state.end]
+        urgent = any(ready)
+        outputs = []
+        for item, jobs in zip(batch, ready, strict=True):
+            state = item.state
+            out: list[Payload] = []
+            for job in jobs:
+                text = self._transcribe(state.span(int(job.params.get("start", 0)), int(job.params["end"])))
+                out.append(Transcript(text, final=True, ref=str(job.params.get("ref"))))
+            if not urgent:  # a partial skipped here is due again at the next step
+                self._partial(state, out)
+            self._trim(state)
+            outputs.append(StepOutput(client=out, wait_for_input=True))
+        return outputs
 
-    def _step_one(self, item: StepInput) -> StepOutput:
-        state: LiveAsrState = item.state
-        out: list[Payload] = []
-        for chunk in item.chunks:
-            for payload in chunk.items:
-                self._take(state, payload)
-        ready = [job for job in state.jobs if int(job.params.get("end", 0)) <= state.end]
-        state.jobs = [job for job in state.jobs if int(job.params.get("end", 0)) > state.end]
-        for job in ready:  # first: a response may be waiting on it
-            text = self._transcribe(state.span(int(job.params.get("start", 0)), int(job.params["end"])))
-            out.append(Transcript(text, final=True, ref=str(job.params.get("ref"))))
-        if not ready:
-            self._partial(state, out)
+    def _trim(self, state: LiveAsrState) -> None:
         utt = state.utterance
         starts = [int(job.params.get("start", state.end)) for job in state.jobs]
         if utt is not None:
             starts.append(utt.start)
         # What an open utterance or a waiting job needs, never more than max_audio_s.
         state.trim(max(min([state.end - self.idle_audio, *starts]), state.end - self.max_audio))
-        return StepOutput(client=out, wait_for_input=True)
 
     def _take(self, state: LiveAsrState, payload: Payload) -> None:
         if isinstance(payload, AudioInput):
