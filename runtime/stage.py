@@ -7,7 +7,8 @@ inputs or updates, or not waiting and not paced to a later time by the engine's
 the loop) and hands each request's result to the orchestrator (the *sink*). A timer wakes the
 scheduler when the earliest paced request falls due. With ``budget.gather_ms``, a woken
 scheduler waits that long before it builds the call, so that small inputs arriving close
-together (every session's next VAD frame) are stepped together.
+together (every session's next VAD frame) are stepped together; not when it holds one
+request only, or every request has input already.
 """
 
 from __future__ import annotations
@@ -198,11 +199,22 @@ class Replica:
         while True:
             self._launch()
             await self._wake.wait()
-            if gather_s > 0:
+            if gather_s > 0 and self._others_may_come():
                 # What arrives meanwhile joins this round: one step (one worker hand-off) for
                 # many requests' small inputs instead of one each (budget.gather_ms).
                 await asyncio.sleep(gather_s)
             self._wake.clear()
+
+    def _others_may_come(self) -> bool:
+        """Worth waiting for more input: some live request has none yet (with one request, or
+        with every request's input here already, there is nothing to gather)."""
+        live = ready = 0
+        for slot in self._slots.values():
+            if slot.closed:
+                continue
+            live += 1
+            ready += slot.has_work
+        return live > 1 and ready < live
 
     def _launch(self) -> None:
         while self.ready and len(self._inflight) < self.spec.budget.workers:

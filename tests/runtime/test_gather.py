@@ -1,6 +1,6 @@
 """``budget.gather_ms``: a woken stage scheduler waits that long for more requests' input, so
 inputs that arrive close together are stepped in one call (the VAD stage's frames of many
-sessions), and the spec refuses a negative window."""
+sessions), a request alone is not held, and the spec refuses a negative window."""
 
 from __future__ import annotations
 
@@ -54,6 +54,16 @@ async def test_without_a_window_the_first_input_is_stepped_at_once() -> None:
         await _chunks(1)
         assert sink_batches() == [1]
         await orch.cancel(first.request_id)
+
+
+async def test_a_request_alone_is_not_held_for_the_window() -> None:
+    """Nothing to gather with one request: stepped at once, not after the (60 s) window."""
+    async with running(PIPELINE.format(gather_ms=60_000)) as orch:
+        alone = await orch.submit({"stream": True})
+        assert await orch.append_input(alone.request_id, Action("emit", 1))
+        await _chunks(1)  # within 10 s
+        assert sink_batches() == [1]
+        await orch.cancel(alone.request_id)
 
 
 def test_a_negative_window_is_refused_with_its_field() -> None:
