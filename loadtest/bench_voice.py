@@ -19,6 +19,10 @@ then runs four scenarios with clients that stream Piper speech as 20 ms
   one core, over the window. Target ≤ 50 %.
 
     .venv/bin/python -m loadtest.bench_voice --out bench_voice.json   # Markdown table on stdout
+
+``--input-transcription`` has the sessions ask for input transcription, so the pipeline's live
+ASR also transcribes the user while they speak (deltas); without it only the pause's transcript
+the response starts on is made.
 """
 
 from __future__ import annotations
