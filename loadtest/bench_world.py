@@ -1,17 +1,20 @@
 """World-model streaming benchmark: /v1/realtime/video with tiny-jepa (and tiny-video-random).
 
-Measures, with real WebSocket clients against a server in another process (so client work does
-not share the server's event loop):
+Measures, with real WebSocket clients against ``omniduplex serve`` in another process (so client
+work does not share the server's event loop, and the sessions are hosted as in production:
+admission, store, records), after one short warm-up session per model (a model loads on its
+first session):
 
 1. one tiny-jepa session, 256×256 JPEG, requested 30 fps: delivered fps (target ≥ 30);
 2. action → first frame reflecting it: key events at random phases; latency from sending the
    keydown to receiving the chunk the server declared for it (``applies_at_chunk``; target
    ≤ 100 ms);
-3. 8 concurrent tiny-jepa sessions at 15 fps: delivered fps per session, late chunks;
+3. 8 concurrent tiny-jepa sessions (``--sessions``) at 15 fps: delivered fps per session, late chunks;
 4. tiny-video-random prompt updates: update → ``session.interaction.applied`` latency, and
    whether each landed on the declared chunk (never later).
 
-    python -m loadtest.bench_world                 # spawns its own server on a free port
+    python -m loadtest.bench_world                 # spawns `omniduplex serve` on a free port
+    python -m loadtest.bench_world --seconds 3 --sessions 2   # a quick check
     python -m loadtest.bench_world --url http://127.0.0.1:8000 --seconds 20 --out world.json
 """
 
@@ -23,14 +26,19 @@ import contextlib
 import json
 import os
 import random
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import httpx
 from websockets.asyncio.client import ClientConnection, connect
 
 from loadtest.stats import summarize
@@ -199,49 +207,33 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve(port: int) -> None:
-    """A bare server with only the video routes (what the bench needs)."""
-    import uvicorn
-    from starlette.applications import Starlette
-
-    from session.world.runtimes import OrchestratorPool
-    from web.video import VideoService
-
-    pool = OrchestratorPool()
-    service = VideoService(pool)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await pool.warm(["world-tiny-jepa", "world-tiny-video-random"])
-        yield
-        await service.close()
-        await pool.close()
-
-    app = Starlette(routes=service.routes(), lifespan=lifespan)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
-
-
 class ServerProcess:
+    """`omniduplex serve` (``python -m web.cli serve``) on a free loopback port with a temporary
+    data dir: the benchmark talks to it over the wire only, as a client would."""
+
     def __init__(self) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "loadtest.bench_world", "--serve", str(self.port)]
-        )
+        self.data_dir = tempfile.mkdtemp(prefix="bench-world-")
+        cmd = [sys.executable, "-m", "web.cli", "serve", "--port", str(self.port)]
+        cmd += ["--data-dir", self.data_dir, "--log-level", "warning"]
+        with open(Path(self.data_dir) / "server.log", "wb") as log:  # the child keeps its own handle
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
 
-    async def ready(self, limit_s: float = 60.0) -> None:
+    async def ready(self, limit_s: float = 300.0) -> None:
+        """Until ``/readyz`` answers 200 (the session layer and its embedded Redis are up)."""
         deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
-                writer.close()
-                await writer.wait_closed()
-                return
-            except OSError:
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"server exited ({self.proc.returncode}); see {self.data_dir}/server.log"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get(f"{self.url}/readyz")).status_code == 200:
+                        return
                 await asyncio.sleep(0.2)
-        raise TimeoutError("server did not start")
+        raise TimeoutError(f"server not ready in {limit_s:.0f} s")
 
     def cpu_seconds(self) -> float:
         with open(f"/proc/{self.proc.pid}/stat") as f:
@@ -249,18 +241,29 @@ class ServerProcess:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
-        self.proc.terminate()
+        self.proc.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown (stops the embedded Redis)
         try:
-            self.proc.wait(10)
+            self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait(10)
+        shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------- report
 
 
-async def bench(url: str, seconds: float, server: ServerProcess | None) -> dict[str, Any]:
-    results: dict[str, Any] = {"cpus": os.cpu_count(), "seconds": seconds}
+async def warm_up(url: str) -> None:
+    """One short session per model first: the server loads a model on its first session, and
+    that load is not what the phases measure."""
+    for model in ("tiny-jepa", "tiny-video-random"):
+        start = {"model": model, "format": "jpeg", "width": 256, "height": 256, "fps": 15}
+        await run_session(url, start, 1.5, keys=False, prompts=False)
+
+
+async def bench(url: str, seconds: float, sessions: int, server: ServerProcess | None) -> dict[str, Any]:
+    results: dict[str, Any] = {"cpus": os.cpu_count(), "seconds": seconds, "sessions": sessions}
+    await warm_up(url)
 
     async def phase(name: str, coro: Any) -> Any:
         cpu0 = server.cpu_seconds() if server else None
@@ -280,18 +283,18 @@ async def bench(url: str, seconds: float, server: ServerProcess | None) -> dict[
     results["single_errors"] = one.errors
 
     many = await phase(
-        "concurrent8",
+        "concurrent",
         asyncio.gather(
             *(
                 run_session(url, {**jepa, "fps": 15, "seed": i}, seconds, keys=True, prompts=False)
-                for i in range(8)
+                for i in range(sessions)
             )
         ),
     )
-    results["concurrent8_fps"] = summarize([r.fps() for r in many], digits=2)
-    results["concurrent8_late_chunks"] = sum(r.late_chunks(2 / 15) for r in many)
-    results["concurrent8_action_to_frame_ms"] = summarize([v for r in many for v in r.action_ms])
-    results["concurrent8_errors"] = [e for r in many for e in r.errors]
+    results["concurrent_fps"] = summarize([r.fps() for r in many], digits=2)
+    results["concurrent_late_chunks"] = sum(r.late_chunks(2 / 15) for r in many)
+    results["concurrent_action_to_frame_ms"] = summarize([v for r in many for v in r.action_ms])
+    results["concurrent_errors"] = [e for r in many for e in r.errors]
 
     video = {"model": "tiny-video-random", "format": "jpeg", "width": 256, "height": 256, "fps": 30}
     prompts = await phase("prompt", run_session(url, video, seconds, keys=False, prompts=True))
@@ -312,8 +315,8 @@ def _count(values: list[int]) -> dict[int, int]:
 
 
 def render(results: dict[str, Any]) -> str:
-    a, c, p = results["action_to_frame_ms"], results["concurrent8_fps"], results["prompt_to_applied_ms"]
-    c_act = results["concurrent8_action_to_frame_ms"]
+    a, c, p = results["action_to_frame_ms"], results["concurrent_fps"], results["prompt_to_applied_ms"]
+    c_act = results["concurrent_action_to_frame_ms"]
     rows = [
         ("tiny-jepa 256² JPEG, 1 session: delivered fps (target ≥ 30)", f"{results['single_fps']}"),
         (
@@ -321,8 +324,8 @@ def render(results: dict[str, Any]) -> str:
             f"{a['p50']} / {a['p95']} / {a['max']} (n={a['n']})",
         ),
         ("  late chunks (gap > 1.5 × chunk period)", f"{results['single_late_chunks']}"),
-        ("8 sessions at 15 fps: delivered fps min / mean", f"{c['min']} / {c['mean']}"),
-        ("  late chunks, all sessions", f"{results['concurrent8_late_chunks']}"),
+        (f"{results['sessions']} sessions at 15 fps: delivered fps min / mean", f"{c['min']} / {c['mean']}"),
+        ("  late chunks, all sessions", f"{results['concurrent_late_chunks']}"),
         ("  action → frame ms p50 / p95", f"{c_act['p50']} / {c_act['p95']} (n={c_act['n']})"),
         (
             "tiny-video-random prompt update → applied, ms p50 / p95 / max",
@@ -334,7 +337,7 @@ def render(results: dict[str, Any]) -> str:
         ),
         ("  applies_at − last chunk received when sent", json.dumps(results["prompt_boundary_gap"])),
     ]
-    for key in ("single_server_cpu", "concurrent8_server_cpu", "prompt_server_cpu"):
+    for key in ("single_server_cpu", "concurrent_server_cpu", "prompt_server_cpu"):
         if key in results:
             rows.append((f"server CPU (cores busy), {key.removesuffix('_server_cpu')}", str(results[key])))
     width = max(len(r[0]) for r in rows)
@@ -350,16 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default=None, help="a running server (default: spawn one)")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-    parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--sessions", type=int, default=8, help="concurrent tiny-jepa sessions")
     args = parser.parse_args(argv)
-    if args.serve is not None:
-        serve(args.serve)
-        return 0
     server = None if args.url else ServerProcess()
     try:
         if server is not None:
             asyncio.run(server.ready())
-        results = asyncio.run(bench(args.url or server.url, args.seconds, server))  # type: ignore[union-attr]
+        results = asyncio.run(bench(args.url or server.url, args.seconds, args.sessions, server))  # type: ignore[union-attr]
     finally:
         if server is not None:
             server.stop()

@@ -25,12 +25,6 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 
 
-# Edges still to remove (issue 16): each is listed so that the test fails once it is gone too,
-# and the list can only shrink. bench_world serves the world routes from web.video in a bare
-# process; it should drive `omniduplex serve` instead (then web/video.py's unhosted mode goes).
-KNOWN = frozenset({"loadtest/bench_world.py: loadtest imports web.video"})
-
-
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -78,6 +72,5 @@ def test_the_import_checker_sees_edges() -> None:
 
 
 def test_no_forbidden_import_edge() -> None:
-    found = set(_violations())
-    assert not found - KNOWN, "forbidden imports:\n" + "\n".join(sorted(found - KNOWN))
-    assert found >= KNOWN, f"gone, take them off KNOWN: {sorted(KNOWN - found)}"
+    found = _violations()
+    assert not found, "forbidden imports:\n" + "\n".join(found)
