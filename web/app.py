@@ -169,7 +169,6 @@ def create_app(settings: ServerSettings) -> Starlette:
         pool,
         ice_servers=parse_ice_servers(settings.stun, settings.turn),
         identify=video_principal,  # slots, records, retention: the WorldHost set in the lifespan
-        max_sessions=settings.max_sessions,
     )
 
     @contextlib.asynccontextmanager

@@ -12,8 +12,9 @@ I/O only. Both transports run the same :class:`~session.world.core.VideoSessionC
   chunk status: index, frames, fps, queue depth) and the frames on the video track, which
   aiortc encodes (VP8/H.264). ``DELETE /v1/realtime/video/calls/{call_id}`` hangs up.
 
-With a :class:`~session.world.hosting.WorldHost` (``service.host``, set by the app once the
-session layer is up) both transports are hosted sessions like voice ones: identity (API key or
+Both transports are hosted sessions like voice ones, on a
+:class:`~session.world.hosting.WorldHost` (``service.host``, set by the app once the session
+layer is up; until then a request is refused with 503): identity (API key or
 ``ek_`` key → tenant), an admission slot shared with voice sessions, a Redis record, a resume
 token (on the 101 / the 201 as ``X-Omni-Resume-Token``; and, for a client that asked for
 ``omni.*`` events with ``?omni_extensions=1``, ``omni.session.resumable`` first: on the
@@ -24,15 +25,12 @@ with ``X-Omni-Resume-Token`` or the ``omni-resume-token.<token>`` subprotocol) o
 call (``POST
 /v1/realtime/video/calls?session_id=…`` with ``X-Omni-Resume-Token``), whichever transport it
 began on. The hangup ends the world at once, peer up or not. Every refusal comes before the
-upgrade or any peer connection, as JSON. See docs/sessions.md, "World sessions". Without a
-host (tests of the protocol alone) a connection is its session and ``max_sessions`` caps
-this process.
+upgrade or any peer connection, as JSON. See docs/sessions.md, "World sessions".
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import secrets
@@ -61,7 +59,7 @@ from web.bodies import BodyRefused, read_body
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.video_call import CALL_PREFIX, PeerVideoTransport, TrackOutlet, VideoCall
 
-__all__ = ["Denial", "PeerVideoTransport", "TrackOutlet", "VideoCall", "VideoService", "video_routes"]
+__all__ = ["Denial", "PeerVideoTransport", "TrackOutlet", "VideoCall", "VideoService"]
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +117,7 @@ class Denial:
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
-# Without a host: the app passes identity and admission in as a gate (e.g. API key → 401).
-# None lets the connection in.
-Gate = Callable[[HTTPConnection], Awaitable[Denial | None]]
-# With a host: who is calling (None: no valid key → 401). May raise StoreUnavailable.
+# Who is calling (None: no valid key → 401). May raise StoreUnavailable.
 Identify = Callable[[HTTPConnection], Awaitable[Principal | None]]
 
 UNAUTHORIZED = Denial(401, "invalid_api_key", "Missing or invalid API key (Authorization: Bearer <key>).")
@@ -131,6 +126,7 @@ BAD_TOKEN = Denial(403, "invalid_resume_token", "The resume token is missing or 
 NOT_FOUND = Denial(404, "session_not_found", "No such session (it may have expired).")
 ELSEWHERE = Denial(409, "session_elsewhere", "The session is served by another replica.", 1)
 CALL_NOT_FOUND = Denial(404, "call_not_found", "No such call (or its session has ended).")
+STARTING = Denial(503, "not_ready", "The server is starting; retry shortly.", 1)
 MAX_REMEMBERED_CALLS = 4096  # call ids a late hangup can still name
 
 
@@ -154,19 +150,14 @@ class VideoService:
         *,
         ice_servers: Sequence[IceServer] = (),
         connect_timeout_s: float = 15.0,
-        gate: Gate | None = None,
-        max_sessions: int = 64,
         identify: Identify | None = None,
     ) -> None:
         self.runtimes = runtimes
-        self.gate = gate
         self.identify = identify
         self.host: WorldHost | None = None  # the app sets it once the session layer is up
-        self.max_sessions = max_sessions
         self.config = config or VideoConfig()
         self.ice_servers = list(ice_servers)
         self.connect_timeout_s = connect_timeout_s
-        self.sessions: dict[str, VideoSessionDriver] = {}
         self.calls: dict[str, VideoCall] = {}  # calls whose peer connection is up
         # call id → (tenant, session id) of hosted calls, for hangups that come after the peer
         # went (a detached world); the newest calls, bounded.
@@ -174,10 +165,9 @@ class VideoService:
         self._call_tasks: set[asyncio.Task[None]] = set()
 
     def live_sessions(self) -> int:
-        """World sessions live in this process (hosted ones, detached included, and unhosted
-        ones): ``omniduplex_active_sessions``, ``/readyz`` and the replica's load count them."""
-        hosted = len(self.host.sessions) if self.host is not None else 0
-        return hosted + len(self.sessions)
+        """World sessions live in this process (detached ones included):
+        ``omniduplex_active_sessions``, ``/readyz`` and the replica's load count them."""
+        return len(self.host.sessions) if self.host is not None else 0
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -194,16 +184,6 @@ class VideoService:
             Route("/world", _world_redirect, name="world_demo"),
             Mount("/world", StaticFiles(directory=STATIC_WORLD, html=True), name="world_static"),
         ]
-
-    async def _admit(self, connection: HTTPConnection) -> Denial | None:
-        """Unhosted: the gate first, then this process's cap."""
-        if self.gate is not None:
-            denial = await self.gate(connection)
-            if denial is not None:
-                return denial
-        if len(self.sessions) >= self.max_sessions:
-            return Denial(503, "server_busy", f"All {self.max_sessions} video session slots are in use.")
-        return None
 
     async def _principal(self, connection: HTTPConnection) -> Principal | Denial:
         if self.identify is None:
@@ -249,54 +229,36 @@ class VideoService:
         in ``X-Omni-Resume-Token``) a call that resumes a world. Every refusal comes before a
         peer connection exists; the call then runs until its peer or its session ends."""
         host = self.host
-        if request.query_params.get("session_id") is not None:
-            if host is None:  # unhosted: a connection is its session, nothing outlives it
-                return NOT_FOUND.response()
-            return await self._resume_call(host, request)
-        admitted: tuple[str, str] | None = None
         if host is None:
-            denial = await self._admit(request)
-            if denial is not None:
-                return denial.response()
-        else:
-            decision = await self._admit_hosted(host, request)
-            if isinstance(decision, Denial):
-                return decision.response()
-            admitted = decision
+            return STARTING.response()
+        if request.query_params.get("session_id") is not None:
+            return await self._resume_call(host, request)
+        admitted = await self._admit_hosted(host, request)
+        if isinstance(admitted, Denial):
+            return admitted.response()
         answered = await self._answer(request)
         if isinstance(answered, Denial):
-            if host is not None and admitted is not None:
-                await host.forfeit(admitted[1])
+            await host.forfeit(admitted[1])
             return answered.response()
         call, answer = answered
+
+        def new_driver(core: VideoSessionCore) -> VideoSessionDriver:
+            return VideoSessionDriver(core, call.transport, self.runtimes, outlets=call.outlets, retain=True)
+
+        opened = await self._create_hosted(host, admitted, "webrtc", new_driver)
+        if isinstance(opened, Denial):
+            await call.peer.close("refused")
+            return opened.response()
+        hosted, token = opened
+        await host.open(hosted, call.transport, None)  # attached; its token once `controls` opens
         headers = {"Location": f"/v1/realtime/video/calls/{call.call_id}"}
-        if host is not None and admitted is not None:
-
-            def new_driver(core: VideoSessionCore) -> VideoSessionDriver:
-                return VideoSessionDriver(
-                    core, call.transport, self.runtimes, outlets=call.outlets, retain=True
-                )
-
-            opened = await self._create_hosted(host, admitted, "webrtc", new_driver)
-            if isinstance(opened, Denial):
-                await call.peer.close("refused")
-                return opened.response()
-            hosted, token = opened
-            await host.open(hosted, call.transport, None)  # attached; its token once `controls` opens
-            headers.update(resume_headers(hosted.session_id, token))
-            self._remember(call, hosted)
-            if wants_extensions(request.query_params, request.headers):
-                announce = functools.partial(host.announce, hosted, call.transport, token)
-            else:
-                announce = functools.partial(_attached, True)
-            self._serve(call, self._serve_hosted(call, host, hosted, announce))
+        headers.update(resume_headers(hosted.session_id, token))
+        self._remember(call, hosted)
+        if wants_extensions(request.query_params, request.headers):
+            announce = functools.partial(host.announce, hosted, call.transport, token)
         else:
-            driver = VideoSessionDriver(
-                VideoSessionCore(self.config), call.transport, self.runtimes, outlets=call.outlets
-            )
-            self.sessions[driver.core.session_id] = driver
-            self.calls[call.call_id] = call
-            self._serve(call, self._serve_unhosted(call, driver))
+            announce = functools.partial(_attached, True)
+        self._serve(call, self._serve_hosted(call, host, hosted, announce))
         return Response(answer, status_code=201, media_type="application/sdp", headers=headers)
 
     async def _resume_call(self, host: WorldHost, request: Request) -> Response:
@@ -367,30 +329,13 @@ class VideoService:
             await call.peer.close("call ended")
             await asyncio.shield(host.connection_ended(hosted, call.transport, code))
 
-    async def _serve_unhosted(self, call: VideoCall, driver: VideoSessionDriver) -> None:
-        """Without a host the call is its session: both end with the peer."""
-        try:
-            if await call.connected(self.connect_timeout_s):
-                await call.serve(driver)
-        except Exception:
-            log.exception("video call %s failed", call.call_id)
-        finally:
-            self.calls.pop(call.call_id, None)
-            self.sessions.pop(driver.core.session_id, None)
-            await driver.close()
-            await call.peer.close("call ended")
-
     async def hangup(self, request: Request) -> Response:
         """``DELETE /v1/realtime/video/calls/{id}``: end the call's world for good, whether its
         peer is still up or not (a detached world, or one resumed on another connection)."""
         call_id = request.path_params["call_id"]
         host = self.host
         if host is None:
-            call = self.calls.get(call_id)
-            if call is None:
-                return CALL_NOT_FOUND.response()
-            await call.peer.close("hung up")
-            return Response(status_code=204)
+            return STARTING.response()
         principal = await self._principal(request)
         if isinstance(principal, Denial):
             return principal.response()
@@ -413,31 +358,11 @@ class VideoService:
     async def websocket(self, websocket: WebSocket) -> None:
         host = self.host
         if host is None:
-            await self._websocket_unhosted(websocket)
+            await websocket.send_denial_response(STARTING.response())
         elif websocket.query_params.get("session_id") is not None:
             await self._resume(websocket, host)
         else:
             await self._websocket_hosted(websocket, host)
-
-    async def _websocket_unhosted(self, websocket: WebSocket) -> None:
-        denial = await self._admit(websocket)
-        if denial is not None:
-            await websocket.send_denial_response(denial.response())
-            return
-        await websocket.accept()
-        driver = VideoSessionDriver(
-            VideoSessionCore(self.config), WebSocketVideoTransport(websocket), self.runtimes
-        )
-        session_id = driver.core.session_id
-        self.sessions[session_id] = driver
-        try:
-            async with asyncio.TaskGroup() as group:
-                receiver = group.create_task(_receive(websocket, driver), name=f"video-receive-{session_id}")
-                await driver.wait_closed()
-                receiver.cancel()
-        finally:
-            self.sessions.pop(session_id, None)
-            await driver.close()
 
     async def _websocket_hosted(self, websocket: WebSocket, host: WorldHost) -> None:
         transport = WebSocketVideoTransport(websocket)
@@ -520,37 +445,13 @@ class VideoService:
             await asyncio.gather(receiver, closed, return_exceptions=True)
 
     async def close(self) -> None:
-        """Server shutdown: end every live session and call."""
+        """Server shutdown: end every live call (the host ends the worlds)."""
         for call in list(self.calls.values()):
             await call.peer.close("server shutting down")
-        await asyncio.gather(
-            *(driver.close() for driver in list(self.sessions.values())), return_exceptions=True
-        )
         tasks = list(self._call_tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _receive(websocket: WebSocket, driver: VideoSessionDriver) -> None:
-    """Client frames into the driver until the client goes away; then close the driver."""
-    try:
-        while True:
-            message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                break
-            text = message.get("text")
-            if text is not None:
-                await driver.handle_text(text)
-            elif message.get("bytes") is not None:
-                await driver.handle_binary(message["bytes"])
-    except WebSocketDisconnect:
-        pass
-    except RuntimeError as exc:  # receive after the socket closed (we closed it after a stall)
-        log.debug("video session %s: receive ended: %s", driver.core.session_id, exc)
-    finally:
-        with contextlib.suppress(Exception):
-            await asyncio.shield(driver.close())
 
 
 async def _accept(websocket: WebSocket, headers: dict[str, str] | None = None) -> None:
@@ -572,7 +473,7 @@ async def _attached(result: bool) -> bool:
 async def _receive_frames(
     websocket: WebSocket, driver: VideoSessionDriver, transport: WebSocketVideoTransport
 ) -> None:
-    """Hosted: client frames into the driver until the client goes away; remembers how it
+    """Client frames into the driver until the client goes away; remembers how it
     left (its close code) for the host to detach or end the session."""
     try:
         while True:
@@ -601,12 +502,3 @@ async def _read_offer(request: Request) -> str:
 
 async def _world_redirect(request: Request) -> Response:
     return RedirectResponse(url=str(request.url.replace(path="/world/")))
-
-
-def video_routes(
-    runtimes: RuntimeProvider, config: VideoConfig | None = None, *, ice_servers: Sequence[IceServer] = ()
-) -> list[BaseRoute]:
-    """The routes for a starlette app; ``runtimes`` is e.g. a
-    :class:`~session.world.runtimes.OrchestratorPool`. (Keep the :class:`VideoService` to
-    close its sessions at shutdown.)"""
-    return VideoService(runtimes, config, ice_servers=ice_servers).routes()

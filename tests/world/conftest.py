@@ -1,4 +1,7 @@
-"""A real server on loopback for world-model tests: starlette + uvicorn + the real orchestrator."""
+"""A real server on loopback for world-model tests: starlette + uvicorn + the real orchestrator,
+with the world sessions hosted as in ``omniduplex serve`` (a :class:`WorldHost` on the session
+layer of :func:`web.context.server_context`, on the shared test redis-server), but with the test's
+own :class:`VideoConfig` and socket buffers."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import json
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,9 +19,13 @@ from starlette.applications import Starlette
 from websockets.asyncio.client import ClientConnection, connect
 
 from session.world.config import VideoConfig, VideoLimits
+from session.world.driver import VideoSessionDriver
+from session.world.hosting import WorldHost
 from session.world.runtimes import OrchestratorPool
-from tests.conftest_redis import redis_server  # noqa: F401  (a shared redis-server fixture)
+from tests.conftest_redis import redis_server, redis_url  # noqa: F401  (shared redis-server fixtures)
 from tests.peer_faults import fast_consent  # noqa: F401  (a fixture: ICE consent lost in ~2 s)
+from web.context import server_context
+from web.settings import ServerSettings
 from web.video import VideoService
 
 
@@ -26,20 +34,34 @@ class WorldServer:
     url: str  # http://127.0.0.1:PORT
     service: VideoService
     pool: OrchestratorPool
+    host: WorldHost
 
     @property
     def ws_url(self) -> str:
         return self.url.replace("http://", "ws://") + "/v1/realtime/video"
 
+    def drivers(self) -> list[VideoSessionDriver]:
+        """The drivers of the live world sessions (detached ones included)."""
+        return [hosted.driver for hosted in self.host.sessions.values()]
+
 
 async def serve(
-    config: VideoConfig, *, sndbuf: int | None = None, **service_options: Any
+    config: VideoConfig, *, store_url: str, data_dir: Path, sndbuf: int | None = None
 ) -> AsyncIterator[WorldServer]:
     """A server on a free loopback port. ``sndbuf``: a small, fixed kernel send buffer for every
     accepted connection (Linux copies it from the listening socket), so a stalled client blocks
-    the server's sends after kilobytes instead of the megabytes autotuning allows."""
+    the server's sends after kilobytes instead of the megabytes autotuning allows. A dropped
+    connection ends its world at once (no disconnect grace): tests of resume are elsewhere."""
+    settings = ServerSettings(
+        port=0,
+        data_dir=str(data_dir),
+        redis_url=store_url,
+        pipeline="null",
+        vad=False,
+        disconnect_grace_s=0.0,
+    )
     pool = OrchestratorPool()
-    service = VideoService(pool, config, **service_options)
+    service = VideoService(pool, config)
     app = Starlette(routes=service.routes())
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -48,32 +70,38 @@ async def serve(
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws="websockets-sansio", lifespan="off"))
-    task = asyncio.create_task(server.serve(sockets=[sock]), name="test-uvicorn")
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-        yield WorldServer(f"http://127.0.0.1:{port}", service, pool)
-    finally:
-        await service.close()
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-        await pool.close()
-        sock.close()
+    async with server_context(settings) as ctx:
+        host = service.host = WorldHost(ctx.host)
+        await host.start()
+        task = asyncio.create_task(server.serve(sockets=[sock]), name="test-uvicorn")
+        try:
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.01)
+            yield WorldServer(f"http://127.0.0.1:{port}", service, pool, host)
+        finally:
+            await host.close()  # as the app at shutdown: every world ends, then the calls
+            await service.close()
+            server.should_exit = True
+            await asyncio.wait_for(task, 10)
+            await pool.close()
+            sock.close()
 
 
 @pytest.fixture
-async def world_server() -> AsyncIterator[WorldServer]:
-    async for server in serve(VideoConfig()):
+async def world_server(redis_url: str, tmp_path: Path) -> AsyncIterator[WorldServer]:  # noqa: F811
+    async for server in serve(VideoConfig(), store_url=redis_url, data_dir=tmp_path):
         yield server
 
 
 @pytest.fixture
-async def stall_server() -> AsyncIterator[WorldServer]:
+async def stall_server(redis_url: str, tmp_path: Path) -> AsyncIterator[WorldServer]:  # noqa: F811
     """Short stall timeout and small socket buffers: a non-reading client blocks sends quickly."""
     limits = replace(VideoLimits(), stall_timeout_s=1.5, close_grace_s=3.0)
-    async for server in serve(VideoConfig(limits=limits), sndbuf=16384):
+    async for server in serve(
+        VideoConfig(limits=limits), store_url=redis_url, data_dir=tmp_path, sndbuf=16384
+    ):
         yield server
 
 

@@ -41,7 +41,7 @@ async def test_slow_reader_pauses_generation_then_session_ends(stall_server: Wor
     )
     await client.expect("video.start")
     await client.chunk()
-    driver = next(iter(stall_server.service.sessions.values()))
+    driver = stall_server.drivers()[0]
 
     # Stop reading. The server fills the socket buffers, then its send blocks.
     def blocked() -> bool:
@@ -72,5 +72,5 @@ async def test_slow_reader_pauses_generation_then_session_ends(stall_server: Wor
         assert closed.rcvd.code == 1008 and closed.rcvd.reason.startswith("client_stalled")
     stalled = [e for e in events if e["type"] == "error"]
     assert stalled and stalled[-1]["code"] == "client_stalled"
-    await wait_for(lambda: not stall_server.service.sessions, 5.0)
+    await wait_for(lambda: not stall_server.drivers(), 5.0)
     assert driver.stats.send_blocked_s >= 1.4

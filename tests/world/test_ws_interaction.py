@@ -118,6 +118,6 @@ async def test_action_flood_is_coalesced(world_server: WorldServer) -> None:
             else:
                 raise AssertionError(event)
         assert applied <= chunks + 1  # at most one applied event per chunk, whatever the flood
-        driver = next(iter(world_server.service.sessions.values()))
+        driver = world_server.drivers()[0]
         assert driver.stats.chunks_received - driver.stats.chunks_sent <= 1
         await client.chunk()  # still streaming
