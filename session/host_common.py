@@ -4,7 +4,9 @@
 different sessions but the same admission slots and the same retention policy, so a few
 mechanics are identical and live here once: releasing a slot (retried by the sweeper when
 Redis was down), the one sweeper task per host woken early by its ``wake`` event, the message
-an expired session's client is told, and tasks tracked until they finish.
+an expired session's client is told, and tasks tracked until they finish. The world and
+robot hosts use them through :class:`~session.lifecycle.SessionLifecycle`, which owns the rest
+of their shared lifecycle.
 """
 
 from __future__ import annotations

@@ -186,6 +186,16 @@ class SessionHost(ResumeHosting):
         self.admission.replica_id = replica_id
         self.claim = claim
 
+    async def bind_new(self, session_id: str) -> int:
+        """The binding epoch of a new session (of any kind): scaled out, it is bound here
+        (epoch 1) so a takeover fences us; else 0. :class:`SessionElsewhere` when another
+        replica holds it."""
+        if self.claim is None:
+            return 0
+        bound = await self.claim(session_id)
+        if bound.replica_id != self.replica_id:
+            raise SessionElsewhere(bound)
+        return bound.epoch
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -234,13 +244,7 @@ class SessionHost(ResumeHosting):
         record, token = await self.store.create_session(
             tenant, stored, session_id=session_id, resume_token=resume_token
         )
-        epoch = 0
-        if self.claim is not None:  # scale-out: bind it here (epoch 1), so a takeover fences us
-            bound = await self.claim(session_id)
-            if bound.replica_id != self.replica_id:
-                raise SessionElsewhere(bound)
-            epoch = bound.epoch
-        hs = await self._host(record, core, epoch=epoch)
+        hs = await self._host(record, core, epoch=await self.bind_new(session_id))
         hs.token_digest = secret_digest(token)
         self.counts["opened"] += 1
         return hs, token

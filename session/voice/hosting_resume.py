@@ -144,7 +144,7 @@ class ResumeHosting:
 
     async def _rebuild(self, tenant: str, session_id: str) -> HostedSession:
         snapshot = await self.store.load_snapshot(tenant, session_id)
-        bound = await self._take_binding(session_id)
+        bound = await self.take_binding(session_id)
         record = snapshot.record
         config = config_from_record(record.config, default_model=self._default_model(session_id))
         now = self._clock()
@@ -168,9 +168,10 @@ class ResumeHosting:
         self.counts["restored"] += 1
         return hs
 
-    async def _take_binding(self, session_id: str) -> Binding:
-        """The binding (epoch) this process writes the session with from now on (always a new
-        one, except a session parked by this very replica); `previous_replica` when it moved."""
+    async def take_binding(self, session_id: str) -> Binding:
+        """The binding (epoch) this process writes a rebuilt session (of any kind) with from now
+        on (always a new one, except a session parked by this very replica); `previous_replica`
+        when it moved. Claims it when scaled out, else takes it over."""
         if self.claim is not None:
             bound = await self.claim(session_id)
             if bound.replica_id != self.replica_id:

@@ -21,6 +21,10 @@ its runtime request and rolling context, which live in this process only, so
 * a connection that ends with no world generating (``session.stop`` sent, or the world
   completed) or with a clean close 1000 ends the session at once.
 
+The mechanics every kind shares (the live table, slots, sweeper, binding, retention, end,
+writer fatal errors) are the composed :class:`~session.lifecycle.SessionLifecycle`; this host is
+its :class:`~session.lifecycle.KindHooks` for worlds.
+
 Redis traffic per session: the record at open, a state write at each detach/attach and at
 each new generation (its config), and the writer's TTL refresh (at most every idle TTL / 4)
 while there is activity. Nothing per chunk or per frame: one sweeper task per host reads the
@@ -33,23 +37,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from session.admission import Rejected
-from session.host_common import SlotReleases, cancel_tasks, expiry_message, spawn, sweep_forever
-from session.identity import new_session_id, resume_token_matches, secret_digest
-from session.retention import EXPIRY_SLACK_S, RetentionTimer, Verdict
-from session.store import SessionRecord, SessionWriter
-from session.store.errors import (
-    ResumeTokenInvalid,
-    SessionGone,
-    SessionNotFound,
-    StaleEpoch,
-    StoreError,
+from session.identity import resume_token_matches, secret_digest
+from session.lifecycle import (
+    CLEAN_CLOSE,
+    EXPIRED_CLOSE,
+    REPLACED,
+    HostedSession,
+    KindSpec,
+    SessionLifecycle,
 )
+from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreError
 from session.voice.hosting import AdmissionRefused, SessionElsewhere
 from session.world.driver import OutletFactory, TransportClosed, VideoSessionDriver, VideoTransport
 from session.world.events import ErrorCode, SessionResumable
@@ -60,38 +61,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KIND = "world"
-CLEAN_CLOSE = 1000
-EXPIRED_CLOSE = 1001
-REPLACED = (4000, "replaced by a newer connection of the same session")
+SPEC = KindSpec(KIND, store_error_close=(1011, "session store error"), expire_when_gone=True)
 
 __all__ = ["KIND", "AdmissionRefused", "SessionElsewhere", "WorldHost", "WorldSession"]
 
 
 @dataclass(eq=False, slots=True)
-class WorldSession:
+class WorldSession(HostedSession[VideoSessionDriver, VideoTransport]):
     """A world session live in this process (its driver, writer and retention timer)."""
 
-    session_id: str
-    tenant: str
-    driver: VideoSessionDriver
-    writer: SessionWriter
-    timer: RetentionTimer
-    record: SessionRecord
-    transport_kind: str  # of the connection attached last: "websocket" or "webrtc"
-    token_digest: str
-    connection: VideoTransport | None = None  # the attached connection; None: detached
-    opened: bool = False  # its first connection was attached (see WorldHost.open)
-    ending: bool = False
+    transport_kind: str = "websocket"  # of the connection attached last: "websocket" or "webrtc"
     recorded_request: str | None = None  # the generation whose config the record holds
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    @property
-    def connected(self) -> bool:
-        return self.connection is not None
-
-    @property
-    def state(self) -> str:
-        return "active" if self.connected else "detached"
 
 
 class WorldHost:
@@ -104,52 +84,36 @@ class WorldHost:
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.voice = sessions  # store, admission, binding, claim, policy: shared with voice
-        self.store = sessions.store
-        self.admission = sessions.admission
-        self.policy = sessions.policy
-        self._wall = wall
-        self._clock = clock
-        self.sessions: dict[str, WorldSession] = {}
-        self.counts: Counter[str] = Counter()
-        self._releases = SlotReleases(sessions.admission)
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._wake = asyncio.Event()
-        self._sweeper: asyncio.Task[None] | None = None
+        self.life: SessionLifecycle[WorldSession] = SessionLifecycle(
+            sessions, SPEC, self, wall=wall, clock=clock
+        )
+        self.sessions = self.life.sessions
+        self.counts = self.life.counts
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        sweeper = sweep_forever(
-            self._wake, lambda: self.voice.settings.sweep_s, self.sweep, log, "world session"
-        )
-        self._sweeper = asyncio.create_task(sweeper, name="world-host:sweeper")
+        self.life.start()
 
     async def close(self) -> None:
         """Shutdown: every world ends (a world cannot outlive its process); slots go back."""
         live = list(self.sessions.values())
         await asyncio.gather(
-            *(self._end(ws, "shutdown", close=(EXPIRED_CLOSE, "server shutting down")) for ws in live),
+            *(self.life.end(ws, "shutdown", close=(EXPIRED_CLOSE, "server shutting down")) for ws in live),
             return_exceptions=True,
         )
-        await cancel_tasks(self._sweeper, *self._tasks)
-        self._sweeper = None
-        await self._releases.retry(self.sessions)
+        await self.life.stop()
 
     # --- open --------------------------------------------------------------------------------
 
     async def admit(self, tenant: str) -> str:
         """A new session id holding a slot (no queue: a full replica or tenant refuses at once).
         Raises :class:`AdmissionRefused` (429) or ``StoreUnavailable`` (503)."""
-        session_id = new_session_id()
-        decision = await self.admission.try_admit(session_id, tenant, may_queue=False)
-        if isinstance(decision, Rejected):
-            raise AdmissionRefused(decision)
-        return session_id
+        return await self.life.admit(tenant)
 
     async def forfeit(self, session_id: str) -> None:
         """Give back the slot of a session that did not open."""
-        await self._release(session_id)
+        await self.life.release(session_id)
 
     async def create(
         self, session_id: str, tenant: str, driver: VideoSessionDriver, *, transport_kind: str
@@ -158,30 +122,17 @@ class WorldHost:
         once), the binding to this replica when scaled out, the writer and retention timer.
         Raises ``StoreUnavailable`` or :class:`SessionElsewhere`; the caller forfeits the slot."""
         config = {"kind": KIND, "transport": transport_kind}
-        record, token = await self.store.create_session(tenant, config, session_id=session_id)
+        record, token = await self.life.store.create_session(tenant, config, session_id=session_id)
         try:
-            epoch = 0
-            claim = self.voice.claim
-            if claim is not None:  # scale-out: bound here (epoch 1), so a takeover fences us
-                bound = await claim(session_id)
-                if bound.replica_id != self.voice.replica_id:
-                    raise SessionElsewhere(bound)
-                epoch = bound.epoch
-            writer = SessionWriter(
-                self.store, record, epoch=epoch, on_fatal=lambda exc: self._on_writer_fatal(session_id, exc)
-            )
-            await writer.start()
+            writer = await self.life.new_writer(record, await self.life.bind_new(session_id))
         except BaseException:
             with contextlib.suppress(StoreError):
-                await self.store.delete_session(session_id)
+                await self.life.store.delete_session(session_id)
             raise
-        timer = RetentionTimer(
-            self.policy, created_at=record.created_at, now=self._wall(), expires_at=record.expires_at
-        )
-        ws = WorldSession(
-            session_id, tenant, driver, writer, timer, record, transport_kind, secret_digest(token)
-        )
-        self.sessions[session_id] = ws
+        timer = self.life.new_timer(record)
+        ws = WorldSession(session_id, tenant, driver, writer, timer, record, secret_digest(token))
+        ws.transport_kind = transport_kind
+        self.life.add(ws)
         self.counts["opened"] += 1
         return ws, token
 
@@ -216,8 +167,7 @@ class WorldHost:
     # --- resume ------------------------------------------------------------------------------
 
     def live(self, tenant: str, session_id: str) -> WorldSession | None:
-        ws = self.sessions.get(session_id)
-        return ws if ws is not None and ws.tenant == tenant and not ws.ending else None
+        return self.life.live(tenant, session_id)
 
     async def authorize(self, tenant: str, session_id: str, token: str | None) -> WorldSession:
         """Before the upgrade: the live world, or ``SessionNotFound`` (unknown, ended, another
@@ -228,24 +178,21 @@ class WorldHost:
             if not resume_token_matches(token, ws.token_digest):
                 raise ResumeTokenInvalid(session_id)
             return ws
-        record = await self.store.authorize_resume(tenant, session_id, token)
+        record = await self.life.store.authorize_resume(tenant, session_id, token)
         if record.config.get("kind") != KIND:
             raise SessionNotFound(session_id)
-        bound = await self.voice.binding.get(session_id)
-        if bound is not None and bound.replica_id != self.voice.replica_id:
-            if self.voice.claim is None:
+        bound = await self.life.voice.binding.get(session_id)
+        if bound is not None and bound.replica_id != self.life.voice.replica_id:
+            if self.life.voice.claim is None:
                 raise SessionElsewhere(bound)
             # Scale-out: `claim` binds it here only when its owner's lease has lapsed. A world
             # dies with its process (its rolling context was there), so a dead owner's world is
             # gone: give back its slot and record, and answer 404 as the gateway does.
-            claimed = await self.voice.claim(session_id)
-            if claimed.replica_id != self.voice.replica_id:
+            claimed = await self.life.voice.claim(session_id)
+            if claimed.replica_id != self.life.voice.replica_id:
                 raise SessionElsewhere(claimed)
-            await self._release(session_id)
-            try:
-                await self.store.delete_session(session_id)
-            except StoreError:  # its keys expire by their TTL
-                log.warning("world session %s: could not delete it from Redis", session_id)
+            await self.life.release(session_id)
+            await self.life.delete_record(session_id)
         raise SessionNotFound(session_id)  # its world ran in a process that is gone
 
     async def resume(
@@ -281,9 +228,7 @@ class WorldHost:
                 return False
             if kind is not None:
                 ws.transport_kind = kind
-            ws.timer.on_reconnect(self._wall())
-            ws.writer.set_state("active")
-            self.counts["resumed"] += 1
+            self.life.reattached(ws)
         return True
 
     # --- connections end ---------------------------------------------------------------------
@@ -304,42 +249,33 @@ class WorldHost:
             else:
                 self._detached(ws)
                 return
-        await self._end(ws, cause)
+        await self.life.end(ws, cause)
 
     def _detached(self, ws: WorldSession) -> None:
         ws.driver.detach()
-        ws.timer.on_disconnect(self._wall())
-        ws.writer.set_state("detached")
-        self.counts["detached"] += 1
-        self._wake.set()
+        self.life.detached(ws)
 
-    # --- retention ---------------------------------------------------------------------------
+    # --- retention (the hooks of SessionLifecycle) -------------------------------------------
 
     async def sweep(self) -> None:
         """One pass of retention over the live worlds (and retries of failed releases)."""
-        wall, mono = self._wall(), self._clock()
-        actions: list[Awaitable[None]] = []
-        for ws in list(self.sessions.values()):
-            if ws.ending:
-                continue
-            if ws.driver.closed and not ws.connected:
-                actions.append(self._end(ws, "closed"))
-                continue
-            active_at = wall - (mono - ws.driver.last_activity)
-            if active_at > ws.timer.last_active:
-                ws.timer.on_activity(active_at)
-                ws.writer.mark_activity()  # the writer refreshes the TTLs (rate-limited)
-            self._record_generation(ws)
-            verdict = ws.timer.check(wall)
-            if verdict is Verdict.LIFETIME_EXPIRED or verdict is Verdict.IDLE_EXPIRED:
-                close = (EXPIRED_CLOSE, "session expired")
-                error = (ErrorCode.SESSION_EXPIRED, expiry_message(self.policy, verdict))
-                actions.append(self._end(ws, verdict.value, close=close, error=error))
-            elif verdict is Verdict.GRACE_EXPIRED and not ws.connected:
-                actions.append(self._end(ws, "grace_expired"))
-        if actions:
-            await asyncio.gather(*actions, return_exceptions=True)
-        await self._releases.retry(self.sessions)
+        await self.life.sweep()
+
+    def last_activity(self, s: WorldSession) -> float:
+        return s.driver.last_activity
+
+    def closed_by_itself(self, s: WorldSession) -> bool:
+        return s.driver.closed
+
+    def checkpoint(self, s: WorldSession) -> None:
+        self._record_generation(s)
+
+    async def stop(self, s: WorldSession, close: tuple[int, str] | None, expiry: str | None) -> None:
+        if close is None:
+            await s.driver.close()
+            return
+        error = (ErrorCode.SESSION_EXPIRED, expiry) if expiry is not None else None
+        await s.driver.end(close[0], close[1], error)
 
     def _record_generation(self, ws: WorldSession) -> None:
         """A new generation started: its config (model, format, size, fps, prompt) into the
@@ -365,7 +301,7 @@ class WorldHost:
         ws = self.live(tenant, session_id)
         if ws is None:
             raise SessionNotFound(session_id)
-        await self._end(ws, cause, close=(CLEAN_CLOSE, f"session {cause}"))
+        await self.life.end(ws, cause, close=(CLEAN_CLOSE, f"session {cause}"))
 
     async def describe(self, tenant: str, session_id: str) -> dict[str, Any]:
         """``GET /v1/sessions/{id}`` of a world live here (else ``SessionNotFound``)."""
@@ -375,7 +311,7 @@ class WorldHost:
         self._record_generation(ws)
         with contextlib.suppress(StoreError):
             await ws.writer.flush()
-        record = await self.store.get_session(tenant, session_id)
+        record = await self.life.store.get_session(tenant, session_id)
         world = ws.driver.core.resumed()
         return {
             "object": "realtime.session.state",
@@ -386,7 +322,7 @@ class WorldHost:
             "created_at": int(record.created_at),
             "last_active_at": int(record.last_active),
             "expires_at": int(record.expires_at),
-            "idle_expires_at": int(min(record.last_active + self.policy.idle_ttl_s, record.expires_at)),
+            "idle_expires_at": int(min(record.last_active + self.life.policy.idle_ttl_s, record.expires_at)),
             "event_count": record.event_seq,
             "live_here": True,
             "connected": ws.connected,
@@ -401,62 +337,6 @@ class WorldHost:
             },
         }
 
-    async def _end(
-        self,
-        ws: WorldSession,
-        cause: str,
-        *,
-        close: tuple[int, str] | None = None,
-        error: tuple[str, str] | None = None,
-    ) -> None:
-        """Out of this process and out of Redis: cancel the world, release the slot."""
-        if ws.ending:
-            return
-        ws.ending = True
-        sid = ws.session_id
-        self.sessions.pop(sid, None)
-        try:
-            if close is not None:
-                await ws.driver.end(close[0], close[1], error)
-            else:
-                await ws.driver.close()
-            await ws.writer.close(flush=False)
-        finally:
-            await self._release(sid)  # before the record goes: once it is gone, so is the slot
-        try:
-            await self.store.delete_session(sid)
-        except StoreError:  # its keys expire by their TTL
-            log.warning("world session %s: could not delete it from Redis", sid)
-        self.counts[cause] += 1
-
-    def _on_writer_fatal(self, session_id: str, error: StoreError) -> None:
-        ws = self.sessions.get(session_id)
-        if ws is None:
-            return
-        if isinstance(error, StaleEpoch):
-            close = (1012, "session moved to another replica")
-        elif isinstance(error, SessionGone):
-            # Its keys' TTL ends with its lifetime (or idle TTL): a TTL refresh just after that,
-            # before the sweep saw it, finds them gone. End it as the sweep would, with the reason.
-            verdict = ws.timer.check(self._wall() + EXPIRY_SLACK_S)
-            if verdict is Verdict.LIFETIME_EXPIRED or verdict is Verdict.IDLE_EXPIRED:
-                expired = (ErrorCode.SESSION_EXPIRED, expiry_message(self.policy, verdict))
-                end = self._end(ws, verdict.value, close=(EXPIRED_CLOSE, "session expired"), error=expired)
-                spawn(self._tasks, end, f"world-expired:{session_id}")
-                return
-            close = (EXPIRED_CLOSE, "session ended")
-        else:
-            close = (1011, "session store error")
-        spawn(self._tasks, self._end(ws, "fenced", close=close), f"world-fenced:{session_id}")
-
-    async def _release(self, session_id: str) -> None:
-        await self._releases.release(session_id)
-
     def stats(self) -> dict[str, int]:
         """Live counters (back to zero once every world is gone)."""
-        return {
-            "live": len(self.sessions),
-            "connected": sum(1 for ws in self.sessions.values() if ws.connected),
-            "unreleased": len(self._releases),
-            "tasks": len(self._tasks),
-        }
+        return self.life.stats()

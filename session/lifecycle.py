@@ -1,0 +1,333 @@
+"""The lifecycle every kind of hosted session shares, as one component a host composes.
+
+A world host (:mod:`session.world.hosting`) and a robot host (:mod:`session.robot.hosting`) hold
+different sessions (a runtime request with a rolling context; a policy request with a small,
+movable context) but the same mechanics around them: the table of sessions live in this
+process, counters, admission slots (released, and retried by the sweeper when Redis was down),
+the one sweeper task, the binding of a new or rebuilt session to this replica, retention
+(driver activity -> timer, verdict -> end with the expiry message, or end past the disconnect
+grace), detach/reattach bookkeeping, ending (driver stopped, writer closed, slot released,
+record deleted) and parking, and what a fatal writer error does. :class:`SessionLifecycle`
+owns all of that once. What differs per kind comes in through :class:`KindHooks`, a small
+typed protocol the host implements: when the driver was last active, what to checkpoint into
+the record, how to stop the driver (with an expiry message or a close frame), and whether a
+driver that closed itself with no connection ends the session at a sweep.
+
+The per-kind session record is a :class:`HostedSession` (its driver, writer, retention timer,
+attached connection and lock) that a kind extends with the few fields of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from session.admission import Rejected
+from session.affinity import Binding
+from session.host_common import SlotReleases, cancel_tasks, expiry_message, spawn, sweep_forever
+from session.identity import new_session_id
+from session.retention import EXPIRY_SLACK_S, RetentionTimer, Verdict
+from session.store import SessionRecord, SessionWriter
+from session.store.errors import SessionGone, StaleEpoch, StoreError
+from session.voice.hosting import AdmissionRefused
+
+if TYPE_CHECKING:
+    from session.voice.hosting import SessionHost
+
+log = logging.getLogger(__name__)
+
+CLEAN_CLOSE = 1000
+EXPIRED_CLOSE = 1001
+MOVED_CLOSE = (1012, "session moved to another replica")
+REPLACED = (4000, "replaced by a newer connection of the same session")
+
+DriverT = TypeVar("DriverT")
+TransportT = TypeVar("TransportT")
+
+__all__ = [
+    "CLEAN_CLOSE",
+    "EXPIRED_CLOSE",
+    "REPLACED",
+    "HostedSession",
+    "KindHooks",
+    "KindSpec",
+    "SessionLifecycle",
+]
+
+
+@dataclass(eq=False, slots=True)
+class HostedSession(Generic[DriverT, TransportT]):
+    """A session live in this process: its driver, writer, retention timer and connection."""
+
+    session_id: str
+    tenant: str
+    driver: DriverT
+    writer: SessionWriter
+    timer: RetentionTimer
+    record: SessionRecord
+    token_digest: str
+    connection: TransportT | None = None  # the attached connection; None: detached
+    opened: bool = False  # its first connection was attached (see the host's open)
+    ending: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def connected(self) -> bool:
+        return self.connection is not None
+
+    @property
+    def state(self) -> str:
+        return "active" if self.connected else "detached"
+
+
+S = TypeVar("S", bound=HostedSession[Any, Any])
+S_contra = TypeVar("S_contra", bound=HostedSession[Any, Any], contravariant=True)
+
+
+@dataclass(frozen=True, slots=True)
+class KindSpec:
+    """The constants of a kind: its record ``config.kind`` (also in task names and logs), the
+    close a store error other than a fence ends its sessions with, and whether a session
+    whose keys vanished (``SessionGone``) past its lifetime or idle TTL ends as expired."""
+
+    name: str
+    store_error_close: tuple[int, str]
+    expire_when_gone: bool
+
+
+class KindHooks(Protocol[S_contra]):
+    """What a kind tells :class:`SessionLifecycle` about its sessions."""
+
+    def last_activity(self, s: S_contra) -> float:
+        """The monotonic time the session's driver was last active."""
+        ...
+
+    def checkpoint(self, s: S_contra) -> None:
+        """At each sweep: what changed of the session into its record (rate-limited by the kind)."""
+        ...
+
+    def closed_by_itself(self, s: S_contra) -> bool:
+        """A sweep ends the session (cause ``closed``) when this is true and nothing is attached."""
+        ...
+
+    async def stop(self, s: S_contra, close: tuple[int, str] | None, expiry: str | None) -> None:
+        """Stop the driver: tell the client ``expiry`` (if any), close its connection with
+        ``close`` (None: the driver closes as it will), cancel the runtime request."""
+        ...
+
+
+class SessionLifecycle(Generic[S]):
+    """The sessions of one kind live in this process and their lifecycle (module docstring)."""
+
+    def __init__(
+        self,
+        sessions: SessionHost,
+        spec: KindSpec,
+        hooks: KindHooks[S],
+        *,
+        wall: Callable[[], float],
+        clock: Callable[[], float],
+    ) -> None:
+        self.voice = sessions  # store, admission, binding, claim, policy: shared with voice
+        self.store = sessions.store
+        self.admission = sessions.admission
+        self.policy = sessions.policy
+        self.spec = spec
+        self.hooks = hooks
+        self.wall = wall
+        self.clock = clock
+        self.sessions: dict[str, S] = {}
+        self.counts: Counter[str] = Counter()
+        self.releases = SlotReleases(sessions.admission)
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.wake = asyncio.Event()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # --- the host's lifetime -----------------------------------------------------------------
+
+    def start(self) -> None:
+        sweeper = sweep_forever(
+            self.wake, lambda: self.voice.settings.sweep_s, self.sweep, log, f"{self.spec.name} session"
+        )
+        self._sweeper = asyncio.create_task(sweeper, name=f"{self.spec.name}-host:sweeper")
+
+    async def stop(self) -> None:
+        """After the sessions ended or parked: the sweeper and tasks stop, slots go back."""
+        await cancel_tasks(self._sweeper, *self.tasks)
+        self._sweeper = None
+        await self.releases.retry(self.sessions)
+
+    # --- admission and binding ---------------------------------------------------------------
+
+    async def admit(self, tenant: str) -> str:
+        """A new session id holding a slot (no queue: a full replica or tenant refuses at once).
+        Raises :class:`AdmissionRefused` (429) or ``StoreUnavailable`` (503)."""
+        session_id = new_session_id()
+        decision = await self.admission.try_admit(session_id, tenant, may_queue=False)
+        if isinstance(decision, Rejected):
+            raise AdmissionRefused(decision)
+        return session_id
+
+    async def readmit(self, session_id: str, tenant: str) -> None:
+        """A slot for a session rebuilt here; :class:`AdmissionRefused` when full."""
+        decision = await self.admission.try_admit(session_id, tenant, may_queue=False)
+        if isinstance(decision, Rejected):
+            raise AdmissionRefused(decision)
+
+    async def release(self, session_id: str) -> None:
+        """Give back the slot (a failed release is retried by the sweeper)."""
+        await self.releases.release(session_id)
+
+    async def bind_new(self, session_id: str) -> int:
+        """The binding epoch of a new session (see ``SessionHost.bind_new``)."""
+        return await self.voice.bind_new(session_id)
+
+    async def take_binding(self, session_id: str) -> Binding:
+        """A new binding epoch for a rebuilt session (claim when scaled out, else take over)."""
+        return await self.voice.take_binding(session_id)
+
+    async def new_writer(self, record: SessionRecord, epoch: int) -> SessionWriter:
+        """The record's writer, started; a fatal error of it ends (or fences) the session."""
+        sid = record.session_id
+        writer = SessionWriter(
+            self.store, record, epoch=epoch, on_fatal=lambda exc: self._on_writer_fatal(sid, exc)
+        )
+        await writer.start()
+        return writer
+
+    def new_timer(self, record: SessionRecord) -> RetentionTimer:
+        return RetentionTimer(
+            self.policy, created_at=record.created_at, now=self.wall(), expires_at=record.expires_at
+        )
+
+    async def delete_record(self, session_id: str) -> None:
+        """The session out of Redis; if Redis is down its keys expire by their TTL."""
+        try:
+            await self.store.delete_session(session_id)
+        except StoreError:
+            log.warning("%s session %s: could not delete it from Redis", self.spec.name, session_id)
+
+    # --- the table ---------------------------------------------------------------------------
+
+    def add(self, s: S) -> None:
+        self.sessions[s.session_id] = s
+
+    def live(self, tenant: str, session_id: str) -> S | None:
+        s = self.sessions.get(session_id)
+        return s if s is not None and s.tenant == tenant and not s.ending else None
+
+    # --- attach / detach ---------------------------------------------------------------------
+
+    def detached(self, s: S) -> None:
+        """The bookkeeping of a session that lost its connection (the kind detached its driver)."""
+        s.timer.on_disconnect(self.wall())
+        s.writer.set_state("detached")
+        self.counts["detached"] += 1
+        self.wake.set()
+
+    def reattached(self, s: S) -> None:
+        """The bookkeeping of a session a resuming connection attached to."""
+        s.timer.on_reconnect(self.wall())
+        s.writer.set_state("active")
+        self.counts["resumed"] += 1
+
+    # --- retention ---------------------------------------------------------------------------
+
+    async def sweep(self) -> None:
+        """One pass of retention over the live sessions (and retries of failed releases)."""
+        wall, mono = self.wall(), self.clock()
+        hooks = self.hooks
+        actions: list[Awaitable[None]] = []
+        for s in list(self.sessions.values()):
+            if s.ending:
+                continue
+            if not s.connected and hooks.closed_by_itself(s):
+                actions.append(self.end(s, "closed"))
+                continue
+            active_at = wall - (mono - hooks.last_activity(s))
+            if active_at > s.timer.last_active:
+                s.timer.on_activity(active_at)
+                s.writer.mark_activity()  # the writer refreshes the TTLs (rate-limited)
+            hooks.checkpoint(s)
+            verdict = s.timer.check(wall)
+            if verdict is Verdict.LIFETIME_EXPIRED or verdict is Verdict.IDLE_EXPIRED:
+                actions.append(self.expire(s, verdict))
+            elif verdict is Verdict.GRACE_EXPIRED and not s.connected:
+                actions.append(self.end(s, "grace_expired"))
+        if actions:
+            await asyncio.gather(*actions, return_exceptions=True)
+        await self.releases.retry(self.sessions)
+
+    async def expire(self, s: S, verdict: Verdict) -> None:
+        """End a session past its maximum lifetime or idle TTL, telling its client why."""
+        message = expiry_message(self.policy, verdict)
+        await self.end(s, verdict.value, close=(EXPIRED_CLOSE, "session expired"), expiry=message)
+
+    # --- end and park ------------------------------------------------------------------------
+
+    async def end(
+        self, s: S, cause: str, *, close: tuple[int, str] | None = None, expiry: str | None = None
+    ) -> None:
+        """Out of this process and out of Redis: driver stopped, slot released, record deleted."""
+        if s.ending:
+            return
+        s.ending = True
+        sid = s.session_id
+        self.sessions.pop(sid, None)
+        try:
+            await self.hooks.stop(s, close, expiry)
+            await s.writer.close(flush=False)
+        finally:
+            await self.release(sid)  # before the record goes: once it is gone, so is the slot
+        await self.delete_record(sid)
+        self.counts[cause] += 1
+
+    async def park(self, s: S, before: Callable[[S], None]) -> None:
+        """Shutdown: ``before`` stores what the session needs to be rebuilt, the record is
+        marked parked, the driver stopped (close 1012), the slot released, the record kept."""
+        if s.ending:
+            return
+        s.ending = True
+        self.sessions.pop(s.session_id, None)
+        try:
+            before(s)
+            s.writer.set_state("parked")
+            await self.hooks.stop(s, (1012, "server restarting; resume the session"), None)
+            with contextlib.suppress(StoreError):
+                await s.writer.close(flush=True)
+        finally:
+            await self.release(s.session_id)
+        self.counts["parked"] += 1
+
+    def _on_writer_fatal(self, session_id: str, error: StoreError) -> None:
+        s = self.sessions.get(session_id)
+        if s is None:
+            return
+        name = self.spec.name
+        if isinstance(error, StaleEpoch):
+            close = MOVED_CLOSE
+        elif isinstance(error, SessionGone) and self.spec.expire_when_gone:
+            # Its keys' TTL ends with its lifetime (or idle TTL): a TTL refresh just after that,
+            # before the sweep saw it, finds them gone. End it as the sweep would, with the reason.
+            verdict = s.timer.check(self.wall() + EXPIRY_SLACK_S)
+            if verdict is Verdict.LIFETIME_EXPIRED or verdict is Verdict.IDLE_EXPIRED:
+                spawn(self.tasks, self.expire(s, verdict), f"{name}-expired:{session_id}")
+                return
+            close = (EXPIRED_CLOSE, "session ended")
+        else:
+            close = self.spec.store_error_close
+        spawn(self.tasks, self.end(s, "fenced", close=close), f"{name}-fenced:{session_id}")
+
+    def stats(self) -> dict[str, int]:
+        """Live counters (back to zero once every session is gone)."""
+        return {
+            "live": len(self.sessions),
+            "connected": sum(1 for s in self.sessions.values() if s.connected),
+            "unreleased": len(self.releases),
+            "tasks": len(self.tasks),
+        }
