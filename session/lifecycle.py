@@ -30,10 +30,16 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from session.admission import Rejected
 from session.affinity import Binding
 from session.host_common import SlotReleases, cancel_tasks, expiry_message, spawn, sweep_forever
-from session.identity import new_session_id
+from session.identity import new_session_id, resume_token_matches
 from session.retention import EXPIRY_SLACK_S, RetentionTimer, Verdict
 from session.store import SessionRecord, SessionWriter
-from session.store.errors import SessionGone, StaleEpoch, StoreError
+from session.store.errors import (
+    ResumeTokenInvalid,
+    SessionGone,
+    SessionNotFound,
+    StaleEpoch,
+    StoreError,
+)
 from session.voice.hosting import AdmissionRefused
 
 if TYPE_CHECKING:
@@ -221,6 +227,45 @@ class SessionLifecycle(Generic[S]):
         s = self.sessions.get(session_id)
         return s if s is not None and s.tenant == tenant and not s.ending else None
 
+    def live_or_gone(self, tenant: str, session_id: str) -> S:
+        """The session live here, else ``SessionNotFound`` (``/v1/sessions/{id}``: 404)."""
+        s = self.live(tenant, session_id)
+        if s is None:
+            raise SessionNotFound(session_id)
+        return s
+
+    def live_authorized(self, tenant: str, session_id: str, token: str | None) -> S | None:
+        """The session live here if ``token`` is its resume token (else ``ResumeTokenInvalid``);
+        None when it is not live here."""
+        s = self.live(tenant, session_id)
+        if s is not None and not resume_token_matches(token, s.token_digest):
+            raise ResumeTokenInvalid(session_id)
+        return s
+
+    async def delete(self, tenant: str, session_id: str, cause: str) -> None:
+        """``DELETE /v1/sessions/{id}`` (or a hangup) of a session live here, attached or not."""
+        s = self.live_or_gone(tenant, session_id)
+        await self.end(s, cause, close=(CLEAN_CLOSE, f"session {cause}"))
+
+    async def state(self, s: S, transport: str) -> tuple[dict[str, Any], SessionRecord]:
+        """The common head of ``GET /v1/sessions/{id}`` (after the kind's checkpoint), with the
+        record it was read from: what was buffered is flushed first (best effort)."""
+        with contextlib.suppress(StoreError):
+            await s.writer.flush()
+        record = await self.store.get_session(s.tenant, s.session_id)
+        head = {
+            "object": "realtime.session.state",
+            "id": s.session_id,
+            "kind": self.spec.name,
+            "transport": transport,
+            "state": s.state,
+            "created_at": int(record.created_at),
+            "last_active_at": int(record.last_active),
+            "expires_at": int(record.expires_at),
+            "idle_expires_at": int(min(record.last_active + self.policy.idle_ttl_s, record.expires_at)),
+        }
+        return head, record
+
     # --- attach / detach ---------------------------------------------------------------------
 
     def detached(self, s: S) -> None:
@@ -229,6 +274,24 @@ class SessionLifecycle(Generic[S]):
         s.writer.set_state("detached")
         self.counts["detached"] += 1
         self.wake.set()
+
+    async def replace_connection(
+        self, s: S, transport: Any, detach: Callable[[Any], None], close_grace_s: float
+    ) -> bool:
+        """Under ``s.lock``: ``transport`` becomes the session's connection; one still attached
+        is detached from the driver (``detach``) and closed (4000). False, with ``transport``
+        closed, if the session is ending."""
+        if s.ending:
+            with contextlib.suppress(Exception):
+                await transport.close(EXPIRED_CLOSE, "session ended")
+            return False
+        old, s.connection = s.connection, transport
+        if old is not None:
+            detach(old)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(close_grace_s):
+                    await old.close(*REPLACED)
+        return True
 
     def reattached(self, s: S) -> None:
         """The bookkeeping of a session a resuming connection attached to."""

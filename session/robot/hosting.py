@@ -34,11 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from session.identity import resume_token_matches, secret_digest
+from session.identity import secret_digest
 from session.lifecycle import (
     CLEAN_CLOSE,
     EXPIRED_CLOSE,
-    REPLACED,
     HostedSession,
     KindSpec,
     SessionLifecycle,
@@ -46,7 +45,7 @@ from session.lifecycle import (
 from session.robot.core import Dialect, PolicyContext
 from session.robot.driver import RobotDriver, RobotTransport
 from session.store import SessionRecord
-from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreError
+from session.store.errors import SessionNotFound, StoreError
 from session.voice.hosting import AdmissionRefused, SessionElsewhere
 
 if TYPE_CHECKING:
@@ -177,10 +176,8 @@ class RobotHost:
         (its process is gone, or it was parked). Raises ``SessionNotFound`` (unknown, ended,
         another tenant's, not a robot session), ``ResumeTokenInvalid``, ``SessionElsewhere``
         (live on another replica), ``AdmissionRefused``, ``StoreUnavailable``."""
-        rs = self.live(tenant, session_id)
+        rs = self.life.live_authorized(tenant, session_id, token)
         if rs is not None:
-            if not resume_token_matches(token, rs.token_digest):
-                raise ResumeTokenInvalid(session_id)
             return rs
         record = await self.life.store.authorize_resume(tenant, session_id, token)
         if record.config.get("kind") != KIND:
@@ -217,16 +214,8 @@ class RobotHost:
         frame, then observations are answered with the session's context. False if the
         session ended meanwhile or the connection is gone."""
         async with rs.lock:
-            if rs.ending:
-                with contextlib.suppress(Exception):
-                    await transport.close(EXPIRED_CLOSE, "session ended")
+            if not await self.life.replace_connection(rs, transport, rs.driver.detach, 2.0):
                 return False
-            old, rs.connection = rs.connection, transport
-            if old is not None:
-                rs.driver.detach(old)
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(2.0):
-                        await old.close(*REPLACED)
             if not await rs.driver.attach(transport, opening):
                 rs.connection = None
                 self._detached(rs)
@@ -301,30 +290,15 @@ class RobotHost:
     # --- end ---------------------------------------------------------------------------------
 
     async def delete(self, tenant: str, session_id: str, *, cause: str = "deleted") -> None:
-        rs = self.live(tenant, session_id)
-        if rs is None:
-            raise SessionNotFound(session_id)
-        await self.life.end(rs, cause, close=(CLEAN_CLOSE, f"session {cause}"))
+        await self.life.delete(tenant, session_id, cause)
 
     async def describe(self, tenant: str, session_id: str) -> dict[str, Any]:
-        rs = self.live(tenant, session_id)
-        if rs is None:
-            raise SessionNotFound(session_id)
+        rs = self.life.live_or_gone(tenant, session_id)
         self._persist(rs, force=True)
-        with contextlib.suppress(StoreError):
-            await rs.writer.flush()
-        record = await self.life.store.get_session(tenant, session_id)
+        head, _record = await self.life.state(rs, "websocket")
         core = rs.driver.core
         return {
-            "object": "realtime.session.state",
-            "id": session_id,
-            "kind": KIND,
-            "transport": "websocket",
-            "state": rs.state,
-            "created_at": int(record.created_at),
-            "last_active_at": int(record.last_active),
-            "expires_at": int(record.expires_at),
-            "idle_expires_at": int(min(record.last_active + self.life.policy.idle_ttl_s, record.expires_at)),
+            **head,
             "live_here": True,
             "connected": rs.connected,
             "robot": {

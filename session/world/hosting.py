@@ -41,16 +41,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from session.identity import resume_token_matches, secret_digest
+from session.identity import secret_digest
 from session.lifecycle import (
     CLEAN_CLOSE,
     EXPIRED_CLOSE,
-    REPLACED,
     HostedSession,
     KindSpec,
     SessionLifecycle,
 )
-from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreError
+from session.store.errors import SessionNotFound, StoreError
 from session.voice.hosting import AdmissionRefused, SessionElsewhere
 from session.world.driver import OutletFactory, TransportClosed, VideoSessionDriver, VideoTransport
 from session.world.events import ErrorCode, SessionResumable
@@ -173,10 +172,8 @@ class WorldHost:
         """Before the upgrade: the live world, or ``SessionNotFound`` (unknown, ended, another
         tenant's, a voice session, or a world whose process is gone), ``ResumeTokenInvalid``,
         :class:`SessionElsewhere` (scale-out: live on another replica), ``StoreUnavailable``."""
-        ws = self.live(tenant, session_id)
+        ws = self.life.live_authorized(tenant, session_id, token)
         if ws is not None:
-            if not resume_token_matches(token, ws.token_digest):
-                raise ResumeTokenInvalid(session_id)
             return ws
         record = await self.life.store.authorize_resume(tenant, session_id, token)
         if record.config.get("kind") != KIND:
@@ -209,16 +206,9 @@ class WorldHost:
         None keeps the running one) and ``kind`` (``websocket`` | ``webrtc``) is recorded.
         False if the session ended meanwhile or the connection is already gone."""
         async with ws.lock:
-            if ws.ending:
-                with contextlib.suppress(Exception):
-                    await transport.close(EXPIRED_CLOSE, "session ended")
+            grace = ws.driver.core.limits.close_grace_s
+            if not await self.life.replace_connection(ws, transport, lambda _old: ws.driver.detach(), grace):
                 return False
-            old, ws.connection = ws.connection, transport
-            if old is not None:
-                ws.driver.detach()
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(ws.driver.core.limits.close_grace_s):
-                        await old.close(*REPLACED)
             try:
                 resumed = ws.driver.core.resumed()
                 await ws.driver.attach(transport, [resumed.to_json()], outlets)
@@ -298,31 +288,16 @@ class WorldHost:
     async def delete(self, tenant: str, session_id: str, *, cause: str = "deleted") -> None:
         """``DELETE /v1/sessions/{id}`` (or a WebRTC call's hangup, ``cause`` "hangup") of a
         world live here (else ``SessionNotFound``), attached or detached."""
-        ws = self.live(tenant, session_id)
-        if ws is None:
-            raise SessionNotFound(session_id)
-        await self.life.end(ws, cause, close=(CLEAN_CLOSE, f"session {cause}"))
+        await self.life.delete(tenant, session_id, cause)
 
     async def describe(self, tenant: str, session_id: str) -> dict[str, Any]:
         """``GET /v1/sessions/{id}`` of a world live here (else ``SessionNotFound``)."""
-        ws = self.live(tenant, session_id)
-        if ws is None:
-            raise SessionNotFound(session_id)
+        ws = self.life.live_or_gone(tenant, session_id)
         self._record_generation(ws)
-        with contextlib.suppress(StoreError):
-            await ws.writer.flush()
-        record = await self.life.store.get_session(tenant, session_id)
+        head, record = await self.life.state(ws, ws.transport_kind)
         world = ws.driver.core.resumed()
         return {
-            "object": "realtime.session.state",
-            "id": session_id,
-            "kind": KIND,
-            "transport": ws.transport_kind,
-            "state": ws.state,
-            "created_at": int(record.created_at),
-            "last_active_at": int(record.last_active),
-            "expires_at": int(record.expires_at),
-            "idle_expires_at": int(min(record.last_active + self.life.policy.idle_ttl_s, record.expires_at)),
+            **head,
             "event_count": record.event_seq,
             "live_here": True,
             "connected": ws.connected,
