@@ -25,11 +25,12 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
-from runtime.payloads import ActionChunk, Conditioning, Payload
+from runtime.payloads import ActionChunk, Conditioning
 from runtime.progress import AdmissionError, RequestHandle, RequestStatus
+from session.frame_link import FrameTransport, RequestRuntime, TransportClosed
 from session.robot.core import (
     CloseConnection,
     Dialect,
@@ -48,32 +49,8 @@ OFF_LOOP_DECODE_BYTES = 1 << 20  # frames larger than this are decoded on a work
 MAX_CONTROLS = 16  # resets/prompt updates waiting for the loop; more is an error
 
 
-class TransportClosed(Exception):
-    """The connection cannot send any more (the peer went away)."""
-
-
-class RobotTransport(Protocol):
-    """One robot connection; raises :class:`TransportClosed` when the peer is gone."""
-
-    async def send_bytes(self, data: bytes) -> None: ...
-
-    async def send_text(self, text: str) -> None: ...
-
-    async def close(self, code: int, reason: str) -> None: ...
-
-
-class PolicyRuntime(Protocol):
-    """The part of :class:`runtime.orchestrator.Orchestrator` a robot session uses."""
-
-    async def submit(
-        self, params: Mapping[str, Any], *, session_key: str | None = None, request_id: str | None = None
-    ) -> RequestHandle: ...
-
-    async def append_input(self, request_id: str, payload: Payload) -> bool: ...
-
-    async def update(self, request_id: str, update: Conditioning) -> bool: ...
-
-    async def cancel(self, request_id: str) -> bool: ...
+RobotTransport = FrameTransport  # raises TransportClosed when the peer is gone
+PolicyRuntime = RequestRuntime
 
 
 RuntimeProvider = Callable[[str], Awaitable[PolicyRuntime]]

@@ -30,13 +30,14 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from media.video import EncodedChunk
-from runtime.payloads import Action, Conditioning, Frames, Payload
+from runtime.payloads import Action, Conditioning, Frames
 from runtime.progress import AdmissionError, RequestHandle, RequestStatus
+from session.frame_link import FrameTransport, RequestRuntime, TransportClosed
 from session.internal_errors import report_internal
 from session.world.core import (
     CancelGeneration,
@@ -54,32 +55,8 @@ log = logging.getLogger(__name__)
 DEMAND = "demand"  # engines.world.controls.DEMAND: one more chunk, please
 
 
-class TransportClosed(Exception):
-    """The transport cannot send any more (the peer went away); adapters raise it from sends."""
-
-
-class VideoTransport(Protocol):
-    """Raises :class:`TransportClosed` when the peer is gone."""
-
-    async def send_text(self, text: str) -> None: ...
-
-    async def send_bytes(self, data: bytes) -> None: ...
-
-    async def close(self, code: int, reason: str) -> None: ...
-
-
-class WorldRuntime(Protocol):
-    """The part of :class:`runtime.orchestrator.Orchestrator` a video session uses."""
-
-    async def submit(
-        self, params: Mapping[str, Any], *, session_key: str | None = None, request_id: str | None = None
-    ) -> RequestHandle: ...
-
-    async def append_input(self, request_id: str, payload: Payload) -> bool: ...
-
-    async def update(self, request_id: str, update: Conditioning) -> bool: ...
-
-    async def cancel(self, request_id: str) -> bool: ...
+VideoTransport = FrameTransport  # raises TransportClosed when the peer is gone
+WorldRuntime = RequestRuntime
 
 
 RuntimeProvider = Callable[[str], Awaitable[WorldRuntime]]  # pipeline name → started runtime
