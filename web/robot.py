@@ -40,6 +40,7 @@ from session.robot.driver import RobotDriver, RobotObserver, RuntimeProvider, Tr
 from session.robot.hosting import AdmissionRefused, RobotHost, RobotSession, SessionElsewhere
 from session.robot.wire import MAX_PAYLOAD_BYTES, pack
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
+from web.frame_ws import WebSocketFrameTransport
 from web.omni_extensions import SESSION_ID_HEADER, raw_headers, resume_headers, wants_extensions
 from web.video import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STORE_DOWN, UNAUTHORIZED, Denial
 from web.workers import reuseport_socket
@@ -60,32 +61,6 @@ def robot_api_key(connection: HTTPConnection) -> str | None:
     if scheme.lower() in ("api-key", "bearer") and value.strip():
         return value.strip()
     return None
-
-
-class WebSocketRobotTransport:
-    """A starlette WebSocket as a :class:`~session.robot.driver.RobotTransport`."""
-
-    def __init__(self, websocket: WebSocket) -> None:
-        self._ws = websocket
-        self.disconnect_code: int | None = None  # the client's close code (1006: none)
-
-    async def send_bytes(self, data: bytes) -> None:
-        try:
-            await self._ws.send_bytes(data)
-        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
-            raise TransportClosed(str(exc)) from exc
-
-    async def send_text(self, text: str) -> None:
-        try:
-            await self._ws.send_text(text)
-        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
-            raise TransportClosed(str(exc)) from exc
-
-    async def close(self, code: int, reason: str) -> None:
-        try:
-            await self._ws.close(code, reason[:120])
-        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
-            raise TransportClosed(str(exc)) from exc
 
 
 class RobotService:
@@ -171,7 +146,7 @@ class RobotService:
         rs, token = opened
         rs.driver.core.explicit_dialect = asked is not None
         rs.driver.core.dialect = dialect
-        transport = WebSocketRobotTransport(websocket)
+        transport = WebSocketFrameTransport(websocket)
         # a resume asks for the extensions by itself (only a resume-aware client holds a token)
         extensions = token is None or wants_extensions(websocket.query_params, websocket.headers)
         headers = (
@@ -254,7 +229,7 @@ class RobotService:
             return STORE_DOWN
 
     async def _serve(
-        self, websocket: WebSocket, rs: RobotSession, transport: WebSocketRobotTransport
+        self, websocket: WebSocket, rs: RobotSession, transport: WebSocketFrameTransport
     ) -> None:
         """Frames into the driver until the client leaves or the server closes the link."""
         driver = rs.driver
@@ -270,7 +245,7 @@ class RobotService:
             await asyncio.gather(receiver, closed, return_exceptions=True)
 
     async def _receive(
-        self, websocket: WebSocket, driver: RobotDriver, transport: WebSocketRobotTransport
+        self, websocket: WebSocket, driver: RobotDriver, transport: WebSocketFrameTransport
     ) -> None:
         try:
             while True:

@@ -52,10 +52,11 @@ from session.identity import RESUME_HEADER, Principal, is_session_id, resume_tok
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from session.world.config import VideoConfig
 from session.world.core import VideoSessionCore
-from session.world.driver import RuntimeProvider, TransportClosed, VideoSessionDriver
+from session.world.driver import RuntimeProvider, VideoSessionDriver
 from session.world.hosting import AdmissionRefused, SessionElsewhere, WorldHost, WorldSession
 from session.world.outlets import encoded_outlet
 from web.bodies import BodyRefused, read_body
+from web.frame_ws import WebSocketFrameTransport
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.video_call import CALL_PREFIX, PeerVideoTransport, TrackOutlet, VideoCall
 
@@ -67,34 +68,6 @@ REALTIME_SUBPROTOCOL = "realtime"
 DriverFactory = Callable[[VideoSessionCore], VideoSessionDriver]
 
 STATIC_WORLD = Path(__file__).with_name("static") / "world"
-
-
-class WebSocketVideoTransport:
-    """A starlette WebSocket as the driver's :class:`~session.world.driver.VideoTransport`."""
-
-    kind = "websocket"
-
-    def __init__(self, websocket: WebSocket) -> None:
-        self._ws = websocket
-        self.disconnect_code: int | None = None  # how the client left (1006: no close frame)
-
-    async def send_text(self, text: str) -> None:
-        try:
-            await self._ws.send_text(text)
-        except (WebSocketDisconnect, RuntimeError, OSError) as exc:  # peer gone, or closed by us
-            raise TransportClosed(str(exc)) from exc
-
-    async def send_bytes(self, data: bytes) -> None:
-        try:
-            await self._ws.send_bytes(data)
-        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
-            raise TransportClosed(str(exc)) from exc
-
-    async def close(self, code: int, reason: str) -> None:
-        try:
-            await self._ws.close(code, reason[:120])  # a close reason must fit in 123 bytes
-        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
-            raise TransportClosed(str(exc)) from exc
 
 
 # ---------------------------------------------------------------------------------- service
@@ -365,7 +338,7 @@ class VideoService:
             await self._websocket_hosted(websocket, host)
 
     async def _websocket_hosted(self, websocket: WebSocket, host: WorldHost) -> None:
-        transport = WebSocketVideoTransport(websocket)
+        transport = WebSocketFrameTransport(websocket)
 
         def new_driver(core: VideoSessionCore) -> VideoSessionDriver:
             return VideoSessionDriver(core, transport, self.runtimes, retain=True)
@@ -396,7 +369,7 @@ class VideoService:
         if isinstance(hosted, Denial):
             await websocket.send_denial_response(hosted.response())
             return
-        transport = WebSocketVideoTransport(websocket)
+        transport = WebSocketFrameTransport(websocket)
         try:
             await _accept(websocket)
             if await host.resume(hosted, transport, kind=transport.kind, outlets=encoded_outlet):
@@ -429,7 +402,7 @@ class VideoService:
             return STORE_DOWN
 
     async def _serve_connection(
-        self, websocket: WebSocket, hosted: WorldSession, transport: WebSocketVideoTransport
+        self, websocket: WebSocket, hosted: WorldSession, transport: WebSocketFrameTransport
     ) -> None:
         """Client frames into the driver until the connection ends or the session does."""
         driver = hosted.driver
@@ -471,7 +444,7 @@ async def _attached(result: bool) -> bool:
 
 
 async def _receive_frames(
-    websocket: WebSocket, driver: VideoSessionDriver, transport: WebSocketVideoTransport
+    websocket: WebSocket, driver: VideoSessionDriver, transport: WebSocketFrameTransport
 ) -> None:
     """Client frames into the driver until the client goes away; remembers how it
     left (its close code) for the host to detach or end the session."""
