@@ -33,7 +33,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import uvicorn
@@ -179,19 +179,31 @@ async def _forward_to(gw: Gateway, request: Request, body: bytes, replica: Repli
         return None
 
 
-async def any_replica(request: Request) -> Response:
-    """Requests every replica answers alike (`/v1/models`, client secrets)."""
+async def _authorized_body(request: Request) -> tuple[Gateway, bytes] | Response:
+    """The gateway and the request's body (bounded while read, web/bodies.py), or the refusal
+    (401 without a valid key, the body's own refusal)."""
     gw = gateway_of(request)
     if not await gw.authorized(request.headers.get("authorization"), []):
         return error_response(401, "invalid_api_key", "Missing or invalid API key.")
-    try:  # bounded while reading (web/bodies.py)
-        body = await read_body(request, MAX_FORWARDED_BODY_BYTES)
+    try:
+        return gw, await read_body(request, MAX_FORWARDED_BODY_BYTES)
     except BodyRefused as refused:
         return refused.response
+
+
+async def _forward_retrying(
+    request: Request, pick: Callable[[Gateway, set[str]], Awaitable[ReplicaInfo]]
+) -> Response:
+    """Forward to the replica ``pick`` names, up to RETRIES replicas while they are unreachable
+    (503 when none could be reached or Redis is down)."""
+    got = await _authorized_body(request)
+    if isinstance(got, Response):
+        return got
+    gw, body = got
     tried: set[str] = set()
     try:
         for _ in range(RETRIES):
-            replica = await gw.router.any_replica(exclude=tried)
+            replica = await pick(gw, tried)
             answer = await _forward_to(gw, request, body, replica)
             if answer is not None:
                 return answer
@@ -201,40 +213,33 @@ async def any_replica(request: Request) -> Response:
         return unavailable(exc)
 
 
+async def any_replica(request: Request) -> Response:
+    """Requests every replica answers alike (`/v1/models`, client secrets)."""
+
+    async def pick(gw: Gateway, tried: set[str]) -> ReplicaInfo:
+        return await gw.router.any_replica(exclude=tried)
+
+    return await _forward_retrying(request, pick)
+
+
 async def session_rest(request: Request) -> Response:
     """`GET|DELETE /v1/sessions/{id}`: to the owner while it lives, else any live replica."""
-    gw = gateway_of(request)
-    if not await gw.authorized(request.headers.get("authorization"), []):
-        return error_response(401, "invalid_api_key", "Missing or invalid API key.")
     session_id = request.path_params["session_id"]
-    try:  # bounded while reading (web/bodies.py)
-        body = await read_body(request, MAX_FORWARDED_BODY_BYTES)
-    except BodyRefused as refused:
-        return refused.response
-    tried: set[str] = set()
-    try:
-        for _ in range(RETRIES):
-            route = await gw.router.session(session_id, exclude=tried)
-            answer = await _forward_to(gw, request, body, route.replica)
-            if answer is not None:
-                return answer
-            tried.add(route.replica.replica_id)
-        raise NoReplicaAvailable("no replica could be reached")
-    except (NoReplicaAvailable, StoreError) as exc:
-        return unavailable(exc)
+
+    async def pick(gw: Gateway, tried: set[str]) -> ReplicaInfo:
+        return (await gw.router.session(session_id, exclude=tried)).replica
+
+    return await _forward_retrying(request, pick)
 
 
 async def create_call(request: Request) -> Response:
     """`POST /v1/realtime/calls` (voice) or `POST /v1/realtime/video/calls` (world): the offer
     to a picked replica; media then goes direct. A resuming call (``?session_id=``) goes to
     the session's owner, like a WebSocket resume (an unreachable owner's lease is waited out)."""
-    gw = gateway_of(request)
-    if not await gw.authorized(request.headers.get("authorization"), []):
-        return error_response(401, "invalid_api_key", "Missing or invalid API key.")
-    try:  # bounded while reading (web/bodies.py)
-        body = await read_body(request, MAX_FORWARDED_BODY_BYTES)
-    except BodyRefused as refused:
-        return refused.response
+    got = await _authorized_body(request)
+    if isinstance(got, Response):
+        return got
+    gw, body = got
     resuming = request.query_params.get("session_id")
     try:
         if resuming:
