@@ -17,6 +17,13 @@ a vLLM-Omni addition (an ``endpoint`` message, a ``session_id`` field) is switch
 against the policy's metadata (image keys, image shape, state dimension) before anything
 reaches the runtime. The core also keeps the session's policy context (prompt, previous
 chunk, inference count): what retention stores and a rebuilt session starts from.
+
+Why these checks are written out rather than pydantic models (as the realtime and world
+events are): a robot frame is not a tagged JSON event but a msgpack map whose keys, image
+shape and state size come from the policy's metadata at connection time, with ``a/b`` keys
+flat or nested, and whose values are numpy arrays checked (and decoded zero-copy) by the
+msgpack object hook in :mod:`session.robot.wire` as they are read; a model would have to be
+built per policy and would re-walk arrays already checked.
 """
 
 from __future__ import annotations
