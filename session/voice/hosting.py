@@ -16,12 +16,12 @@ its :class:`~session.retention.RetentionTimer`. Connections come and go:
   close with code 1000 (a WebRTC client closing its events channel) parks at once; a
   transport whose ``info.session_end`` is ``(cause, delete)`` ends it so (a WebRTC call
   whose ICE never connected: deleted, nobody ever held its resume token);
-* **resume** (:meth:`serve_resume`; session/voice/hosting_resume.py): the new connection is
-  attached *held*, the writer is flushed, the events after `last_event_id` are read from the
-  log and sent behind `omni.session.resumed {session_id, replay_count}`, then what was
-  queued meanwhile minus what the replay already had, then live. If the id is no longer
-  replayable (trimmed, unknown, gap) the client gets `omni.session.snapshot {session,
-  items}` instead;
+* **resume** (:meth:`serve_resume`; the composed ``host.resume``, session/voice/hosting_resume.py):
+  the new connection is attached *held*, the writer is flushed, the events after
+  `last_event_id` are read from the log and sent behind `omni.session.resumed {session_id,
+  replay_count}`, then what was queued meanwhile minus what the replay already had, then
+  live. If the id is no longer replayable (trimmed, unknown, gap) the client gets
+  `omni.session.snapshot {session, items}` instead;
 * **restore** (:meth:`restore`): a resume of a session this process does not hold (parked,
   or its process died) rebuilds the core from Redis (config + items with transcripts) under a
   new binding epoch, so ids the dead process issued but never made durable cannot collide;
@@ -63,7 +63,7 @@ from session.store.errors import (
     WriteRejected,
 )
 from session.voice.driver import RealtimeDriver, SessionLog
-from session.voice.hosting_resume import AdmissionRefused, ResumeHosting, SessionElsewhere
+from session.voice.hosting_resume import AdmissionRefused, SessionElsewhere, VoiceResume
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class HostedSession:
         return "active" if self.connected else "detached"
 
 
-class SessionHost(ResumeHosting):
+class SessionHost:
     def __init__(
         self,
         store: SessionStore,
@@ -162,7 +162,6 @@ class SessionHost(ResumeHosting):
         self._wall = wall
         self.sessions: dict[str, HostedSession] = {}
         self._drivers = registry if registry is not None else {}  # id → driver, for metrics
-        self._restoring: dict[str, asyncio.Task[HostedSession]] = {}
         self._ending: dict[str, asyncio.Event] = {}
         self._releases = SlotReleases(admission)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -173,6 +172,7 @@ class SessionHost(ResumeHosting):
         self.claim: Claim | None = None
         self.counts: Counter[str] = Counter()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.resume = VoiceResume(self)  # authorize, restore from Redis, replay
 
     @property
     def replica_id(self) -> str:
@@ -185,6 +185,39 @@ class SessionHost(ResumeHosting):
             raise RuntimeError("join_replica() must come before the first session")
         self.admission.replica_id = replica_id
         self.claim = claim
+
+    def live(self, tenant: str, session_id: str) -> HostedSession | None:
+        hs = self.sessions.get(session_id)
+        return hs if hs is not None and hs.tenant == tenant and not hs.ending else None
+
+    async def authorize(self, tenant: str, session_id: str, token: str | None) -> None:
+        """Before a resume's upgrade (:meth:`VoiceResume.authorize`)."""
+        await self.resume.authorize(tenant, session_id, token)
+
+    async def restore(self, tenant: str, session_id: str, token: str | None = None) -> HostedSession:
+        """The live session, or one rebuilt from Redis (:meth:`VoiceResume.restore`)."""
+        return await self.resume.restore(tenant, session_id, token)
+
+    async def serve_resume(
+        self, hs: HostedSession, transport: Transport, last_event_id: str | None
+    ) -> LinkEnd:
+        """Attach a resuming connection: replay, then live (:meth:`VoiceResume.serve_resume`)."""
+        return await self.resume.serve_resume(hs, transport, last_event_id)
+
+    async def take_binding(self, session_id: str) -> Binding:
+        """The binding (epoch) this process writes a rebuilt session (of any kind) with from now
+        on (always a new one, except a session parked by this very replica); `previous_replica`
+        when it moved. Claims it when scaled out, else takes it over."""
+        if self.claim is not None:
+            bound = await self.claim(session_id)
+            if bound.replica_id != self.replica_id:
+                raise SessionElsewhere(bound)
+            return bound
+        current = await self.binding.get(session_id)
+        moved = await self.binding.takeover(session_id, self.replica_id, current.epoch if current else 0)
+        if not moved.won:
+            raise SessionElsewhere(moved)
+        return replace(moved, previous_replica=None)
 
     async def bind_new(self, session_id: str) -> int:
         """The binding epoch of a new session (of any kind): scaled out, it is bound here
@@ -501,7 +534,7 @@ class SessionHost(ResumeHosting):
             "live": len(self.sessions),
             "connected": sum(1 for hs in self.sessions.values() if hs.connected),
             "drivers": len(self._drivers),
-            "restoring": len(self._restoring),
+            "restoring": len(self.resume.restoring),
             "ending": len(self._ending),
             "unreleased": len(self._releases),
             "tasks": len(self._tasks),

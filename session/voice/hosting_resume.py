@@ -1,6 +1,8 @@
 """Resume for :class:`~session.voice.hosting.SessionHost`: authorize, restore from Redis, replay.
 
-Split out of session/voice/hosting.py (a mixin, so the host stays one object): a resuming
+A component the host composes (``SessionHost.resume``; the host's ``authorize``, ``restore``
+and ``serve_resume`` hand over to it), holding the one piece of state of its own: the
+rebuilds in flight. A resuming
 connection is attached *held*, the writer is flushed, the events after `last_event_id` are
 read from the log and sent behind `omni.session.resumed`, then what was queued meanwhile
 minus what the replay already had, then live (`omni.session.snapshot` when the id is no
@@ -13,24 +15,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
-from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from session.admission import AdmissionController, Rejected
-from session.affinity import Binding, SessionBinding
+from session.admission import Rejected
+from session.affinity import Binding
 from session.identity import resume_token_matches, secret_digest
 from session.link import LinkEnd, Transport, TransportLink
-from session.realtime.config import SessionConfig
-from session.realtime.core import CoreOptions, RealtimeSessionCore
+from session.realtime.core import RealtimeSessionCore
 from session.realtime.records import config_from_record
 from session.resume import connection_event, event_seq, logged_event_id, replayed_through
-from session.store import SessionRecord, SessionStore
 from session.store.errors import ReplayUnavailable, ResumeTokenInvalid, SessionNotFound, StoreError
 
 if TYPE_CHECKING:
-    from session.voice.hosting import HostedSession
+    from session.voice.hosting import HostedSession, SessionHost
 
 log = logging.getLogger("session.voice.hosting")
 
@@ -51,36 +48,12 @@ class SessionElsewhere(Exception):
         self.binding = binding
 
 
-class ResumeHosting:
-    """The resume half of `SessionHost` (which provides everything declared here)."""
+class VoiceResume:
+    """The resume half of a voice :class:`~session.voice.hosting.SessionHost`, composed by it."""
 
-    store: SessionStore
-    admission: AdmissionController
-    binding: SessionBinding
-    claim: Callable[[str], Awaitable[Binding]] | None
-    sessions: dict[str, HostedSession]
-    counts: Counter[str]
-    _restoring: dict[str, asyncio.Task[HostedSession]]
-    _ending: dict[str, asyncio.Event]
-    _clock: Callable[[], float]
-    _wall: Callable[[], float]
-
-    if TYPE_CHECKING:
-
-        @property
-        def replica_id(self) -> str: ...
-
-        def _options(self, config: SessionConfig, session_id: str) -> CoreOptions: ...
-
-        def _default_model(self, session_id: str) -> str: ...
-
-        async def _host(
-            self, record: SessionRecord, core: RealtimeSessionCore, *, epoch: int
-        ) -> HostedSession: ...
-
-        async def _release(self, session_id: str) -> None: ...
-
-        async def _watch(self, hs: HostedSession, link: TransportLink) -> LinkEnd: ...
+    def __init__(self, host: SessionHost) -> None:
+        self.host = host
+        self.restoring: dict[str, asyncio.Task[HostedSession]] = {}  # rebuilds in flight
 
     # --- resume ------------------------------------------------------------------------------
 
@@ -88,31 +61,27 @@ class ResumeHosting:
         """Before the upgrade: `SessionNotFound` (unknown, expired, another tenant's) or
         `ResumeTokenInvalid`; nothing else is revealed. A session held here checks the token
         against the digest it keeps (constant time, no round trip)."""
-        hs = self.live(tenant, session_id)
+        hs = self.host.live(tenant, session_id)
         if hs is not None and hs.token_digest is not None:
             if not resume_token_matches(token, hs.token_digest):
                 raise ResumeTokenInvalid(session_id)
             return
-        await self.store.authorize_resume(tenant, session_id, token)
+        await self.host.store.authorize_resume(tenant, session_id, token)
         if hs is not None and token:
             hs.token_digest = secret_digest(token)
-
-    def live(self, tenant: str, session_id: str) -> HostedSession | None:
-        hs = self.sessions.get(session_id)
-        return hs if hs is not None and hs.tenant == tenant and not hs.ending else None
 
     async def restore(self, tenant: str, session_id: str, token: str | None = None) -> HostedSession:
         """The live session, or one rebuilt from Redis (taking an admission slot: raises
         `AdmissionRefused`; `SessionNotFound`, `SessionElsewhere`, `StoreUnavailable`).
         Concurrent restores of one session share one rebuild, which completes even if the
         caller goes away (the session then waits detached for a connection)."""
-        hs = self.live(tenant, session_id)
+        hs = self.host.live(tenant, session_id)
         if hs is not None:
             return hs
-        flight = self._restoring.get(session_id)
+        flight = self.restoring.get(session_id)
         if flight is None:
             flight = asyncio.create_task(self._restore_once(tenant, session_id), name=f"restore:{session_id}")
-            self._restoring[session_id] = flight
+            self.restoring[session_id] = flight
             flight.add_done_callback(lambda t: self._restore_done(session_id, t))
         hs = await asyncio.shield(flight)
         if hs.tenant != tenant:  # authorize() checked the tenant; this is belt and braces
@@ -122,66 +91,51 @@ class ResumeHosting:
         return hs
 
     def _restore_done(self, session_id: str, task: asyncio.Task[HostedSession]) -> None:
-        self._restoring.pop(session_id, None)
+        self.restoring.pop(session_id, None)
         if not task.cancelled():
             task.exception()  # retrieved here: a caller that went away cannot
 
     async def _restore_once(self, tenant: str, session_id: str) -> HostedSession:
-        ending = self._ending.get(session_id)
+        ending = self.host._ending.get(session_id)
         if ending is not None:  # parked or ending right now: let its writer finish first
             await ending.wait()
-        hs = self.live(tenant, session_id)
+        hs = self.host.live(tenant, session_id)
         if hs is not None:
             return hs
-        decision = await self.admission.try_admit(session_id, tenant, may_queue=False)
+        decision = await self.host.admission.try_admit(session_id, tenant, may_queue=False)
         if isinstance(decision, Rejected):
             raise AdmissionRefused(decision)
         try:
             return await self._rebuild(tenant, session_id)
         except BaseException:
-            await self._release(session_id)
+            await self.host._release(session_id)
             raise
 
     async def _rebuild(self, tenant: str, session_id: str) -> HostedSession:
-        snapshot = await self.store.load_snapshot(tenant, session_id)
-        bound = await self.take_binding(session_id)
+        snapshot = await self.host.store.load_snapshot(tenant, session_id)
+        bound = await self.host.take_binding(session_id)
         record = snapshot.record
-        config = config_from_record(record.config, default_model=self._default_model(session_id))
-        now = self._clock()
+        config = config_from_record(record.config, default_model=self.host._default_model(session_id))
+        now = self.host._clock()
         core = RealtimeSessionCore.restore(
-            self._options(config, session_id),
+            self.host._options(config, session_id),
             snapshot.items,
             conversation_id=record.config.get("conversation_id"),
             now=now,
-            epoch=self._wall(),
+            epoch=self.host._wall(),
             expires_at=record.expires_at,
             open_response=record.open_response,
         )
-        hs = await self._host(record, core, epoch=bound.epoch)
+        hs = await self.host._host(record, core, epoch=bound.epoch)
         hs.migrated_from = bound.previous_replica  # set when it moved here from a lost replica
         hs.driver.start()
         # The dead process's in-flight response is ended once a connection is attached, after
         # its replay or snapshot, so the client sees it end live (see serve_resume).
         hs.orphans = (True, bound.previous_replica)
-        hs.timer.on_disconnect(self._wall())  # detached until a connection attaches
+        hs.timer.on_disconnect(self.host._wall())  # detached until a connection attaches
         hs.writer.set_state("detached")
-        self.counts["restored"] += 1
+        self.host.counts["restored"] += 1
         return hs
-
-    async def take_binding(self, session_id: str) -> Binding:
-        """The binding (epoch) this process writes a rebuilt session (of any kind) with from now
-        on (always a new one, except a session parked by this very replica); `previous_replica`
-        when it moved. Claims it when scaled out, else takes it over."""
-        if self.claim is not None:
-            bound = await self.claim(session_id)
-            if bound.replica_id != self.replica_id:
-                raise SessionElsewhere(bound)
-            return bound
-        current = await self.binding.get(session_id)
-        moved = await self.binding.takeover(session_id, self.replica_id, current.epoch if current else 0)
-        if not moved.won:
-            raise SessionElsewhere(moved)
-        return replace(moved, previous_replica=None)
 
     async def serve_resume(
         self, hs: HostedSession, transport: Transport, last_event_id: str | None
@@ -193,7 +147,7 @@ class ResumeHosting:
                     await transport.close(1013, "the session is moving; resume again")
                 return LinkEnd.CLOSED
             link = hs.driver.attach(transport, held=True)
-            hs.timer.on_reconnect(self._wall())
+            hs.timer.on_reconnect(self.host._wall())
             try:
                 await self._replay(hs, link, last_event_id)
                 hs.writer.set_state("active")  # after the replay: not a round trip on its path
@@ -201,18 +155,18 @@ class ResumeHosting:
                 if pending:
                     hs.orphans = (False, None)
                     core = hs.driver.core
-                    hs.driver.apply(core.close_orphaned_responses(self._clock(), lost_replica=lost))
+                    hs.driver.apply(core.close_orphaned_responses(self.host._clock(), lost_replica=lost))
             except StoreError as exc:
                 log.warning("session %s: resume failed: %s", hs.session_id, exc)
                 link.finish(LinkEnd.CLOSED, 1013, "session store unavailable; resume again")
-            self.counts["resumed"] += 1
-        return await self._watch(hs, link)
+            self.host.counts["resumed"] += 1
+        return await self.host._watch(hs, link)
 
     async def _replay(self, hs: HostedSession, link: TransportLink, last_event_id: str | None) -> None:
         after = logged_event_id(last_event_id)
         await hs.writer.flush()  # what this process holds unflushed becomes replayable
         try:
-            events = await self.store.events_after(hs.session_id, after)
+            events = await self.host.store.events_after(hs.session_id, after)
         except ReplayUnavailable as exc:
             core = hs.driver.core
             resumed = connection_event(
@@ -230,7 +184,7 @@ class ResumeHosting:
             )
             notice = self._migration_notice(hs, hs.driver.last_event_id)
             link.release([resumed, snapshot, *notice], drop_queued=True)  # the snapshot supersedes them
-            self.counts["resynced"] += 1
+            self.host.counts["resynced"] += 1
             return
         through = event_seq(events[-1]["event_id"]) if events else event_seq(after)
         resumed = connection_event(
@@ -249,6 +203,6 @@ class ResumeHosting:
             after,
             session_id=hs.session_id,
             from_replica=lost,
-            to_replica=self.replica_id,
+            to_replica=self.host.replica_id,
         )
         return [event]
