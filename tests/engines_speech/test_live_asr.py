@@ -8,26 +8,17 @@ import asyncio
 from collections.abc import Callable
 
 import numpy as np
-import pytest
 
 from engines.speech.live_asr import agreed_words
 from engines.speech.vad import FRAME_SAMPLES
 from runtime.orchestrator import Orchestrator
 from runtime.payloads import AudioInput, Transcript, TurnControl, VoiceActivity
 from runtime.spec import parse_pipeline
+from tests.engines_speech.test_vad_stage import PIPELINE as VAD_ONLY
 from tests.speech_audio import words
 
-pytest.importorskip("onnxruntime")
-
-PIPELINE = """
-name: live-asr
-entry: respond
-entries: {live: vad}
-stages:
-  - {name: respond, engine: null.audio}
-  - name: vad
-    engine: "engines.speech.vad_stage:VadEngine"
-    budget: {max_concurrency: 64, max_batch: 64}
+# The VAD-only pipeline of the VAD stage's tests, with the live ASR after its vad stage.
+PIPELINE = VAD_ONLY.replace("name: vad-only", "name: live-asr") + """\
   - name: live_asr
     engine: "engines.speech.live_asr:LiveAsrEngine"
     options: {partial_interval_ms: 500}

@@ -15,8 +15,6 @@ from runtime.orchestrator import Orchestrator
 from runtime.payloads import AudioInput, TurnControl, VoiceActivity
 from runtime.spec import parse_pipeline
 
-pytest.importorskip("onnxruntime")
-
 PIPELINE = """
 name: vad-only
 entry: respond
