@@ -50,6 +50,7 @@ import httpx
 import numpy as np
 import websockets
 
+from loadtest.server_process import server_cpu_s
 from runtime.metrics import percentile
 
 RATE = 24_000
@@ -386,13 +387,6 @@ async def cpu_load(url: str, pid: int, sessions: int, seconds: float, frames: li
 async def _delayed(coro: Any, delay: float) -> None:
     await asyncio.sleep(delay)
     await coro
-
-
-def server_cpu_s(pid: int) -> float:
-    import psutil
-
-    t = psutil.Process(pid).cpu_times()
-    return float(t.user + t.system)
 
 
 def log(message: str) -> None:

@@ -26,10 +26,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from websockets.asyncio.client import ClientConnection, connect
 
+from loadtest.server_process import ConfigSpec, ServerProcess, server_cpu_s
 from loadtest.stats import summarize
 
 
@@ -201,55 +197,6 @@ async def run_session(
 # ----------------------------------------------------------------------------------- server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """`omniduplex serve` (``python -m web.cli serve``) on a free loopback port with a temporary
-    data dir: the benchmark talks to it over the wire only, as a client would."""
-
-    def __init__(self) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.data_dir = tempfile.mkdtemp(prefix="bench-world-")
-        cmd = [sys.executable, "-m", "web.cli", "serve", "--port", str(self.port)]
-        cmd += ["--data-dir", self.data_dir, "--log-level", "warning"]
-        with open(Path(self.data_dir) / "server.log", "wb") as log:  # the child keeps its own handle
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
-
-    async def ready(self, limit_s: float = 300.0) -> None:
-        """Until ``/readyz`` answers 200 (the session layer and its embedded Redis are up)."""
-        deadline = time.monotonic() + limit_s
-        async with httpx.AsyncClient(timeout=2.0) as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"server exited ({self.proc.returncode}); see {self.data_dir}/server.log"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await http.get(f"{self.url}/readyz")).status_code == 200:
-                        return
-                await asyncio.sleep(0.2)
-        raise TimeoutError(f"server not ready in {limit_s:.0f} s")
-
-    def cpu_seconds(self) -> float:
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown (stops the embedded Redis)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        shutil.rmtree(self.data_dir, ignore_errors=True)
-
-
 # ----------------------------------------------------------------------------------- report
 
 
@@ -261,18 +208,18 @@ async def warm_up(url: str) -> None:
         await run_session(url, start, 1.5, keys=False, prompts=False)
 
 
-async def bench(url: str, seconds: float, sessions: int, server: ServerProcess | None) -> dict[str, Any]:
+async def bench(url: str, seconds: float, sessions: int, pid: int | None) -> dict[str, Any]:
+    """The phases against ``url``; ``pid``: the server's process, when we started it (its CPU)."""
     results: dict[str, Any] = {"cpus": os.cpu_count(), "seconds": seconds, "sessions": sessions}
     await warm_up(url)
 
     async def phase(name: str, coro: Any) -> Any:
-        cpu0 = server.cpu_seconds() if server else None
+        cpu0 = server_cpu_s(pid) if pid is not None else None
         began = time.perf_counter()
         out = await coro
-        if server and cpu0 is not None:
-            results[f"{name}_server_cpu"] = round(
-                (server.cpu_seconds() - cpu0) / (time.perf_counter() - began), 2
-            )
+        if pid is not None and cpu0 is not None:
+            used = server_cpu_s(pid) - cpu0
+            results[f"{name}_server_cpu"] = round(used / (time.perf_counter() - began), 2)
         return out
 
     jepa = {"model": "tiny-jepa", "format": "jpeg", "width": 256, "height": 256}
@@ -346,6 +293,16 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Against ``--url``, or an ``omniduplex serve`` we start on a free loopback port (its log
+    in a temporary folder, removed after) and stop."""
+    if args.url:
+        return await bench(args.url, args.seconds, args.sessions, None)
+    with tempfile.TemporaryDirectory(prefix="bench-world-") as logs:
+        async with ServerProcess(ConfigSpec("world", []), log_dir=Path(logs)) as target:
+            return await bench(target.base_url, args.seconds, args.sessions, target.pid)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.bench_world", description=__doc__.split("\n\n")[0]
@@ -355,14 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--sessions", type=int, default=8, help="concurrent tiny-jepa sessions")
     args = parser.parse_args(argv)
-    server = None if args.url else ServerProcess()
-    try:
-        if server is not None:
-            asyncio.run(server.ready())
-        results = asyncio.run(bench(args.url or server.url, args.seconds, args.sessions, server))  # type: ignore[union-attr]
-    finally:
-        if server is not None:
-            server.stop()
+    results = asyncio.run(run(args))
     print(render(results))
     if args.out:
         with open(args.out, "w") as f:

@@ -160,6 +160,14 @@ class ServerProcess:
             self._data_dir = None
 
 
+def server_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process ``pid`` has used so far."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
 def safe_name(label: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in label) or "server"
 
