@@ -12,15 +12,18 @@ Python's ``json`` accepts two things the rest of the server cannot keep:
 Every endpoint that parses client JSON (the realtime and video WebSockets, the WebRTC
 ``session`` part, ``client_secrets``) goes through :func:`loads_checked`, which raises
 :class:`JsonRejected` with a code the caller turns into its own error shape. The check is one
-iterative walk over the decoded value; a frame with no ``\\u`` escape cannot hold a surrogate
-(the transport already decoded strict UTF-8), so the walk then only measures depth.
+iterative walk over the decoded value; a surrogate can only sit in a string that is not
+ASCII, and ``str.isascii`` costs nothing (CPython keeps it as a flag), so the walk runs the
+surrogate search only on such strings. Parsing is :func:`session.json_text.loads` (orjson,
+with the ``json`` module for what orjson refuses: lone surrogates among it).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Final
+
+from session import json_text
 
 MAX_JSON_DEPTH: Final = 64  # containers inside containers; tool schemas need far fewer
 INVALID_JSON: Final = "invalid_json"
@@ -43,23 +46,18 @@ class JsonRejected(ValueError):
 def loads_checked(raw: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """``json.loads`` that refuses what :func:`check_value` refuses, with :class:`JsonRejected`."""
     data = parse_json(raw, max_depth=max_depth)
-    check_value(data, max_depth=max_depth, strings=may_hold_surrogates(raw))
+    check_value(data, max_depth=max_depth)
     return data
 
 
 def parse_json(raw: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """``json.loads``, with its syntax errors and its ``RecursionError`` as :class:`JsonRejected`."""
     try:
-        return json.loads(raw)
+        return json_text.loads(raw)
     except RecursionError:
         raise JsonRejected(INVALID_JSON, f"The JSON is nested deeper than {max_depth} levels.") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise JsonRejected(INVALID_JSON, f"The JSON is not valid: {exc}.") from None
-
-
-def may_hold_surrogates(raw: str | bytes) -> bool:
-    """Text the transport decoded as strict UTF-8 gets a surrogate only from a ``\\u`` escape."""
-    return not isinstance(raw, str) or "\\u" in raw
 
 
 def check_value(data: Any, *, max_depth: int = MAX_JSON_DEPTH, strings: bool = True) -> None:

@@ -24,13 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
 import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from session import json_text
 from session.realtime.effects import PlayAudio
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def event_size(event: dict[str, Any]) -> int:
     wire = getattr(event, "wire", None)
     if wire is not None:
         return len(wire)
-    return len(json.dumps(event, separators=(",", ":")))
+    return len(json_text.dumps(event))
 
 
 class AudioSink(Protocol):

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 
-from session.json_guard import JsonRejected, check_value, may_hold_surrogates, parse_json
+from session.json_guard import JsonRejected, check_value, parse_json
 from session.realtime.config import AudioFormatIn, MaxTokens, Modality, SessionIn, ToolChoice, Tools, Voice
 from session.realtime.errors import (
     INVALID_EVENT,
@@ -210,7 +210,7 @@ def decode_event(raw: str | bytes | dict[str, Any]) -> dict[str, Any]:
     except JsonRejected as exc:
         raise ProtocolError(INVALID_JSON, exc.message) from None
     try:
-        check_value(data, strings=isinstance(raw, dict) or may_hold_surrogates(raw))
+        check_value(data)
     except JsonRejected as exc:
         err = ProtocolError(
             INVALID_JSON if exc.code == INVALID_JSON else INVALID_VALUE, exc.message, param=exc.param

@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from session import json_text
+
 EVENT_PREFIX = "event_"
 
 
@@ -23,7 +25,7 @@ def event_text(event: dict[str, Any]) -> str:
     """The compact JSON text of a server event: the logged text of a `StampedEvent` (no second
     serialization), else a fresh one."""
     wire = event.wire if isinstance(event, StampedEvent) else None
-    return wire or json.dumps(event, separators=(",", ":"))
+    return wire or json_text.dumps(event)
 
 
 class StampedEvent(dict[str, Any]):

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import math
 import time
@@ -42,6 +41,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from session import json_text
 from session.store.aio import cancel_and_wait, wait_event
 from session.store.errors import SessionGone, StaleEpoch, StoreError, StoreUnavailable, WriteRejected
 from session.store.event_ids import StampedEvent, format_event_id, session_tag
@@ -133,7 +133,7 @@ class SessionWriter:
         stamped = StampedEvent(event)
         stamped["event_id"] = format_event_id(self._tag, self.epoch, seq)
         if self.fatal is None:
-            stamped.wire = json.dumps(stamped, separators=(",", ":"))  # logged, and sent as is
+            stamped.wire = json_text.dumps(stamped)  # logged, and sent as is
             self._pending_events += 1
             self._pending_bytes += len(stamped.wire)
             op = ("e", str(seq), stamped["event_id"], stamped.wire)
@@ -177,7 +177,7 @@ class SessionWriter:
         ``None`` appends, ``"root"`` inserts first (OpenAI Realtime semantics).
         """
         after = "" if previous_item_id is None else "^" if previous_item_id == "root" else previous_item_id
-        self._queue(("i", str(item["id"]), json.dumps(item, separators=(",", ":")), after), urgent=True)
+        self._queue(("i", str(item["id"]), json_text.dumps(item), after), urgent=True)
 
     def delete_item(self, item_id: str) -> None:
         self._queue(("d", item_id, "", ""), urgent=True)
@@ -186,12 +186,12 @@ class SessionWriter:
         self._queue(("m", "state", state, ""), urgent=True)
 
     def set_config(self, config: Mapping[str, Any]) -> None:
-        self._queue(("m", "config", json.dumps(config, separators=(",", ":")), ""), urgent=True)
+        self._queue(("m", "config", json_text.dumps(config), ""), urgent=True)
 
     def set_open_response(self, response: Mapping[str, Any] | None) -> None:
         """The response in progress (``{"id", "audio"}``), or None once it ended: a restore
         after this process dies ends it for the client even if it had no output yet."""
-        value = json.dumps(response, separators=(",", ":")) if response else ""
+        value = json_text.dumps(response) if response else ""
         self._queue(("m", "response", value, ""), urgent=True)
 
     def _queue(self, op: BatchOp, *, urgent: bool = False) -> None:

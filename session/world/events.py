@@ -13,7 +13,6 @@ Client events are pydantic models, a discriminated union on ``type``, validated 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, cast
@@ -31,6 +30,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from session import json_text
 from session.json_guard import JsonRejected, loads_checked
 
 KeyEventKind = Literal["keydown", "keyup"]
@@ -267,7 +267,7 @@ class ServerEvent:
         return {"type": self.type, **body}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), separators=(",", ":"))
+        return json_text.dumps(self.to_dict())
 
 
 @dataclass(slots=True)
