@@ -13,7 +13,7 @@ process dies. We saw exactly that here (1 run in ~12 of the kill -9 test lost th
 a busy machine). With ``always`` Redis writes and fsyncs the AOF before it replies to the
 commands of that event-loop iteration, so an acknowledged write is on disk. The cost is one
 fsync per event-loop iteration with writes (group commit across all clients), which our write
-pattern keeps small: the writer batches a session's events into one script call per ~25 ms and
+pattern keeps small: the writer batches a session's events into one script call per ~100 ms and
 nothing is written per audio frame. ``fsync="everysec"`` remains available where losing up to
 ~2 s of acknowledged writes on a crash is acceptable.
 

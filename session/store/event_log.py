@@ -8,9 +8,9 @@ per store per process: one task that writes every due writer's ops with
 sessions of the process** (an EVALSHA each inside it), not one per session. A writer is due,
 whichever comes first:
 
-* ``flush_interval_s`` (default 25 ms) after its first unflushed event: audio deltas at 50/s
-  cost ~2 writes per 100 ms per session, and the hub's tick carries every dirty writer, so 200
-  such sessions cost ~40 round trips/s rather than ~8,000;
+* ``flush_interval_s`` (default 100 ms) after its first unflushed event: audio deltas at
+  25/s cost ~2.5 events per write per session, and one tick carries every writer that is due,
+  so 200 such sessions cost tens of round trips a second rather than ~5,000;
 * ``max_batch_events`` (default 128) events are queued;
 * a state change (:meth:`put_item`, :meth:`delete_item`, :meth:`set_state`,
   :meth:`set_config`): the hub wakes at once, in order after the events queued before it, so a
@@ -18,7 +18,11 @@ whichever comes first:
 * :meth:`flush` or :meth:`close` is awaited (close flushes what is left); these write just
   this session, with :meth:`SessionStore.apply_batch`.
 
-The hub ticks on the earliest deadline and takes every writer with something queued along.
+The hub ticks on the earliest deadline and takes along every writer whose deadline is less
+than half an interval away: the round trip is shared, and a writer's batch is still at least
+half an interval of its events. (Taking every writer with anything queued made each tick that
+a state change woke write every streaming session's one newest delta: at 200 sessions, one
+EVALSHA per event, and the hub's share of the event loop doubled.)
 No Redis call per input audio frame: those never reach the writer. Activity without events
 (:meth:`mark_activity`) refreshes the TTLs at most every ``touch_interval_s``.
 
@@ -71,7 +75,7 @@ class SessionWriter:
         record: SessionRecord,
         *,
         epoch: int = 0,
-        flush_interval_s: float = 0.025,
+        flush_interval_s: float = 0.1,
         max_batch_events: int = 128,
         max_pending: int = 8192,
         max_pending_bytes: int = 32 * 1024 * 1024,
@@ -493,11 +497,14 @@ class WriterHub:
 
     @staticmethod
     def _takes(writer: SessionWriter, now: float) -> bool:
-        """Due now, or anything queued at all (ride along on this tick's round trip)."""
+        """Due now, or queued and due within half its interval (rides along on this tick's
+        round trip; see the module docstring)."""
         due = writer._flush_due()
         if due is None:
             return False
-        return due <= now or (bool(writer._pending) and writer._retry_at <= now)
+        if due <= now:
+            return True
+        return bool(writer._pending) and writer._retry_at <= now and due - now <= writer._interval / 2
 
     async def _until_due(self) -> None:
         """Sleep until the earliest writer deadline, waking early for an earlier one."""

@@ -110,35 +110,43 @@ async def test_many_writers_share_one_round_trip(
     assert hub_tasks() == [] and hub.writers == 0
 
 
-async def test_ticks_on_earliest_deadline_and_takes_every_dirty_writer(store: CountingStore) -> None:
-    slow, fast = await new_writers(store, 2)
-    slow._interval, fast._interval = 10.0, 0.02  # the fast writer's deadline drives the tick
-    await slow.start()
-    await fast.start()
+async def test_ticks_on_earliest_deadline_and_takes_the_nearly_due_along(store: CountingStore) -> None:
+    slow, ripe, fast = await new_writers(store, 3)
+    slow._interval, ripe._interval, fast._interval = 10.0, 1.0, 0.05  # fast's deadline drives the tick
+    for w in (slow, ripe, fast):
+        await w.start()
     slow.append({"type": "slow"})
-    await asyncio.sleep(0.01)
+    ripe.append({"type": "ripe"})
+    await asyncio.sleep(0.6)  # ripe's deadline is now 0.4 s away: under half its interval
     fast.append({"type": "fast"})
     await wait_until(lambda: fast.pending == 0, timeout_s=2.0)
-    assert slow.pending == 0  # rode along long before its own 10 s deadline
-    assert store.pipelines == [[slow.session_id, fast.session_id]]
-    await slow.close()
-    await fast.close()
+    assert ripe.pending == 0  # rode along before its own deadline
+    assert slow.pending == 1  # nowhere near its deadline: not written for one event
+    assert store.pipelines == [[ripe.session_id, fast.session_id]]
+    for w in (slow, ripe, fast):
+        await w.close()
 
 
-async def test_state_change_is_flushed_at_once_with_everyone_dirty(store: CountingStore) -> None:
-    a, b, idle = await new_writers(store, 3, flush_interval_s=10.0)  # the timer would never fire
-    for w in (a, b, idle):
+async def test_state_change_is_flushed_at_once_with_the_nearly_due(store: CountingStore) -> None:
+    a, b, fresh, idle = await new_writers(store, 4, flush_interval_s=10.0)  # the timer would never fire
+    b._interval = 1.0
+    for w in (a, b, fresh, idle):
         await w.start()
     b.append({"type": "x"})
+    await asyncio.sleep(0.6)  # b's deadline is 0.4 s away: under half its interval
+    fresh.append({"type": "y"})
     a.put_item({"id": "item_1", "type": "message"})
     a.set_state("detached")
     t0 = time.monotonic()
     await wait_until(lambda: a.pending == 0 and b.pending == 0, timeout_s=2.0)
     assert time.monotonic() - t0 < 1.0
-    assert store.pipelines == [[a.session_id, b.session_id]]  # the idle writer was not written
+    # The idle writer had nothing; the fresh one's one event waits for its own deadline (a tick
+    # that a state change woke does not write every session's newest event on its own).
+    assert store.pipelines == [[a.session_id, b.session_id]]
+    assert fresh.pending == 1
     snap = await store.load_snapshot("t", a.session_id)
     assert snap.record.state == "detached" and [i["id"] for i in snap.items] == ["item_1"]
-    for w in (a, b, idle):
+    for w in (a, b, fresh, idle):
         await w.close()
 
 
