@@ -99,7 +99,11 @@ class SessionWriter:
         self._pending_bytes = 0
         self._log_max_bytes = int(getattr(store, "log_max_bytes", 0) or 0)
         self._log_maxlen = int(getattr(store, "stream_maxlen", 0) or 0)
-        self._log_sizes: deque[tuple[int, int]] = deque()  # (seq, bytes) of events in the stream
+        # Bytes of each event in the stream, oldest first, from seq ``_log_first`` on (seqs are
+        # contiguous). Plain ints, not (seq, size) tuples: a tuple per event was the largest
+        # source of young GC-tracked objects, i.e. of the collections that stop the loop.
+        self._log_sizes: deque[int] = deque()
+        self._log_first = 0
         self._log_bytes = 0
         self._touch_interval = touch_interval_s or max(1.0, store.policy.idle_ttl_s / 4)
         self._on_fatal = on_fatal
@@ -154,15 +158,18 @@ class SessionWriter:
         process wrote (a restored session) are not counted; the first trim (``MINID``) removes
         them with the rest, and until then they are bounded by that process's own budget."""
         sizes = self._log_sizes
-        sizes.append((seq, size))
+        if not sizes:
+            self._log_first = seq
+        sizes.append(size)
         self._log_bytes += size
         while self._log_maxlen and len(sizes) > self._log_maxlen:  # gone by MAXLEN already
-            self._log_bytes -= sizes.popleft()[1]
+            self._log_bytes -= sizes.popleft()
+            self._log_first += 1
         trim_to = 0
         while self._log_max_bytes and self._log_bytes > self._log_max_bytes and len(sizes) > 1:
-            old_seq, old_size = sizes.popleft()
-            self._log_bytes -= old_size
-            trim_to = old_seq + 1
+            self._log_bytes -= sizes.popleft()
+            self._log_first += 1
+            trim_to = self._log_first
         if trim_to:
             self._queue(("t", str(trim_to), "", ""))
 
