@@ -13,6 +13,10 @@ typed protocol the host implements: when the driver was last active, what to che
 the record, how to stop the driver (with an expiry message or a close frame), and whether a
 driver that closed itself with no connection ends the session at a sweep.
 
+The store, admission controller, retention policy and replica binding are the process's one
+set, held by the voice host and reached through :class:`SharedParts`, a protocol: this module
+imports nothing of :mod:`session.voice` (which depends on it).
+
 The per-kind session record is a :class:`HostedSession` (its driver, writer, retention timer,
 attached connection and lock) that a kind extends with the few fields of its own.
 """
@@ -25,14 +29,14 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-from session.admission import Rejected
-from session.affinity import Binding
+from session.admission import AdmissionController, Rejected
+from session.affinity import Binding, SessionBinding
 from session.host_common import SlotReleases, cancel_tasks, expiry_message, spawn, sweep_forever
 from session.identity import new_session_id, resume_token_matches
-from session.retention import EXPIRY_SLACK_S, RetentionTimer, Verdict
-from session.store import SessionRecord, SessionWriter
+from session.retention import EXPIRY_SLACK_S, RetentionPolicy, RetentionTimer, Verdict
+from session.store import SessionRecord, SessionStore, SessionWriter
 from session.store.errors import (
     ResumeTokenInvalid,
     SessionGone,
@@ -40,10 +44,6 @@ from session.store.errors import (
     StaleEpoch,
     StoreError,
 )
-from session.voice.hosting import AdmissionRefused
-
-if TYPE_CHECKING:
-    from session.voice.hosting import SessionHost
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,71 @@ __all__ = [
     "CLEAN_CLOSE",
     "EXPIRED_CLOSE",
     "REPLACED",
+    "AdmissionRefused",
+    "Claim",
     "HostedSession",
     "KindHooks",
     "KindSpec",
+    "SessionElsewhere",
     "SessionLifecycle",
+    "SharedParts",
 ]
+
+Claim = Callable[[str], Awaitable[Binding]]  # scale-out: bind a session here, or name its owner
+
+
+class AdmissionRefused(Exception):
+    """A session that needs a slot here found none (HTTP 429 with Retry-After)."""
+
+    def __init__(self, decision: Rejected) -> None:
+        super().__init__(decision.reason)
+        self.decision = decision
+
+
+class SessionElsewhere(Exception):
+    """The session is live on another replica (scale-out: route the resume there)."""
+
+    def __init__(self, binding: Binding) -> None:
+        super().__init__(f"session is bound to replica {binding.replica_id}")
+        self.binding = binding
+
+
+class Sweeps(Protocol):
+    """The sweep period of the process's host settings."""
+
+    @property
+    def sweep_s(self) -> float:
+        """Seconds between two sweeps (a woken sweeper runs sooner)."""
+        ...
+
+
+class SharedParts(Protocol):
+    """What every kind's lifecycle shares with the others, held by the process's voice
+    :class:`~session.voice.hosting.SessionHost`: one store, one admission controller (one set
+    of slots for all kinds), one retention policy and sweep period, one replica binding (and
+    ``claim`` when scaled out) with the one place that binds new and rebuilt sessions."""
+
+    store: SessionStore
+    admission: AdmissionController
+    binding: SessionBinding
+    policy: RetentionPolicy
+
+    @property
+    def claim(self) -> Claim | None: ...
+
+    @property
+    def replica_id(self) -> str: ...
+
+    @property
+    def settings(self) -> Sweeps: ...
+
+    async def bind_new(self, session_id: str) -> int:
+        """The binding epoch of a new session (scaled out: bound here, epoch 1; else 0)."""
+        ...
+
+    async def take_binding(self, session_id: str) -> Binding:
+        """A new binding epoch for a rebuilt session (claim when scaled out, else take over)."""
+        ...
 
 
 @dataclass(eq=False, slots=True)
@@ -132,24 +192,24 @@ class SessionLifecycle(Generic[S]):
 
     def __init__(
         self,
-        sessions: SessionHost,
+        shared: SharedParts,
         spec: KindSpec,
         hooks: KindHooks[S],
         *,
         wall: Callable[[], float],
         clock: Callable[[], float],
     ) -> None:
-        self.voice = sessions  # store, admission, binding, claim, policy: shared with voice
-        self.store = sessions.store
-        self.admission = sessions.admission
-        self.policy = sessions.policy
+        self.shared = shared  # store, admission, binding, claim, policy: one set for all kinds
+        self.store = shared.store
+        self.admission = shared.admission
+        self.policy = shared.policy
         self.spec = spec
         self.hooks = hooks
         self.wall = wall
         self.clock = clock
         self.sessions: dict[str, S] = {}
         self.counts: Counter[str] = Counter()
-        self.releases = SlotReleases(sessions.admission)
+        self.releases = SlotReleases(shared.admission)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.wake = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
@@ -158,7 +218,7 @@ class SessionLifecycle(Generic[S]):
 
     def start(self) -> None:
         sweeper = sweep_forever(
-            self.wake, lambda: self.voice.settings.sweep_s, self.sweep, log, f"{self.spec.name} session"
+            self.wake, lambda: self.shared.settings.sweep_s, self.sweep, log, f"{self.spec.name} session"
         )
         self._sweeper = asyncio.create_task(sweeper, name=f"{self.spec.name}-host:sweeper")
 
@@ -190,12 +250,12 @@ class SessionLifecycle(Generic[S]):
         await self.releases.release(session_id)
 
     async def bind_new(self, session_id: str) -> int:
-        """The binding epoch of a new session (see ``SessionHost.bind_new``)."""
-        return await self.voice.bind_new(session_id)
+        """The binding epoch of a new session (see :meth:`SharedParts.bind_new`)."""
+        return await self.shared.bind_new(session_id)
 
     async def take_binding(self, session_id: str) -> Binding:
         """A new binding epoch for a rebuilt session (claim when scaled out, else take over)."""
-        return await self.voice.take_binding(session_id)
+        return await self.shared.take_binding(session_id)
 
     async def new_writer(self, record: SessionRecord, epoch: int) -> SessionWriter:
         """The record's writer, started; a fatal error of it ends (or fences) the session."""

@@ -32,24 +32,23 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from session.identity import secret_digest
 from session.lifecycle import (
     CLEAN_CLOSE,
     EXPIRED_CLOSE,
+    AdmissionRefused,
     HostedSession,
     KindSpec,
+    SessionElsewhere,
     SessionLifecycle,
+    SharedParts,
 )
 from session.robot.core import Dialect, PolicyContext
 from session.robot.driver import RobotDriver, RobotTransport
 from session.store import SessionRecord
 from session.store.errors import SessionNotFound, StoreError
-from session.voice.hosting import AdmissionRefused, SessionElsewhere
-
-if TYPE_CHECKING:
-    from session.voice.hosting import SessionHost
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ class RobotHost:
 
     def __init__(
         self,
-        sessions: SessionHost,
+        sessions: SharedParts,
         new_driver: DriverFactory,
         *,
         pipeline: str,

@@ -48,6 +48,7 @@ from session.admission import AdmissionController
 from session.affinity import Binding, SessionBinding
 from session.host_common import SlotReleases, cancel_tasks, expiry_message, spawn, sweep_forever
 from session.identity import secret_digest
+from session.lifecycle import AdmissionRefused, Claim, SessionElsewhere
 from session.link import LinkEnd, Transport, TransportLink
 from session.realtime.config import SessionConfig
 from session.realtime.core import CoreOptions, RealtimeSessionCore
@@ -63,7 +64,7 @@ from session.store.errors import (
     WriteRejected,
 )
 from session.voice.driver import RealtimeDriver, SessionLog
-from session.voice.hosting_resume import AdmissionRefused, SessionElsewhere, VoiceResume
+from session.voice.hosting_resume import VoiceResume
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,6 @@ __all__ = [
 
 CoreOptionsFactory = Callable[[SessionConfig, str], CoreOptions]
 DriverFactory = Callable[[RealtimeSessionCore, SessionLog], RealtimeDriver]
-Claim = Callable[[str], Awaitable[Binding]]
 
 CLEAN_CLOSE = 1000
 RESTART_CLOSE = (1012, "server restarting; resume the session")

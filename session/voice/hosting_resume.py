@@ -18,8 +18,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from session.admission import Rejected
-from session.affinity import Binding
 from session.identity import resume_token_matches, secret_digest
+from session.lifecycle import AdmissionRefused
 from session.link import LinkEnd, Transport, TransportLink
 from session.realtime.core import RealtimeSessionCore
 from session.realtime.records import config_from_record
@@ -30,22 +30,6 @@ if TYPE_CHECKING:
     from session.voice.hosting import HostedSession, SessionHost
 
 log = logging.getLogger("session.voice.hosting")
-
-
-class AdmissionRefused(Exception):
-    """A resume that needs a slot here found none (HTTP 429 with Retry-After)."""
-
-    def __init__(self, decision: Rejected) -> None:
-        super().__init__(decision.reason)
-        self.decision = decision
-
-
-class SessionElsewhere(Exception):
-    """The session is live on another replica (scale-out: route the resume there)."""
-
-    def __init__(self, binding: Binding) -> None:
-        super().__init__(f"session is bound to replica {binding.replica_id}")
-        self.binding = binding
 
 
 class VoiceResume:

@@ -39,23 +39,22 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from session.identity import secret_digest
 from session.lifecycle import (
     CLEAN_CLOSE,
     EXPIRED_CLOSE,
+    AdmissionRefused,
     HostedSession,
     KindSpec,
+    SessionElsewhere,
     SessionLifecycle,
+    SharedParts,
 )
 from session.store.errors import SessionNotFound, StoreError
-from session.voice.hosting import AdmissionRefused, SessionElsewhere
 from session.world.driver import OutletFactory, TransportClosed, VideoSessionDriver, VideoTransport
 from session.world.events import ErrorCode, SessionResumable
-
-if TYPE_CHECKING:
-    from session.voice.hosting import SessionHost
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ class WorldHost:
 
     def __init__(
         self,
-        sessions: SessionHost,
+        sessions: SharedParts,
         *,
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
@@ -178,15 +177,15 @@ class WorldHost:
         record = await self.life.store.authorize_resume(tenant, session_id, token)
         if record.config.get("kind") != KIND:
             raise SessionNotFound(session_id)
-        bound = await self.life.voice.binding.get(session_id)
-        if bound is not None and bound.replica_id != self.life.voice.replica_id:
-            if self.life.voice.claim is None:
+        bound = await self.life.shared.binding.get(session_id)
+        if bound is not None and bound.replica_id != self.life.shared.replica_id:
+            if self.life.shared.claim is None:
                 raise SessionElsewhere(bound)
             # Scale-out: `claim` binds it here only when its owner's lease has lapsed. A world
             # dies with its process (its rolling context was there), so a dead owner's world is
             # gone: give back its slot and record, and answer 404 as the gateway does.
-            claimed = await self.life.voice.claim(session_id)
-            if claimed.replica_id != self.life.voice.replica_id:
+            claimed = await self.life.shared.claim(session_id)
+            if claimed.replica_id != self.life.shared.replica_id:
                 raise SessionElsewhere(claimed)
             await self.life.release(session_id)
             await self.life.delete_record(session_id)
