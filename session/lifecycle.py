@@ -1,17 +1,21 @@
-"""The lifecycle every kind of hosted session shares, as one component a host composes.
+"""The lifecycle every kind of hosted session shares, as one component each host composes.
 
-A world host (:mod:`session.world.hosting`) and a robot host (:mod:`session.robot.hosting`) hold
-different sessions (a runtime request with a rolling context; a policy request with a small,
+The voice host (:mod:`session.voice.hosting`), the world host (:mod:`session.world.hosting`)
+and the robot host (:mod:`session.robot.hosting`) hold different sessions (a realtime core
+with its event log; a runtime request with a rolling context; a policy request with a small,
 movable context) but the same mechanics around them: the table of sessions live in this
 process, counters, admission slots (released, and retried by the sweeper when Redis was down),
 the one sweeper task, the binding of a new or rebuilt session to this replica, retention
-(driver activity -> timer, verdict -> end with the expiry message, or end past the disconnect
-grace), detach/reattach bookkeeping, ending (driver stopped, writer closed, slot released,
-record deleted) and parking, and what a fatal writer error does. :class:`SessionLifecycle`
-owns all of that once. What differs per kind comes in through :class:`KindHooks`, a small
-typed protocol the host implements: when the driver was last active, what to checkpoint into
-the record, how to stop the driver (with an expiry message or a close frame), and whether a
-driver that closed itself with no connection ends the session at a sweep.
+(driver activity -> timer, verdict -> end with the expiry message, or end or park past the
+disconnect grace), detach/reattach bookkeeping, ending (driver stopped, writer closed, slot
+released, record deleted) and parking (the same, but the record kept, state ``parked``, for a
+later rebuild), and what a fatal writer error does. :class:`SessionLifecycle` owns all of that
+once. What differs per kind comes in through two small pieces, neither a base class: its
+:class:`KindSpec` (constants: does a session past its grace park or end, do sweeps refresh
+its record's TTLs) and :class:`KindHooks`, a typed protocol the host implements: when the
+driver was last active, what to checkpoint into the record, whether the driver closed by
+itself, how to stop it (with an expiry message or a close frame), and how a session whose
+writer failed for good is closed.
 
 The store, admission controller, retention policy and replica binding are the process's one
 set, held by the voice host and reached through :class:`SharedParts`, a protocol: this module
@@ -51,6 +55,7 @@ CLEAN_CLOSE = 1000
 EXPIRED_CLOSE = 1001
 MOVED_CLOSE = (1012, "session moved to another replica")
 REPLACED = (4000, "replaced by a newer connection of the same session")
+RESTART_CLOSE = (1012, "server restarting; resume the session")
 
 DriverT = TypeVar("DriverT")
 TransportT = TypeVar("TransportT")
@@ -59,6 +64,7 @@ __all__ = [
     "CLEAN_CLOSE",
     "EXPIRED_CLOSE",
     "REPLACED",
+    "RESTART_CLOSE",
     "AdmissionRefused",
     "Claim",
     "HostedSession",
@@ -136,7 +142,7 @@ class HostedSession(Generic[DriverT, TransportT]):
     writer: SessionWriter
     timer: RetentionTimer
     record: SessionRecord
-    token_digest: str
+    token_digest: str | None  # of the resume token (voice: once known here)
     connection: TransportT | None = None  # the attached connection; None: detached
     opened: bool = False  # its first connection was attached (see the host's open)
     ending: bool = False
@@ -157,13 +163,17 @@ S_contra = TypeVar("S_contra", bound=HostedSession[Any, Any], contravariant=True
 
 @dataclass(frozen=True, slots=True)
 class KindSpec:
-    """The constants of a kind: its record ``config.kind`` (also in task names and logs), the
-    close a store error other than a fence ends its sessions with, and whether a session
-    whose keys vanished (``SessionGone``) past its lifetime or idle TTL ends as expired."""
+    """The constants of a kind: its name (the record's ``config.kind``, task names, logs);
+    ``expire_when_gone``: a session whose keys vanished (``SessionGone``) past its lifetime or
+    idle TTL ends as expired; ``parks``: a session past its disconnect grace, or fenced by a
+    store error, is parked (record kept for a rebuild) rather than ended and deleted;
+    ``touch_on_activity``: driver activity a sweep sees refreshes the record's TTLs (drivers
+    that write nothing per input; a voice driver marks its event log itself)."""
 
     name: str
-    store_error_close: tuple[int, str]
     expire_when_gone: bool
+    parks: bool = False
+    touch_on_activity: bool = True
 
 
 class KindHooks(Protocol[S_contra]):
@@ -177,13 +187,19 @@ class KindHooks(Protocol[S_contra]):
         """At each sweep: what changed of the session into its record (rate-limited by the kind)."""
         ...
 
-    def closed_by_itself(self, s: S_contra) -> bool:
-        """A sweep ends the session (cause ``closed``) when this is true and nothing is attached."""
+    def closed_by_itself(self, s: S_contra) -> str | None:
+        """The cause a sweep ends the session with because its driver closed by itself (None:
+        it did not, or the kind waits until nothing is attached)."""
         ...
 
     async def stop(self, s: S_contra, close: tuple[int, str] | None, expiry: str | None) -> None:
         """Stop the driver: tell the client ``expiry`` (if any), close its connection with
         ``close`` (None: the driver closes as it will), cancel the runtime request."""
+        ...
+
+    def store_failed(self, s: S_contra, error: StoreError) -> tuple[int, str]:
+        """The close of a session whose writer failed for good with ``error`` (neither fenced
+        by a newer binding epoch nor gone past its TTL); the kind may tell the client first."""
         ...
 
 
@@ -198,6 +214,7 @@ class SessionLifecycle(Generic[S]):
         *,
         wall: Callable[[], float],
         clock: Callable[[], float],
+        drivers: dict[str, Any] | None = None,
     ) -> None:
         self.shared = shared  # store, admission, binding, claim, policy: one set for all kinds
         self.store = shared.store
@@ -209,6 +226,8 @@ class SessionLifecycle(Generic[S]):
         self.clock = clock
         self.sessions: dict[str, S] = {}
         self.counts: Counter[str] = Counter()
+        self.drivers = drivers  # id -> driver of each live session, kept in step (for metrics)
+        self.leaving: dict[str, asyncio.Event] = {}  # ends and parks in flight, set once done
         self.releases = SlotReleases(shared.admission)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.wake = asyncio.Event()
@@ -261,7 +280,7 @@ class SessionLifecycle(Generic[S]):
         """The record's writer, started; a fatal error of it ends (or fences) the session."""
         sid = record.session_id
         writer = SessionWriter(
-            self.store, record, epoch=epoch, on_fatal=lambda exc: self._on_writer_fatal(sid, exc)
+            self.store, record, epoch=epoch, on_fatal=lambda exc: self.writer_failed(sid, exc)
         )
         await writer.start()
         return writer
@@ -282,6 +301,8 @@ class SessionLifecycle(Generic[S]):
 
     def add(self, s: S) -> None:
         self.sessions[s.session_id] = s
+        if self.drivers is not None:
+            self.drivers[s.session_id] = s.driver
 
     def live(self, tenant: str, session_id: str) -> S | None:
         s = self.sessions.get(session_id)
@@ -369,19 +390,21 @@ class SessionLifecycle(Generic[S]):
         for s in list(self.sessions.values()):
             if s.ending:
                 continue
-            if not s.connected and hooks.closed_by_itself(s):
-                actions.append(self.end(s, "closed"))
+            closed = hooks.closed_by_itself(s)
+            if closed is not None:
+                actions.append(self.end(s, closed))
                 continue
             active_at = wall - (mono - hooks.last_activity(s))
             if active_at > s.timer.last_active:
                 s.timer.on_activity(active_at)
-                s.writer.mark_activity()  # the writer refreshes the TTLs (rate-limited)
+                if self.spec.touch_on_activity:
+                    s.writer.mark_activity()  # the writer refreshes the TTLs (rate-limited)
             hooks.checkpoint(s)
             verdict = s.timer.check(wall)
             if verdict is Verdict.LIFETIME_EXPIRED or verdict is Verdict.IDLE_EXPIRED:
                 actions.append(self.expire(s, verdict))
             elif verdict is Verdict.GRACE_EXPIRED and not s.connected:
-                actions.append(self.end(s, "grace_expired"))
+                actions.append(self.grace_over(s))
         if actions:
             await asyncio.gather(*actions, return_exceptions=True)
         await self.releases.retry(self.sessions)
@@ -391,43 +414,61 @@ class SessionLifecycle(Generic[S]):
         message = expiry_message(self.policy, verdict)
         await self.end(s, verdict.value, close=(EXPIRED_CLOSE, "session expired"), expiry=message)
 
+    async def grace_over(self, s: S) -> None:
+        """Past its disconnect grace with nothing attached, the session ends (or parks, as its
+        kind says), unless a connection attached meanwhile (checked under ``s.lock``)."""
+        async with s.lock:
+            if s.ending or s.connected or s.timer.check(self.wall()) is not Verdict.GRACE_EXPIRED:
+                return
+        await self.end(s, "grace_expired", park=self.spec.parks)
+
     # --- end and park ------------------------------------------------------------------------
 
     async def end(
-        self, s: S, cause: str, *, close: tuple[int, str] | None = None, expiry: str | None = None
+        self,
+        s: S,
+        cause: str,
+        *,
+        close: tuple[int, str] | None = None,
+        expiry: str | None = None,
+        park: bool = False,
     ) -> None:
-        """Out of this process and out of Redis: driver stopped, slot released, record deleted."""
+        """Out of this process (driver stopped: see :meth:`KindHooks.stop`; writer closed; slot
+        released) and out of Redis, or, ``park``, the record kept (state ``parked``) for a
+        later rebuild. ``leaving`` holds the session's event until all that is done."""
         if s.ending:
             return
         s.ending = True
         sid = s.session_id
+        done = self.leaving[sid] = asyncio.Event()
         self.sessions.pop(sid, None)
+        if self.drivers is not None:
+            self.drivers.pop(sid, None)
         try:
-            await self.hooks.stop(s, close, expiry)
-            await s.writer.close(flush=False)
+            try:
+                await self.hooks.stop(s, close, expiry)
+                if park:
+                    s.writer.set_state("parked")
+                await s.writer.close(flush=park)
+            finally:
+                await self.release(sid)  # before the record goes: once it is gone, so is the slot
+            if not park:
+                await self.delete_record(sid)
         finally:
-            await self.release(sid)  # before the record goes: once it is gone, so is the slot
-        await self.delete_record(sid)
+            del self.leaving[sid]
+            done.set()
         self.counts[cause] += 1
 
     async def park(self, s: S, before: Callable[[S], None]) -> None:
-        """Shutdown: ``before`` stores what the session needs to be rebuilt, the record is
-        marked parked, the driver stopped (close 1012), the slot released, the record kept."""
-        if s.ending:
-            return
-        s.ending = True
-        self.sessions.pop(s.session_id, None)
-        try:
+        """Shutdown: ``before`` stores what the session needs to be rebuilt, then the session
+        parks (close 1012: resume it after the restart)."""
+        if not s.ending:
             before(s)
-            s.writer.set_state("parked")
-            await self.hooks.stop(s, (1012, "server restarting; resume the session"), None)
-            with contextlib.suppress(StoreError):
-                await s.writer.close(flush=True)
-        finally:
-            await self.release(s.session_id)
-        self.counts["parked"] += 1
+            await self.end(s, "parked", close=RESTART_CLOSE, park=True)
 
-    def _on_writer_fatal(self, session_id: str, error: StoreError) -> None:
+    def writer_failed(self, session_id: str, error: StoreError) -> None:
+        """A session's writer failed for good: the session ends (or parks) as ``fenced``, or
+        expires when its keys ran out with its lifetime or idle TTL."""
         s = self.sessions.get(session_id)
         if s is None:
             return
@@ -437,14 +478,17 @@ class SessionLifecycle(Generic[S]):
         elif isinstance(error, SessionGone) and self.spec.expire_when_gone:
             # Its keys' TTL ends with its lifetime (or idle TTL): a TTL refresh just after that,
             # before the sweep saw it, finds them gone. End it as the sweep would, with the reason.
-            verdict = s.timer.check(self.wall() + EXPIRY_SLACK_S)
+            wall = self.wall()
+            s.timer.on_activity(wall - (self.clock() - self.hooks.last_activity(s)))
+            verdict = s.timer.check(wall + EXPIRY_SLACK_S)
             if verdict is Verdict.LIFETIME_EXPIRED or verdict is Verdict.IDLE_EXPIRED:
                 spawn(self.tasks, self.expire(s, verdict), f"{name}-expired:{session_id}")
                 return
             close = (EXPIRED_CLOSE, "session ended")
         else:
-            close = self.spec.store_error_close
-        spawn(self.tasks, self.end(s, "fenced", close=close), f"{name}-fenced:{session_id}")
+            close = self.hooks.store_failed(s, error)
+        ending = self.end(s, "fenced", close=close, park=self.spec.parks)
+        spawn(self.tasks, ending, f"{name}-fenced:{session_id}")
 
     def stats(self) -> dict[str, int]:
         """Live counters (back to zero once every session is gone)."""

@@ -53,7 +53,7 @@ from session.store.errors import SessionNotFound, StoreError
 log = logging.getLogger(__name__)
 
 KIND = "robot"
-SPEC = KindSpec(KIND, store_error_close=(EXPIRED_CLOSE, "session ended"), expire_when_gone=False)
+SPEC = KindSpec(KIND, expire_when_gone=False)
 
 # (session id, tenant, context, dialect) → a driver for a new or rebuilt session
 DriverFactory = Callable[[str, PolicyContext, Dialect], RobotDriver]
@@ -268,8 +268,8 @@ class RobotHost:
     def last_activity(self, s: RobotSession) -> float:
         return s.driver.last_activity
 
-    def closed_by_itself(self, s: RobotSession) -> bool:
-        return False  # a robot session outlives its driver's link: it ends by retention
+    def closed_by_itself(self, s: RobotSession) -> str | None:
+        return None  # a robot session outlives its driver's link: it ends by retention
 
     def checkpoint(self, s: RobotSession) -> None:
         self._persist(s)
@@ -285,6 +285,9 @@ class RobotHost:
                         await transport.close(*close)
         s.driver.connection_closed.set()
         await s.driver.end()
+
+    def store_failed(self, s: RobotSession, error: StoreError) -> tuple[int, str]:
+        return (EXPIRED_CLOSE, "session ended")
 
     # --- end ---------------------------------------------------------------------------------
 

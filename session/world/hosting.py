@@ -59,7 +59,7 @@ from session.world.events import ErrorCode, SessionResumable
 log = logging.getLogger(__name__)
 
 KIND = "world"
-SPEC = KindSpec(KIND, store_error_close=(1011, "session store error"), expire_when_gone=True)
+SPEC = KindSpec(KIND, expire_when_gone=True)
 
 __all__ = ["KIND", "AdmissionRefused", "SessionElsewhere", "WorldHost", "WorldSession"]
 
@@ -253,8 +253,8 @@ class WorldHost:
     def last_activity(self, s: WorldSession) -> float:
         return s.driver.last_activity
 
-    def closed_by_itself(self, s: WorldSession) -> bool:
-        return s.driver.closed
+    def closed_by_itself(self, s: WorldSession) -> str | None:
+        return "closed" if s.driver.closed and not s.connected else None
 
     def checkpoint(self, s: WorldSession) -> None:
         self._record_generation(s)
@@ -265,6 +265,9 @@ class WorldHost:
             return
         error = (ErrorCode.SESSION_EXPIRED, expiry) if expiry is not None else None
         await s.driver.end(close[0], close[1], error)
+
+    def store_failed(self, s: WorldSession, error: StoreError) -> tuple[int, str]:
+        return (1011, "session store error")
 
     def _record_generation(self, ws: WorldSession) -> None:
         """A new generation started: its config (model, format, size, fps, prompt) into the
