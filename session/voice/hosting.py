@@ -28,9 +28,14 @@ its :class:`~session.retention.RetentionTimer`. Connections come and go:
 * **end**: idle TTL or maximum lifetime (`session_expired`, close 1001), `DELETE`, a fenced
   writer: the session leaves the process and, when over for good, Redis.
 
-Admission slots are released on every path (park, end, shutdown); a release that fails while
-Redis is down is retried by the sweeper. One sweeper task per host checks every live session
-(no task per session); nothing here touches the per-event path.
+The mechanics every kind shares (the live table, counters, slots released on every path and
+retried by the sweeper while Redis is down, the one sweeper task, retention, end and park,
+writer fatal errors) are the composed :class:`~session.lifecycle.SessionLifecycle`
+(``host.life``); this host is its :class:`~session.lifecycle.KindHooks` for voice: its sessions
+park rather than end past the grace or when fenced, and stopping one tells its core first
+(``session_expired``, or the response in flight cancelled). It also holds the parts every kind
+shares (:class:`~session.lifecycle.SharedParts`: store, admission, policy, binding). Nothing
+here touches the per-event path.
 """
 
 from __future__ import annotations
@@ -39,23 +44,30 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from session.admission import AdmissionController
 from session.affinity import Binding, SessionBinding
-from session.host_common import SlotReleases, cancel_tasks, expiry_message, spawn, sweep_forever
 from session.identity import secret_digest
-from session.lifecycle import AdmissionRefused, Claim, SessionElsewhere
+from session.lifecycle import (
+    CLEAN_CLOSE,
+    RESTART_CLOSE,
+    AdmissionRefused,
+    Claim,
+    KindSpec,
+    SessionElsewhere,
+    SessionLifecycle,
+)
+from session.lifecycle import HostedSession as LiveSession
 from session.link import LinkEnd, Transport, TransportLink
 from session.realtime.config import SessionConfig
 from session.realtime.core import CoreOptions, RealtimeSessionCore
 from session.realtime.records import config_record
 from session.resume import connection_event
-from session.retention import EXPIRY_SLACK_S, RetentionPolicy, RetentionTimer, Verdict
-from session.store import SessionRecord, SessionStore, SessionWriter
+from session.retention import RetentionPolicy
+from session.store import SessionRecord, SessionStore
 from session.store.errors import (
     SessionGone,
     StaleEpoch,
@@ -79,8 +91,9 @@ __all__ = [
 CoreOptionsFactory = Callable[[SessionConfig, str], CoreOptions]
 DriverFactory = Callable[[RealtimeSessionCore, SessionLog], RealtimeDriver]
 
-CLEAN_CLOSE = 1000
-RESTART_CLOSE = (1012, "server restarting; resume the session")
+# Voice sessions park (record kept, rebuilt by a resume) past the grace and when fenced; a
+# voice driver marks its event log on client input itself.
+SPEC = KindSpec("voice", expire_when_gone=True, parks=True, touch_on_activity=False)
 
 
 def stored_failure_event(last_event_id: str | None, error: WriteRejected) -> dict[str, Any]:
@@ -114,17 +127,10 @@ class HostSettings:
 
 
 @dataclass(eq=False, slots=True)
-class HostedSession:
-    session_id: str
-    tenant: str
-    driver: RealtimeDriver
-    writer: SessionWriter
-    timer: RetentionTimer
-    record: SessionRecord
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    ending: bool = False
-    parked_for: str | None = None
-    token_digest: str | None = None  # of the resume token, once known here (create, authorize)
+class HostedSession(LiveSession[RealtimeDriver, Transport]):
+    """A voice session live in this process. Its connection is its driver's link (the base's
+    ``connection`` stays None): the driver attaches and detaches transports itself."""
+
     orphans: tuple[bool, str | None] = (False, None)  # restored: (end them?, lost replica)
     migrated_from: str | None = None  # scale-out failover: the lost owner, told at the next resume
 
@@ -132,12 +138,11 @@ class HostedSession:
     def connected(self) -> bool:
         return self.driver.link is not None
 
-    @property
-    def state(self) -> str:
-        return "active" if self.connected else "detached"
-
 
 class SessionHost:
+    """The voice sessions of one process (see the module docstring), and the parts every
+    kind of session shares (:class:`~session.lifecycle.SharedParts`)."""
+
     def __init__(
         self,
         store: SessionStore,
@@ -158,20 +163,16 @@ class SessionHost:
         self.policy = store.policy
         self._core_options = core_options
         self._new_driver = new_driver
-        self._clock = clock
-        self._wall = wall
-        self.sessions: dict[str, HostedSession] = {}
-        self._drivers = registry if registry is not None else {}  # id → driver, for metrics
-        self._ending: dict[str, asyncio.Event] = {}
-        self._releases = SlotReleases(admission)
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._wake = asyncio.Event()
-        self._sweeper: asyncio.Task[None] | None = None
         # Scale-out: claim(session_id) binds a restored session to this replica or names its
         # live owner (web/replica.py); standalone, a restore always takes the binding over.
         self.claim: Claim | None = None
-        self.counts: Counter[str] = Counter()
         self.loop: asyncio.AbstractEventLoop | None = None
+        drivers = registry if registry is not None else {}  # id -> driver, for metrics
+        self.life: SessionLifecycle[HostedSession] = SessionLifecycle(
+            self, SPEC, self, wall=wall, clock=clock, drivers=drivers
+        )
+        self.sessions = self.life.sessions
+        self.counts = self.life.counts
         self.resume = VoiceResume(self)  # authorize, restore from Redis, replay
 
     @property
@@ -187,8 +188,7 @@ class SessionHost:
         self.claim = claim
 
     def live(self, tenant: str, session_id: str) -> HostedSession | None:
-        hs = self.sessions.get(session_id)
-        return hs if hs is not None and hs.tenant == tenant and not hs.ending else None
+        return self.life.live(tenant, session_id)
 
     async def authorize(self, tenant: str, session_id: str, token: str | None) -> None:
         """Before a resume's upgrade (:meth:`VoiceResume.authorize`)."""
@@ -229,6 +229,7 @@ class SessionHost:
         if bound.replica_id != self.replica_id:
             raise SessionElsewhere(bound)
         return bound.epoch
+
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -237,8 +238,7 @@ class SessionHost:
             await self.store.load_scripts()
             await self.admission.load_scripts()
         await self.admission.start()
-        sweeper = sweep_forever(self._wake, lambda: self.settings.sweep_s, self.sweep, log, "session")
-        self._sweeper = asyncio.create_task(sweeper, name="session-host:sweeper")
+        self.life.start()
 
     async def close(self) -> None:
         """Shutdown: admit nobody, let in-flight responses finish (bounded), then park every
@@ -249,18 +249,13 @@ class SessionHost:
             timeout = self.settings.drain_timeout_s
             await asyncio.gather(*(hs.driver.wait_responses(timeout) for hs in live))
             await asyncio.gather(
-                *(self._end(hs, "shutdown", delete=False, close=RESTART_CLOSE) for hs in live),
+                *(self.life.end(hs, "shutdown", close=RESTART_CLOSE, park=True) for hs in live),
                 return_exceptions=True,
             )
-        await cancel_tasks(self._sweeper, *self._tasks)
-        self._sweeper = None
-        await self._releases.retry(self.sessions)
+        await self.life.stop()
         await self.admission.close()
         if self.store.writer_hub is not None:  # the last host to close (worlds end before it)
             await self.store.writer_hub.aclose()  # a writer whose end failed would keep it retrying
-
-    def _spawn(self, coro: Any, name: str) -> None:
-        spawn(self._tasks, coro, name)
 
     # --- open --------------------------------------------------------------------------------
 
@@ -284,7 +279,7 @@ class SessionHost:
 
     async def forfeit(self, session_id: str) -> None:
         """Give back a slot (or queue place) taken for a session that did not open."""
-        await self._release(session_id)
+        await self.life.release(session_id)
 
     async def serve_new(
         self, hs: HostedSession, transport: Transport, resume_token: str, *, announce: bool = True
@@ -318,62 +313,59 @@ class SessionHost:
             if hs.ending or superseded or end is LinkEnd.REPLACED:
                 return end
             info = link.transport.info
-            ends = info.session_end
             if hs.driver.closed.is_set():
-                action: tuple[str, bool] | None = ("expired", True)
-            elif ends is not None:  # the transport knows the session is over (see SessionEnd)
-                hs.driver.apply(hs.driver.core.cancel_response(self._clock()))
-                action = ends
+                cause, delete = "expired", True
+            elif info.session_end is not None:  # the transport knows it is over (see SessionEnd)
+                cause, delete = info.session_end
             elif info.disconnect_code == CLEAN_CLOSE:
-                hs.driver.apply(hs.driver.core.cancel_response(self._clock()))
-                action = ("client_closed", False)
+                cause, delete = "client_closed", False
             else:
-                action = None
-                hs.timer.on_disconnect(self._wall())
-                hs.writer.set_state("detached")
-                self.counts["detached"] += 1
-                self._wake.set()
-        if action is not None:
-            await self._end(hs, action[0], delete=action[1])
+                self.life.detached(hs)
+                return end
+        # Stopping it cancels the response in flight first (see stop).
+        await self.life.end(hs, cause, park=not delete)
         return end
 
-    # --- retention ---------------------------------------------------------------------------
+    # --- the hooks of SessionLifecycle -------------------------------------------------------
+
+    def last_activity(self, s: HostedSession) -> float:
+        return s.driver.last_activity
+
+    def checkpoint(self, s: HostedSession) -> None:
+        pass  # its driver logs every change as it happens
+
+    def closed_by_itself(self, s: HostedSession) -> str | None:
+        return "expired" if s.driver.closed.is_set() else None
+
+    async def stop(self, s: HostedSession, close: tuple[int, str] | None, expiry: str | None) -> None:
+        """The core first (under the lock: a resume may be attaching): `session_expired` with
+        ``expiry``; with neither ``expiry`` nor ``close`` (the client left, or the grace is
+        over) the response in flight cancelled, so the log and a later resume see it end,
+        unless the session closed itself. Whatever the driver raises is logged: the slot goes
+        back anyway."""
+        try:
+            async with s.lock:
+                core, now = s.driver.core, self.life.clock()
+                if expiry is not None:
+                    s.driver.apply(core.expire(now, expiry))
+                elif close is None and not s.driver.closed.is_set():
+                    s.driver.apply(core.cancel_response(now))
+            if close is not None and not s.driver.closed.is_set():
+                s.driver.request_close(*close)
+            await s.driver.shutdown()
+        except Exception:
+            log.exception("session %s: stopping it failed; releasing its slot", s.session_id)
+
+    def store_failed(self, s: HostedSession, error: StoreError) -> tuple[int, str]:
+        if isinstance(error, WriteRejected):  # its own data cannot be stored: it ends
+            if s.driver.link is not None:  # not logged: its log is what failed
+                s.driver.link.push(stored_failure_event(s.driver.last_event_id, error))
+            return (1011, "session state could not be stored")
+        return (1011, "session store error")
 
     async def sweep(self) -> None:
         """One pass of retention over the live sessions (and retries of failed releases)."""
-        wall, mono = self._wall(), self._clock()
-        actions: list[Awaitable[None]] = []
-        for hs in list(self.sessions.values()):
-            if hs.ending:
-                continue
-            if hs.driver.closed.is_set():
-                actions.append(self._end(hs, "expired", delete=True))
-                continue
-            hs.timer.on_activity(wall - (mono - hs.driver.last_activity))
-            verdict = hs.timer.check(wall)
-            if verdict is Verdict.LIFETIME_EXPIRED or verdict is Verdict.IDLE_EXPIRED:
-                actions.append(self._expire(hs, verdict))
-            elif verdict is Verdict.GRACE_EXPIRED:
-                actions.append(self._grace_over(hs))
-        if actions:
-            await asyncio.gather(*actions, return_exceptions=True)
-        await self._releases.retry(self.sessions)
-
-    async def _expire(self, hs: HostedSession, verdict: Verdict) -> None:
-        """End the session with `session_expired` (the sweep, or its record found gone then)."""
-        async with hs.lock:
-            if hs.ending:
-                return
-            message = expiry_message(self.policy, verdict)
-            hs.driver.apply(hs.driver.core.expire(self._clock(), message))
-        await self._end(hs, verdict.value, delete=True)
-
-    async def _grace_over(self, hs: HostedSession) -> None:
-        async with hs.lock:
-            if hs.ending or hs.connected or hs.timer.check(self._wall()) is not Verdict.GRACE_EXPIRED:
-                return
-            hs.driver.apply(hs.driver.core.cancel_response(self._clock()))
-        await self._end(hs, "grace_expired", delete=False)
+        await self.life.sweep()
 
     # --- end ---------------------------------------------------------------------------------
 
@@ -382,7 +374,7 @@ class SessionHost:
         everywhere, live or parked (`SessionNotFound`)."""
         hs = self.live(tenant, session_id)
         if hs is not None:
-            await self._end(hs, cause, delete=True, close=(CLEAN_CLOSE, f"session {cause}"))
+            await self.life.end(hs, cause, close=(CLEAN_CLOSE, f"session {cause}"))
             return
         await self.store.get_session(tenant, session_id)
         await self.store.delete_session(session_id)
@@ -418,64 +410,6 @@ class SessionHost:
             }
         return body
 
-    async def _end(
-        self, hs: HostedSession, cause: str, *, delete: bool, close: tuple[int, str] | None = None
-    ) -> None:
-        """Take the session out of this process (and out of Redis when `delete`)."""
-        if hs.ending:
-            return
-        hs.ending = True
-        hs.parked_for = cause
-        sid = hs.session_id
-        done = self._ending[sid] = asyncio.Event()
-        self.sessions.pop(sid, None)
-        self._drivers.pop(sid, None)
-        try:
-            try:
-                if close is not None and not hs.driver.closed.is_set():
-                    hs.driver.request_close(*close)
-                await hs.driver.shutdown()
-                if delete:
-                    await hs.writer.close(flush=False)
-                    try:
-                        await self.store.delete_session(sid)
-                    except StoreError:  # its keys expire by their TTL
-                        log.warning("session %s: could not delete it from Redis", sid)
-                else:
-                    hs.writer.set_state("parked")
-                    await hs.writer.close()
-            except Exception:  # whatever the driver or writer raised, the slot goes back
-                log.exception("session %s: ending it failed (%s); releasing its slot", sid, cause)
-            finally:
-                await self._release(sid)
-        finally:
-            self._ending.pop(sid, None)
-            done.set()
-        self.counts[cause] += 1
-
-    def _on_writer_fatal(self, session_id: str, error: StoreError) -> None:
-        hs = self.sessions.get(session_id)
-        if hs is None:
-            return
-        if isinstance(error, StaleEpoch):
-            close = (1012, "session moved to another replica")
-        elif isinstance(error, SessionGone):
-            # Its keys' TTL ends with its lifetime (or idle TTL): a TTL refresh just after that,
-            # before the sweep saw it, finds them gone. Expire it as the sweep would.
-            hs.timer.on_activity(self._wall() - (self._clock() - hs.driver.last_activity))
-            verdict = hs.timer.check(self._wall() + EXPIRY_SLACK_S)
-            if verdict is Verdict.LIFETIME_EXPIRED or verdict is Verdict.IDLE_EXPIRED:
-                self._spawn(self._expire(hs, verdict), f"expired:{session_id}")
-                return
-            close = (1001, "session ended")
-        elif isinstance(error, WriteRejected):  # its own data cannot be stored: it ends
-            if hs.driver.link is not None:  # not logged: its log is what failed
-                hs.driver.link.push(stored_failure_event(hs.driver.last_event_id, error))
-            close = (1011, "session state could not be stored")
-        else:
-            close = (1011, "session store error")
-        self._spawn(self._end(hs, "fenced", delete=False, close=close), f"fenced:{session_id}")
-
     async def recheck_bindings(self) -> int:
         """Scale-out: this replica's lease lapsed (it was stopped or cut off from Redis) and
         came back. Sessions may have moved meanwhile; flush every live one now, so a moved one
@@ -489,14 +423,11 @@ class SessionHost:
             try:
                 await hs.writer.flush()
             except (StaleEpoch, SessionGone) as exc:
-                self._on_writer_fatal(hs.session_id, exc)
+                self.life.writer_failed(hs.session_id, exc)
                 fenced += 1
             except StoreError:
                 pass  # Redis still unreachable: the writer's own retries get there
         return fenced
-
-    async def _release(self, session_id: str) -> None:
-        await self._releases.release(session_id)
 
     # --- construction ------------------------------------------------------------------------
 
@@ -511,31 +442,18 @@ class SessionHost:
         return self._core_options(SessionConfig(), session_id).config.model
 
     async def _host(self, record: SessionRecord, core: RealtimeSessionCore, *, epoch: int) -> HostedSession:
-        sid = record.session_id
-        writer = SessionWriter(
-            self.store, record, epoch=epoch, on_fatal=lambda exc: self._on_writer_fatal(sid, exc)
-        )
-        await writer.start()
+        writer = await self.life.new_writer(record, epoch)
         driver = self._new_driver(core, writer)
-        driver.on_close = self._wake.set
-        timer = RetentionTimer(
-            self.policy, created_at=record.created_at, now=self._wall(), expires_at=record.expires_at
-        )
-        hs = HostedSession(sid, record.tenant, driver, writer, timer, record)
-        self.sessions[sid] = hs
-        self._drivers[sid] = driver
+        driver.on_close = self.life.wake.set
+        timer = self.life.new_timer(record)
+        hs = HostedSession(record.session_id, record.tenant, driver, writer, timer, record, None)
+        self.life.add(hs)
         return hs
 
     # --- introspection -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
         """Live counters (all back to zero once every session is gone)."""
-        return {
-            "live": len(self.sessions),
-            "connected": sum(1 for hs in self.sessions.values() if hs.connected),
-            "drivers": len(self._drivers),
-            "restoring": len(self.resume.restoring),
-            "ending": len(self._ending),
-            "unreleased": len(self._releases),
-            "tasks": len(self._tasks),
-        }
+        life = self.life
+        voice = {"drivers": len(life.drivers or ()), "restoring": len(self.resume.restoring)}
+        return {**life.stats(), **voice, "ending": len(life.leaving)}

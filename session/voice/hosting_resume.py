@@ -2,12 +2,13 @@
 
 A component the host composes (``SessionHost.resume``; the host's ``authorize``, ``restore``
 and ``serve_resume`` hand over to it), holding the one piece of state of its own: the
-rebuilds in flight. A resuming
-connection is attached *held*, the writer is flushed, the events after `last_event_id` are
-read from the log and sent behind `omni.session.resumed`, then what was queued meanwhile
-minus what the replay already had, then live (`omni.session.snapshot` when the id is no
-longer replayable). A session this process does not hold is rebuilt from Redis under a new
-binding epoch. WebSocket and WebRTC connections resume the same way.
+rebuilds in flight. A resuming connection is attached *held*, the writer is flushed, the
+events after `last_event_id` are read from the log and sent behind `omni.session.resumed`,
+then what was queued meanwhile minus what the replay already had, then live
+(`omni.session.snapshot` when the id is no longer replayable). A session this process does
+not hold is rebuilt from Redis under a new binding epoch, once an end or park of it still in
+flight here is done (``host.life.leaving``). WebSocket and WebRTC connections resume the
+same way.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from session.admission import Rejected
 from session.identity import resume_token_matches, secret_digest
-from session.lifecycle import AdmissionRefused
 from session.link import LinkEnd, Transport, TransportLink
 from session.realtime.core import RealtimeSessionCore
 from session.realtime.records import config_from_record
@@ -80,19 +79,17 @@ class VoiceResume:
             task.exception()  # retrieved here: a caller that went away cannot
 
     async def _restore_once(self, tenant: str, session_id: str) -> HostedSession:
-        ending = self.host._ending.get(session_id)
+        ending = self.host.life.leaving.get(session_id)
         if ending is not None:  # parked or ending right now: let its writer finish first
             await ending.wait()
         hs = self.host.live(tenant, session_id)
         if hs is not None:
             return hs
-        decision = await self.host.admission.try_admit(session_id, tenant, may_queue=False)
-        if isinstance(decision, Rejected):
-            raise AdmissionRefused(decision)
+        await self.host.life.readmit(session_id, tenant)  # AdmissionRefused when full
         try:
             return await self._rebuild(tenant, session_id)
         except BaseException:
-            await self.host._release(session_id)
+            await self.host.life.release(session_id)
             raise
 
     async def _rebuild(self, tenant: str, session_id: str) -> HostedSession:
@@ -100,13 +97,13 @@ class VoiceResume:
         bound = await self.host.take_binding(session_id)
         record = snapshot.record
         config = config_from_record(record.config, default_model=self.host._default_model(session_id))
-        now = self.host._clock()
+        now = self.host.life.clock()
         core = RealtimeSessionCore.restore(
             self.host._options(config, session_id),
             snapshot.items,
             conversation_id=record.config.get("conversation_id"),
             now=now,
-            epoch=self.host._wall(),
+            epoch=self.host.life.wall(),
             expires_at=record.expires_at,
             open_response=record.open_response,
         )
@@ -116,7 +113,7 @@ class VoiceResume:
         # The dead process's in-flight response is ended once a connection is attached, after
         # its replay or snapshot, so the client sees it end live (see serve_resume).
         hs.orphans = (True, bound.previous_replica)
-        hs.timer.on_disconnect(self.host._wall())  # detached until a connection attaches
+        hs.timer.on_disconnect(self.host.life.wall())  # detached until a connection attaches
         hs.writer.set_state("detached")
         self.host.counts["restored"] += 1
         return hs
@@ -131,7 +128,7 @@ class VoiceResume:
                     await transport.close(1013, "the session is moving; resume again")
                 return LinkEnd.CLOSED
             link = hs.driver.attach(transport, held=True)
-            hs.timer.on_reconnect(self.host._wall())
+            hs.timer.on_reconnect(self.host.life.wall())
             try:
                 await self._replay(hs, link, last_event_id)
                 hs.writer.set_state("active")  # after the replay: not a round trip on its path
@@ -139,7 +136,7 @@ class VoiceResume:
                 if pending:
                     hs.orphans = (False, None)
                     core = hs.driver.core
-                    hs.driver.apply(core.close_orphaned_responses(self.host._clock(), lost_replica=lost))
+                    hs.driver.apply(core.close_orphaned_responses(self.host.life.clock(), lost_replica=lost))
             except StoreError as exc:
                 log.warning("session %s: resume failed: %s", hs.session_id, exc)
                 link.finish(LinkEnd.CLOSED, 1013, "session store unavailable; resume again")
