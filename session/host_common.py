@@ -1,12 +1,11 @@
-"""What the voice and world session hosts share: slot releases, the sweeper loop, expiry text.
+"""The small mechanics under :class:`~session.lifecycle.SessionLifecycle`: slot releases, the
+sweeper loop, expiry text, tracked tasks.
 
-:class:`~session.voice.hosting.SessionHost` and :class:`~session.world.hosting.WorldHost` hold
-different sessions but the same admission slots and the same retention policy, so a few
-mechanics are identical and live here once: releasing a slot (retried by the sweeper when
+Every kind of session (voice, world, robot) holds the same admission slots under the same
+retention policy, so these live here once: releasing a slot (retried by the sweeper when
 Redis was down), the one sweeper task per host woken early by its ``wake`` event, the message
-an expired session's client is told, and tasks tracked until they finish. The world and
-robot hosts use them through :class:`~session.lifecycle.SessionLifecycle`, which owns the rest
-of their shared lifecycle.
+an expired session's client is told, and tasks tracked until they finish. The hosts use them
+through the lifecycle each composes, which owns the rest of their shared lifecycle.
 """
 
 from __future__ import annotations
