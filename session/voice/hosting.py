@@ -338,21 +338,22 @@ class SessionHost:
         return "expired" if s.driver.closed.is_set() else None
 
     async def stop(self, s: HostedSession, close: tuple[int, str] | None, expiry: str | None) -> None:
-        """The core first (under the lock: a resume may be attaching): `session_expired` with
+        """The core first, under the lock (a resume may be attaching): `session_expired` with
         ``expiry``; with neither ``expiry`` nor ``close`` (the client left, or the grace is
         over) the response in flight cancelled, so the log and a later resume see it end,
         unless the session closed itself. Whatever the driver raises is logged: the slot goes
         back anyway."""
+        driver = s.driver
         try:
-            async with s.lock:
-                core, now = s.driver.core, self.life.clock()
-                if expiry is not None:
-                    s.driver.apply(core.expire(now, expiry))
-                elif close is None and not s.driver.closed.is_set():
-                    s.driver.apply(core.cancel_response(now))
-            if close is not None and not s.driver.closed.is_set():
-                s.driver.request_close(*close)
-            await s.driver.shutdown()
+            if expiry is not None:
+                async with s.lock:
+                    driver.apply(driver.core.expire(self.life.clock(), expiry))
+            elif close is None and not driver.closed.is_set():
+                async with s.lock:
+                    driver.apply(driver.core.cancel_response(self.life.clock()))
+            if close is not None and not driver.closed.is_set():
+                driver.request_close(*close)
+            await driver.shutdown()
         except Exception:
             log.exception("session %s: stopping it failed; releasing its slot", s.session_id)
 
