@@ -210,8 +210,7 @@ def decode_event(raw: str | bytes | dict[str, Any]) -> dict[str, Any]:
     except JsonRejected as exc:
         raise ProtocolError(INVALID_JSON, exc.message) from None
     try:
-        if not (type(data) is dict and _flat_ascii(data)):  # the walk is for anything else
-            check_value(data)
+        check_value(data)
     except JsonRejected as exc:
         err = ProtocolError(
             INVALID_JSON if exc.code == INVALID_JSON else INVALID_VALUE, exc.message, param=exc.param
@@ -222,15 +221,6 @@ def decode_event(raw: str | bytes | dict[str, Any]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ProtocolError(INVALID_EVENT, "An event must be a JSON object with a 'type'.")
     return data
-
-
-def _flat_ascii(data: dict[str, Any]) -> bool:
-    """Every value a string and every string ASCII (an audio append: the hot path), so
-    nothing nests and nothing can hold a surrogate: :func:`check_value` has nothing to find."""
-    for key, value in data.items():
-        if type(value) is not str or not value.isascii() or not key.isascii():
-            return False
-    return True
 
 
 _APPEND_KEYS = frozenset({"type", "audio", "event_id"})
