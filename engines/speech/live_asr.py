@@ -14,9 +14,14 @@ speech probability; the session marks its turns on that timeline with ``TurnCont
   the turn so far once a pause may end it (the response then starts on that text).
 * ``speech_stopped`` / ``clear``: the utterance ends (``clear`` also forgets held audio).
 
-Audio is held from the open utterance's start (at most ``max_audio_s``), else only the last
-``idle_audio_s`` (the session marks a start after the VAD has seen it, with prefix padding
-before it). A ``transcribe`` whose stretch has not arrived yet waits for it. Whisper is the
+Audio is held from the open utterance's start (at most ``max_audio_s``). With none open, the
+last ``idle_audio_s``, and from ``idle_audio_s`` before the first voiced frame that no
+utterance has claimed yet: the session marks a start (with prefix padding before it) only
+once the VAD's scores have come back to it, and a client that streams faster than real time
+(a file) has appended seconds more audio by then, so a window counted back from the newest
+audio would lose the utterance's first words. ``speech_stopped`` names where the session's
+commit ended (``end``), so voice after it stays unclaimed. A ``transcribe`` whose stretch has
+not arrived yet waits for it. Whisper is the
 process's one model (:func:`engines.speech.asr.shared_asr`, shared with the other ASR stages).
 """
 
@@ -68,7 +73,9 @@ class _Utterance:
 class LiveAsrState:
     audio: deque[tuple[int, np.ndarray]] = field(default_factory=deque)  # (start sample, samples)
     end: int = 0  # the sample after the last audio received
-    voiced_at: int = -1  # the last frame whose speech probability passed the threshold
+    voiced_at: int = -1  # the end of the last frame whose speech probability passed the threshold
+    runs: deque[int] = field(default_factory=deque)  # where each run of voiced frames began
+    claimed_to: int = 0  # the session's turns cover the timeline up to here
     utterance: _Utterance | None = None
     jobs: list[TurnControl] = field(default_factory=list)  # "transcribe" waiting for its audio
 
@@ -147,10 +154,18 @@ class LiveAsrEngine(Engine):
     def _trim(self, state: LiveAsrState) -> None:
         utt = state.utterance
         starts = [int(job.params.get("start", state.end)) for job in state.jobs]
+        runs = state.runs
+        while runs and runs[0] < state.claimed_to:
+            runs.popleft()
         if utt is not None:
             starts.append(utt.start)
+        elif runs:  # voice the session has not marked yet (its start is still to come)
+            starts.append(runs[0] - self.idle_audio)
         # What an open utterance or a waiting job needs, never more than max_audio_s.
-        state.trim(max(min([state.end - self.idle_audio, *starts]), state.end - self.max_audio))
+        keep_from = max(min([state.end - self.idle_audio, *starts]), state.end - self.max_audio)
+        state.trim(keep_from)
+        while runs and runs[0] < keep_from:
+            runs.popleft()
 
     def _take(self, state: LiveAsrState, payload: Payload) -> None:
         if isinstance(payload, AudioInput):
@@ -161,7 +176,10 @@ class LiveAsrEngine(Engine):
         elif isinstance(payload, VoiceActivity):
             for k, p in enumerate(payload.probs):
                 if p >= self.threshold:
-                    state.voiced_at = payload.start_sample + (k + 1) * FRAME_SAMPLES
+                    frame = payload.start_sample + k * FRAME_SAMPLES
+                    if frame != state.voiced_at:
+                        state.runs.append(frame)
+                    state.voiced_at = frame + FRAME_SAMPLES
         elif isinstance(payload, TurnControl):
             self._control(state, payload)
 
@@ -169,6 +187,7 @@ class LiveAsrEngine(Engine):
         params = control.params
         if control.kind == "speech_started":
             start = int(params.get("start", state.end))
+            state.claimed_to = max(state.claimed_to, start)
             state.utterance = _Utterance(
                 str(params.get("ref")), start, bool(params.get("partials")), start + self.partial_interval
             )
@@ -177,10 +196,13 @@ class LiveAsrEngine(Engine):
         elif control.kind == "speech_stopped":
             if state.utterance is not None and state.utterance.ref == params.get("ref"):
                 state.utterance = None
+            state.claimed_to = max(state.claimed_to, int(params.get("end", state.end)))
         elif control.kind == "clear":
             state.utterance = None
             state.audio.clear()
+            state.runs.clear()
             state.end = max(state.end, int(params.get("at", state.end)))
+            state.claimed_to = state.end
 
     def _partial(self, state: LiveAsrState, out: list[Payload]) -> None:
         """While the user speaks: the words two passes agree on that were not sent yet."""

@@ -390,7 +390,7 @@ class UserInput(ABC):
 
     def _on_speech_stopped(self, change: SpeechStopped, td: TurnDetection, now: float) -> None:
         item_id = self._speech_item_id or self._new_id("item")
-        self._end_speech()
+        self._end_speech(change.commit_end)
         self._out.event(
             "input_audio_buffer.speech_stopped", item_id=item_id, audio_end_ms=ms_of(change.end_sample)
         )
@@ -403,11 +403,16 @@ class UserInput(ABC):
         if respond:
             self._start_response(None, now, transcript_key=(item_id, change.end_sample))
 
-    def _end_speech(self) -> None:
-        """The item being spoken ends (committed, cleared): a live ASR stops its deltas."""
+    def _end_speech(self, end: int | None = None) -> None:
+        """The item being spoken ends (committed, cleared): a live ASR stops its deltas. `end`:
+        where the turn's audio ended on the timeline, when the VAD ended it (voice after it is
+        the next turn's, which the live ASR keeps until that turn is marked)."""
         item_id, self._speech_item_id = self._speech_item_id, None
         if item_id is not None and self.options.live_transcribes_input:
-            self._out.effect(LiveControl("speech_stopped", {"ref": item_id}))
+            params: dict[str, object] = {"ref": item_id}
+            if end is not None:
+                params["end"] = end
+            self._out.effect(LiveControl("speech_stopped", params))
 
     def _maybe_prepare_transcript(self, frame_end: int, td: TurnDetection) -> None:
         """A pause long enough that the turn may end here: transcribe it ahead (once)."""

@@ -8,9 +8,12 @@ import asyncio
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
-from engines.speech.live_asr import agreed_words
+from engines.speech.live_asr import LiveAsrEngine, LiveAsrState, agreed_words
 from engines.speech.vad import FRAME_SAMPLES
+from runtime.edges import Chunk
+from runtime.engine import EngineRequest, StepInput
 from runtime.orchestrator import Orchestrator
 from runtime.payloads import AudioInput, Transcript, TurnControl, VoiceActivity
 from runtime.spec import parse_pipeline
@@ -139,5 +142,92 @@ async def test_clear_forgets_the_utterance_and_its_audio(sentence16k: np.ndarray
         assert await orch.append_input(rid, ask)
         final = await _next_transcript(queue)
         assert final.ref == "k" and final.text == ""
+    finally:
+        await orch.close()
+
+
+def _feed(engine: LiveAsrEngine, state: LiveAsrState, *items: object) -> None:
+    """One step of the stage on what the VAD stage hands on (no utterance asks for Whisper)."""
+    engine.step([StepInput(state, chunks=[Chunk(list(items))])])  # type: ignore[arg-type]
+
+
+def _scored(start_s: float, seconds: float, prob: float) -> list[object]:
+    """`seconds` of scored 16 kHz audio from timeline second `start_s`, every frame at `prob`,
+    as the VAD stage hands it on: pieces of 8 frames (PIECE samples), each with its scores."""
+    out: list[object] = []
+    start = int(start_s * 16000) // FRAME_SAMPLES * FRAME_SAMPLES
+    for at in range(start, start + int(seconds * 16000) // PIECE * PIECE, PIECE):
+        audio = AudioInput(np.zeros(PIECE, dtype=np.float32), 16000, start_sample=at)
+        out += [audio, VoiceActivity(at, [prob] * 8)]
+    return out
+
+
+PIECE = 8 * FRAME_SAMPLES
+
+
+@pytest.mark.unit
+def test_voice_not_marked_yet_is_held_however_far_the_audio_runs_ahead() -> None:
+    """A client streaming a file outruns the session's marks: the speech_started for voice at
+    3 s comes once the stage holds audio to 10 s. Counting the idle window back from the newest
+    audio would have dropped the utterance's first words (a spoken turn's transcript began at
+    its fourth word on a loaded CI machine); the stage holds from the idle window before the
+    first voiced frame no turn has claimed, and only the idle window once one has."""
+    engine = LiveAsrEngine({"idle_audio_s": 1, "max_audio_s": 20})
+    state = engine.start(EngineRequest(request_id="r1", params={}))
+    s = 16000
+    _feed(engine, state, *_scored(0, 3, 0.0))
+    assert state.end - PIECE - s <= state.held_from() <= state.end - s  # silence: the idle window
+    voice = state.end  # ~3 s
+    _feed(engine, state, *_scored(voice / s, 2, 0.9))
+    _feed(engine, state, *_scored(state.end / s, 5, 0.0))
+    assert state.end - voice > 6 * s and state.held_from() <= voice - s
+    # The session's marks arrive: the utterance holds from its start; once it has ended, no
+    # voice is unclaimed and the idle window is all that is held.
+    mark = voice - 5 * FRAME_SAMPLES  # its prefix padding
+    _feed(engine, state, TurnControl("speech_started", params={"ref": "i1", "start": mark}))
+    assert mark - PIECE < state.held_from() <= mark
+    assert state.span(mark, voice + 2 * s).size == voice + 2 * s - mark
+    _feed(engine, state, TurnControl("speech_stopped", params={"ref": "i1", "end": voice + 2 * s + 8000}))
+    assert state.end - PIECE - s <= state.held_from() <= state.end - s
+    # Voice past the turn's end is the next turn's: held until that turn is marked.
+    voice = state.end
+    _feed(engine, state, *_scored(voice / s, 1, 0.9))
+    _feed(engine, state, *_scored(state.end / s, 3, 0.0))
+    assert state.held_from() <= voice - s
+    # Never more than max_audio_s, marked or not.
+    _feed(engine, state, *_scored(state.end / s, 25, 0.0))
+    assert state.end - 20 * s - PIECE <= state.held_from() <= state.end - 20 * s
+
+
+async def test_a_turn_marked_after_its_audio_went_by_is_transcribed_whole(
+    sentence16k: np.ndarray,
+) -> None:
+    """The session marks a turn only once the VAD's scores came back, so a client faster than
+    real time has appended seconds more by then (4 s of silence here, more than the 3 s idle
+    window): the final transcript still has every word from the turn's start."""
+    tail = np.zeros(4 * 16000, dtype=np.float32)
+    audio = np.concatenate([np.zeros(8 * FRAME_SAMPLES, dtype=np.float32), sentence16k, tail])
+    audio = audio[: audio.size // FRAME_SAMPLES * FRAME_SAMPLES]
+    orch = Orchestrator.from_spec(parse_pipeline(PIPELINE, known_engines={"null.audio"}))
+    await orch.start()
+    try:
+        rid, queue = await _live(orch)
+        for at in range(0, audio.size, 8000):
+            assert await orch.append_input(rid, AudioInput(audio[at : at + 8000], 16000))
+            await asyncio.sleep(0.05)  # 10x real time: the stages step on pieces of it
+        scored = 0
+        async with asyncio.timeout(60):  # every frame went through both stages before the marks
+            while scored < audio.size // FRAME_SAMPLES:
+                out = await queue.get()
+                assert isinstance(out, VoiceActivity)
+                scored += len(out.probs)
+        await asyncio.sleep(0.2)
+        started = TurnControl("speech_started", params={"ref": "i1", "start": 0, "partials": False})
+        assert await orch.append_input(rid, started)
+        ask = TurnControl("transcribe", params={"ref": "i1@end", "start": 0, "end": audio.size})
+        assert await orch.append_input(rid, ask)
+        final = await _next_transcript(queue)
+        assert final.ref == "i1@end" and final.final
+        assert words(final.text) == words("The quick brown fox jumps over the lazy dog.")
     finally:
         await orch.close()
