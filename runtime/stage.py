@@ -1,14 +1,22 @@
 """A stage: one engine, a resource budget and a pool of replicas, each with its own scheduler.
 
-A replica's scheduler is one task on the event loop. It picks runnable requests (new chunks,
-inputs or updates, or not waiting and not paced to a later time by the engine's
-``not_before``), up to ``max_batch``, packs them with pending starts and finishes into one
-:class:`~runtime.worker.WorkCall`, runs it on the replica's worker (thread or process; never
-the loop) and hands each request's result to the orchestrator (the *sink*). A timer wakes the
-scheduler when the earliest paced request falls due. With ``budget.gather_ms``, a woken
-scheduler waits that long before it builds the call, so that small inputs arriving close
+A replica's scheduler is ``budget.workers`` stepper tasks on the event loop. A stepper picks
+runnable requests (new chunks, inputs or updates, or not waiting and not paced to a later time
+by the engine's ``not_before``), up to ``max_batch``, packs them with pending starts and
+finishes into one :class:`~runtime.worker.WorkCall`, runs it on the replica's worker (thread
+or process; never the loop), hands each request's result to the orchestrator (the *sink*) and
+builds the next call at once; it waits only when there is nothing to run. A timer wakes the
+steppers when the earliest paced request falls due. With ``budget.gather_ms``, a woken
+stepper waits that long before it builds the call, so that small inputs arriving close
 together (every session's next VAD frame) are stepped together; not when it holds one
 request only, or every request has input already.
+
+Why steppers and not a scheduler task that starts a task per call: on a busy loop every
+hand-off costs one loop iteration, and an iteration then lasts tens of milliseconds. A call
+whose result came back and whose next call goes out in the same task step costs two (the
+worker's result arriving, the stepper resuming); a task per call with a done-callback that
+woke the scheduler cost five, and a paced stage (audio released in real time) fell ~100 ms
+behind under 200 sessions (docs/benchmarks.md, "Null pipeline at default niceness").
 """
 
 from __future__ import annotations
@@ -98,12 +106,11 @@ class Replica:
         self._clock = clock
         self._slots: OrderedDict[str, Slot] = OrderedDict()
         self._finishes: dict[str, bool] = {}
-        self._inflight: set[asyncio.Task[None]] = set()
         self._inflight_ids: set[str] = set()
         self._wake = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None  # wakes the loop at the next paced step
         self._timer_at = 0.0
-        self._task: asyncio.Task[None] | None = None
+        self._steppers: list[asyncio.Task[None]] = []
         self._restart_task: asyncio.Task[None] | None = None
         self.ready = False
         self.restarts = 0
@@ -118,14 +125,17 @@ class Replica:
         await self.worker.open()
         self.worker.watch(self._on_worker_died)
         self.ready = True
-        self._task = asyncio.create_task(self._loop(), name=f"stage-{self.name}-{self.index}")
+        self._steppers = [
+            asyncio.create_task(self._stepper(), name=f"stage-{self.name}-{self.index}.{k}")
+            for k in range(max(1, self.spec.budget.workers))
+        ]
 
     async def close(self) -> None:
         self.ready = False
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        tasks = [t for t in (self._task, self._restart_task, *self._inflight) if t is not None]
+        tasks = [t for t in (self._restart_task, *self._steppers) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -194,16 +204,22 @@ class Replica:
 
     # -- scheduling ---------------------------------------------------------------------------
 
-    async def _loop(self) -> None:
+    async def _stepper(self) -> None:
         gather_s = self.spec.budget.gather_ms / 1000
         while True:
-            self._launch()
-            await self._wake.wait()
+            # Cleared before the build: whatever arrives after it sets the event again.
+            self._wake.clear()
+            built = self._build_call() if self.ready else None
+            if built is not None:
+                call, slots = built
+                self._inflight_ids |= {slot.request_id for slot in slots}  # before the next build
+                await self._execute(call, slots)
+            else:
+                await self._wake.wait()
             if gather_s > 0 and self._others_may_come():
                 # What arrives meanwhile joins this round: one step (one worker hand-off) for
                 # many requests' small inputs instead of one each (budget.gather_ms).
                 await asyncio.sleep(gather_s)
-            self._wake.clear()
 
     def _others_may_come(self) -> bool:
         """Worth waiting for more input: some live request has none yet (with one request, or
@@ -215,21 +231,6 @@ class Replica:
             live += 1
             ready += slot.has_work
         return live > 1 and ready < live
-
-    def _launch(self) -> None:
-        while self.ready and len(self._inflight) < self.spec.budget.workers:
-            built = self._build_call()
-            if built is None:
-                return
-            call, slots = built
-            self._inflight_ids |= {slot.request_id for slot in slots}  # before the next build
-            task = asyncio.create_task(self._execute(call, slots), name=f"step-{self.name}-{self.index}")
-            self._inflight.add(task)
-            task.add_done_callback(self._call_done)
-
-    def _call_done(self, task: asyncio.Task[None]) -> None:
-        self._inflight.discard(task)
-        self._wake.set()
 
     def _build_call(self) -> tuple[WorkCall, list[Slot]] | None:
         call = WorkCall()
