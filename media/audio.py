@@ -72,6 +72,8 @@ def float32_to_pcm16(samples: np.ndarray) -> bytes:
 
 
 # --- base64 ------------------------------------------------------------------------------
+
+
 # Every audio append and every output delta carries base64: pybase64's SIMD codec takes a
 # tenth of binascii's time on a 40 ms chunk (0.6 against 5 µs to decode 1920 bytes).
 

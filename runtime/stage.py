@@ -213,7 +213,10 @@ class Replica:
             if built is not None:
                 call, slots = built
                 self._inflight_ids |= {slot.request_id for slot in slots}  # before the next build
-                await self._execute(call, slots)
+                try:
+                    await self._execute(call, slots)
+                except Exception:  # a bug applying one call's results must not stop the replica
+                    log.exception("stage %s replica %d: applying a result failed", self.name, self.index)
             else:
                 await self._wake.wait()
             if gather_s > 0 and self._others_may_come():

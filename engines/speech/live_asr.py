@@ -21,8 +21,8 @@ once the VAD's scores have come back to it, and a client that streams faster tha
 (a file) has appended seconds more audio by then, so a window counted back from the newest
 audio would lose the utterance's first words. ``speech_stopped`` names where the session's
 commit ended (``end``), so voice after it stays unclaimed. A ``transcribe`` whose stretch has
-not arrived yet waits for it. Whisper is the
-process's one model (:func:`engines.speech.asr.shared_asr`, shared with the other ASR stages).
+not arrived yet waits for it. Whisper is the process's one model
+(:func:`engines.speech.asr.shared_asr`, shared with the other ASR stages).
 """
 
 from __future__ import annotations

@@ -145,8 +145,8 @@ class LiveControl:
     turns: the client's "commit", "clear", "cancel" (`response_id`). For a live ASR stage:
     "speech_started" (`params`: `ref` the item being spoken, `start` its timeline sample,
     `partials`: stream transcription deltas) and "speech_stopped" (`ref`; `end` where the VAD
-    ended the turn). Timeline positions
-    (`start`, `end`) are the core's 16 kHz samples; the driver maps them onto the request's."""
+    ended the turn). Timeline positions (`start`, `end`) are the core's 16 kHz samples; the
+    driver maps them onto the request's."""
 
     kind: str
     params: dict[str, Any] = field(default_factory=dict)

@@ -141,3 +141,27 @@ async def test_max_ahead_with_chunks_full_mode_and_an_early_downstream(edge: str
         outputs, status = await asyncio.wait_for(handle.collect(), 10)
         assert status.status == "completed" and texts(outputs) == [str(i) for i in range(30)]
         assert orch.connectors["inproc"].health()["items"] == 0
+
+
+async def test_a_failure_applying_one_result_does_not_stop_the_stage() -> None:
+    """A bug in handing one request's result on (here the orchestrator raising once) is logged;
+    the replica goes on stepping, and the next request runs to its end."""
+    async with running(pipeline()) as orch:
+        original, raised = orch.on_result, []
+        failed = asyncio.Event()
+
+        def on_result(stage: str, request_id: str, result: Any) -> None:
+            if not raised:
+                raised.append(request_id)
+                failed.set()
+                raise RuntimeError("a bug")
+            original(stage, request_id, result)
+
+        orch.on_result = on_result
+        first = await orch.submit({"n": 3})
+        await asyncio.wait_for(failed.wait(), timeout=10)
+        assert raised == [first.request_id]
+        await orch.cancel(first.request_id)
+        outputs, status = await asyncio.wait_for((await orch.submit({"n": 5})).collect(), timeout=10)
+        assert status.status == "completed", status
+        assert texts(outputs) == [str(i) for i in range(5)]
