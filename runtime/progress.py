@@ -44,6 +44,10 @@ class RequestHandle:
     """The client side of one request: ``async for out in handle`` yields client-visible
     payloads and, last, the :class:`RequestStatus`.
 
+    A consumer that does its work at once can :meth:`listen` instead: each payload is handed to
+    its listener in the stage step that produced it, saving a task wake-up (a loop iteration)
+    per payload, and the iterator yields only the status.
+
     On cancel the payloads not read yet are dropped: the status follows at once.
     The buffer is bounded (``bound`` payloads): while it is full the request's stages are not
     stepped, so a consumer that stops reading stalls its own request, never memory. A stage step
@@ -58,10 +62,20 @@ class RequestHandle:
         self._event = asyncio.Event()
         self._status: RequestStatus | None = None
         self._status_yielded = False
+        self._listener: Callable[[Payload], None] | None = None
+        self._listener_error: BaseException | None = None
 
     # -- producer side (the orchestrator, on the event loop) ---------------------------------
 
     def _push(self, payload: Payload) -> None:
+        listener = self._listener
+        if listener is not None:
+            try:
+                listener(payload)
+            except Exception as exc:  # the consumer's failure, raised in its own task
+                self._listener, self._listener_error = None, exc
+                self._event.set()
+            return
         self._buffer.append(payload)
         self._event.set()
 
@@ -87,13 +101,28 @@ class RequestHandle:
         """The final status once the request ended (before or after it was read)."""
         return self._status
 
+    def listen(self, listener: Callable[[Payload], None] | None) -> None:
+        """Hand payloads to `listener` as they are produced (on the loop, synchronously, inside
+        the stage step) instead of buffering them; the ones already buffered go to it now. None
+        stops listening (later payloads are buffered). A listener that raises is dropped, and
+        the iterator raises its exception next, in the consumer's task."""
+        was_full = self.full
+        self._listener = listener
+        while listener is not None and self._buffer and self._listener is listener:
+            self._push(self._buffer.popleft())
+        if was_full and not self.full and self._on_drain is not None:
+            self._on_drain()
+
     def __aiter__(self) -> RequestHandle:
         return self
 
     async def __anext__(self) -> Payload | RequestStatus:
-        while not self._buffer and self._status is None:
+        while not self._buffer and self._status is None and self._listener_error is None:
             self._event.clear()
             await self._event.wait()
+        if self._listener_error is not None:
+            error, self._listener_error = self._listener_error, None
+            raise error
         if self._buffer:
             was_full = self.full
             payload = self._buffer.popleft()

@@ -10,6 +10,10 @@ A session outlives its connections (resume), so the driver keeps what belongs to
   the events for a resume). The transport itself never blocks longer than its send deadline
   (web/uvicorn_guards.py closes a socket whose send buffer stays full), and closing it is
   bounded too (``CLOSE_TIMEOUT_S``), so an ending session never waits on a silent peer;
+* a fast path past the sender: an event pushed while the sender waits with nothing queued is
+  written at once when the transport can take it without waiting (``send_nowait``, e.g. a
+  WebSocket whose send buffer has room), in the loop iteration that made it; otherwise it is
+  queued as before. Order is kept: the sender is idle only once everything before is written;
 * a receiver task that hands each client text frame to the driver;
 * a *held* start for resumes: events queue while the missed ones are read from the store,
   then :meth:`release` sends a preamble (``omni.session.resumed`` and the replay) first and
@@ -71,6 +75,9 @@ class ConnectionInfo:
     # (cause, delete): the connection knows the session is over (a WebRTC call that never
     # connected), for the host to end it so instead of keeping it resumable.
     session_end: tuple[str, bool] | None = None
+    # Writes an event at once when the connection can take it without waiting (True), else
+    # does nothing (False): the link then queues it for its sender task. None: always queue.
+    send_nowait: Callable[[dict[str, Any]], bool] | None = None
 
 
 class Transport(Protocol):
@@ -106,8 +113,10 @@ class TransportLink:
         max_bytes: int = DEFAULT_MAX_BYTES,
         held: bool = False,
         name: str = "link",
+        send_nowait: Callable[[dict[str, Any]], bool] | None = None,
     ) -> None:
         self.transport = transport
+        self._send_nowait = send_nowait
         self.limit = limit
         self.max_bytes = max_bytes
         self.name = name
@@ -124,6 +133,7 @@ class TransportLink:
         self._closing: tuple[int, str] | None = None  # close after the outbox drains
         self._ended = asyncio.Event()
         self._closer: asyncio.Task[None] | None = None
+        self._idle = False  # the sender waits for events, everything before is written
         if not held:
             self._released.set()
         self._sender = asyncio.create_task(self._send_loop(), name=f"{name}:sender")
@@ -148,6 +158,14 @@ class TransportLink:
         (more than ``limit`` events or ``max_bytes`` bytes waiting: closed with 1008)."""
         if not self.open:
             return False
+        if self._idle and self._send_nowait is not None and not self._queue:
+            try:
+                if self._send_nowait(event):
+                    return True
+            except Exception:  # the transport is gone: nothing more can be said on it
+                log.debug("%s: send failed", self.name, exc_info=True)
+                self.finish(LinkEnd.SEND_FAILED)
+                return False
         size = event_size(event)
         if len(self._queue) >= self.limit or (self._queue and self._queued_bytes + size > self.max_bytes):
             log.info(
@@ -242,7 +260,11 @@ class TransportLink:
                     self.finish(LinkEnd.CLOSED, code, reason)
                     return
                 self._wake.clear()
-                await self._wake.wait()
+                self._idle = skip is None  # no replay left to check events against
+                try:
+                    await self._wake.wait()
+                finally:
+                    self._idle = False
         except asyncio.CancelledError:
             raise
         except Exception:  # the transport is gone: nothing more can be said on it

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -47,6 +48,7 @@ from session.voice.hosting import AdmissionRefused, SessionElsewhere, SessionHos
 from web.context import ServerContext
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.session_factory import build_driver
+from web.uvicorn_guards import SEND_NOWAIT
 
 __all__ = ["build_driver", "error_body", "initial_config", "realtime_endpoint"]
 
@@ -96,6 +98,10 @@ class WebSocketTransport:
         self.info = ConnectionInfo()  # disconnect_code: how the client left
         self.pending: deque[str] = deque()  # frames read while waiting in the admission queue
         self.pending_bytes = 0  # ... their size, bounded by QUEUED_INPUT_MAX_BYTES
+        nowait = websocket.scope.get("extensions", {}).get(SEND_NOWAIT)
+        self._send_text_nowait: Callable[[str], bool] | None = nowait if callable(nowait) else None
+        if self._send_text_nowait is not None:
+            self.info.send_nowait = self.send_nowait
 
     @property
     def connected(self) -> bool:
@@ -106,6 +112,12 @@ class WebSocketTransport:
             # A logged event carries the JSON text the log stored: no second serialization.
             text = event_text(event)
             await self.websocket.send_text(text)
+
+    def send_nowait(self, event: dict[str, Any]) -> bool:
+        """Write `event` now if the socket can take it without waiting (the guarded protocol's
+        scope extension): True if written; False: use `send`."""
+        nowait = self._send_text_nowait
+        return nowait is not None and self.connected and nowait(event_text(event))
 
     async def close(self, code: int, reason: str) -> None:
         if self.connected:

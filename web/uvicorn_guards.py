@@ -18,7 +18,10 @@ buffer is full, for as long as the TCP connection stays up. 200 such connections
   closed with 1007 and logged as one line, not uvicorn's traceback. Reading is paused once
   :data:`READ_AHEAD_BYTES` of messages wait for the app (uvicorn pauses after every message:
   two ``epoll_ctl`` calls per audio append, 10,000 a second at 200 sessions), and resumed
-  when the app has taken them down to half of that.
+  when the app has taken them down to half of that. The scope's extension
+  :data:`SEND_NOWAIT` writes a text message at once when nothing needs waiting for (see
+  :meth:`GuardedWebSocketProtocol.send_text_nowait`), so a session's event can leave in the
+  loop iteration that made it instead of waking its sender task for the next one.
 
 The deadlines come from :class:`~web.settings.ServerSettings` through the uvicorn ``Config``
 (:func:`install`), so tests can set them small.
@@ -34,6 +37,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import InvalidState
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,8 @@ SLOW_CLIENT_REASON = "client is not reading its events"
 # Bytes of received messages one WebSocket may hold ahead of the app before reading pauses
 # (the messages themselves are bounded by ``ws_max_size``): ~25 audio appends of 40 ms.
 READ_AHEAD_BYTES = 64 * 1024
+# The ASGI scope extension (``scope["extensions"]``) holding ``send_text_nowait``.
+SEND_NOWAIT = "omni.websocket.send_text_nowait"
 
 
 class Deadlines:
@@ -127,6 +133,33 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._stall_timer: asyncio.TimerHandle | None = None
         self._ahead: deque[int] = deque()  # sizes of the received messages queued for the app
         self._ahead_bytes = 0
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        scope: Any = getattr(self, "scope", None)  # set unless the handshake was refused
+        if scope is not None:
+            scope["extensions"][SEND_NOWAIT] = self.send_text_nowait
+
+    def send_text_nowait(self, text: str) -> bool:
+        """Write one text message now, as ASGI ``websocket.send`` would, when that needs no
+        wait: True if it was written. False (nothing written) while writing is paused (the
+        send buffer is full), before the handshake completed, after a close was sent, or once
+        the client is gone: the caller then uses the ASGI send, which waits or raises."""
+        if (
+            not self.writable.is_set()
+            or self.disconnected
+            or not self.handshake_complete
+            or self.close_sent
+            or self.initial_response is not None
+            or self.transport.is_closing()
+        ):
+            return False
+        try:
+            self.conn.send_text(text.encode())
+        except InvalidState:
+            return False
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        return True
 
     def pause_writing(self) -> None:
         super().pause_writing()

@@ -33,8 +33,8 @@ import numpy as np
 
 from runtime.capabilities import PipelineCapabilities
 from runtime.orchestrator import Orchestrator
-from runtime.payloads import AudioChunk, TextDelta, Transcript
-from runtime.progress import AdmissionError, RequestStatus
+from runtime.payloads import AudioChunk, Payload, TextDelta, Transcript
+from runtime.progress import AdmissionError, RequestHandle, RequestStatus
 from session.internal_errors import client_facing, report_internal
 from session.link import AudioSink, LinkEnd, Transport, TransportLink
 from session.realtime.core import RealtimeSessionCore
@@ -234,6 +234,7 @@ class RealtimeDriver:
             max_bytes=self.options.outbox_max_bytes,
             held=held,
             name=f"{self.core.session_id}:link{self._links}",
+            send_nowait=transport.info.send_nowait,
         )
         return self.link
 
@@ -509,6 +510,21 @@ class RealtimeDriver:
         awaiting_audio = observer is not None
         if observer is not None:
             observer.response_started()
+
+        def on_output(out: Payload) -> None:
+            """One payload of the response, handled in the stage step that produced it."""
+            nonlocal awaiting_audio
+            if isinstance(out, AudioChunk):
+                if awaiting_audio and observer is not None:
+                    awaiting_audio = False
+                    observer.first_audio(self.now() - started)
+                self.apply(self.core.on_response_audio(rid, out.samples, out.sample_rate, self.now()))
+            elif isinstance(out, TextDelta):
+                self.apply(self.core.on_response_text(rid, out.text, self.now()))
+            elif isinstance(out, Transcript):
+                self.apply(self.core.on_input_transcript(rid, out.text, final=out.final, now=self.now()))
+
+        handle: RequestHandle | None = None
         try:
             if self._orch is None:
                 self.apply(self.core.on_response_done(rid, "failed", "no pipeline", now=self.now()))
@@ -531,17 +547,13 @@ class RealtimeDriver:
             resp.request_id = handle.request_id
             if resp.cancelled:
                 await self._orch.cancel(handle.request_id)
+            # Payloads are handled as the stage step makes them (no task wake-up per delta);
+            # the loop below sees the final status, or a payload's failure raised here.
+            handle.listen(on_output)
             async for out in handle:
-                if isinstance(out, AudioChunk):
-                    if awaiting_audio and observer is not None:
-                        awaiting_audio = False
-                        observer.first_audio(self.now() - started)
-                    self.apply(self.core.on_response_audio(rid, out.samples, out.sample_rate, self.now()))
-                elif isinstance(out, TextDelta):
-                    self.apply(self.core.on_response_text(rid, out.text, self.now()))
-                elif isinstance(out, Transcript):
-                    self.apply(self.core.on_input_transcript(rid, out.text, final=out.final, now=self.now()))
-                elif isinstance(out, RequestStatus):
+                if not isinstance(out, RequestStatus):
+                    on_output(out)
+                else:
                     if observer is not None:
                         observer.response_finished(out.status, self.now() - started)
                     error = out.error  # the runtime's text (stage, exception): for the log only
@@ -556,6 +568,8 @@ class RealtimeDriver:
             message = report_internal(log, f"response {rid} failed", exc, exc_info=True)
             self.apply(self.core.on_response_done(rid, "failed", message, now=self.now()))
         finally:
+            if handle is not None:
+                handle.listen(None)  # a cancelled task hands on nothing more
             self._responses.pop(rid, None)
             if self._audio_sink is None and self._track_response == rid:
                 # Its track went away (the peer vanished, or the session moved to a

@@ -250,3 +250,90 @@ def test_a_restored_open_response_whose_item_was_truncated_is_still_ended() -> N
     done = [e for e in restored.close_orphaned_responses(100.0).events if e["type"] == "response.done"]
     assert [d["response"]["id"] for d in done] == [start.response_id]
     assert done[0]["response"]["status"] == "failed"
+
+
+class NowaitTransport(FakeTransport):
+    """A transport with a synchronous send: it writes while its buffer has `room`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._room = asyncio.Event()
+        self._room.set()
+        self.direct: list[str] = []  # event ids written by send_nowait
+
+    @property
+    def room(self) -> bool:
+        return self._room.is_set()
+
+    @room.setter
+    def room(self, value: bool) -> None:
+        if value:
+            self._room.set()
+        else:
+            self._room.clear()
+
+    def send_nowait(self, event: dict[str, Any]) -> bool:
+        if not self.room:
+            return False
+        self.sent.append(event)
+        self.direct.append(event["event_id"])
+        return True
+
+    async def send(self, event: dict[str, Any]) -> None:
+        await self._room.wait()  # no room: the ASGI send waits
+        self.sent.append(event)
+
+
+async def test_an_event_pushed_to_an_idle_link_leaves_in_the_same_step() -> None:
+    transport = NowaitTransport()
+    link = TransportLink(transport, lambda _: None, limit=8, send_nowait=transport.send_nowait)
+    await asyncio.sleep(0.01)  # the sender waits for events
+    assert link.push(ev(1))
+    assert transport.direct == [ev(1)["event_id"]]  # written before any await
+    await link.aclose()
+
+
+async def test_events_behind_a_full_send_buffer_keep_their_order() -> None:
+    transport = NowaitTransport()
+    link = TransportLink(transport, lambda _: None, limit=8, send_nowait=transport.send_nowait)
+    await asyncio.sleep(0.01)
+    transport.room = False
+    link.push(ev(1))  # refused by send_nowait: queued; the sender waits in send
+    await asyncio.sleep(0.01)
+    transport.room = True
+    link.push(ev(2))  # the sender is still busy with 1: 2 must wait behind it
+    link.push(ev(3))
+    await asyncio.sleep(0.02)
+    assert [e["event_id"] for e in transport.sent] == [ev(s)["event_id"] for s in (1, 2, 3)]
+    assert transport.direct == []
+    link.push(ev(4))  # idle again: the fast path
+    assert transport.direct == [ev(4)["event_id"]]
+    await link.aclose()
+
+
+async def test_a_resumed_link_checks_events_against_the_replay_before_any_fast_send() -> None:
+    transport = NowaitTransport()
+    link = TransportLink(transport, lambda _: None, limit=16, held=True, send_nowait=transport.send_nowait)
+    link.push(ev(3))  # held: queued
+    assert transport.direct == []
+    link.release([ev(2), ev(3), ev(4)], skip=replayed_through(4))
+    await asyncio.sleep(0.01)  # preamble sent, 3 skipped; the replay check is still pending
+    link.push(ev(4))  # the replay had it: dropped, not written past the check
+    link.push(ev(5))
+    await asyncio.sleep(0.01)
+    assert [e["event_id"] for e in transport.sent] == [ev(s)["event_id"] for s in (2, 3, 4, 5)]
+    link.push(ev(6))  # the check is done: the fast path
+    assert transport.direct == [ev(6)["event_id"]]
+    await link.aclose()
+
+
+async def test_a_fast_send_that_raises_ends_the_link_as_a_failed_send() -> None:
+    transport = NowaitTransport()
+
+    def broken(event: dict[str, Any]) -> bool:
+        raise ConnectionResetError("peer gone")
+
+    link = TransportLink(transport, lambda _: None, limit=8, send_nowait=broken)
+    await asyncio.sleep(0.01)
+    assert not link.push(ev(1))
+    assert await asyncio.wait_for(link.wait(), 2) is LinkEnd.SEND_FAILED
