@@ -14,7 +14,8 @@ A session outlives its connections (resume), so the driver keeps what belongs to
   written at once when the transport can take it without waiting (``send_nowait``, e.g. a
   WebSocket whose send buffer has room), in the loop iteration that made it; otherwise it is
   queued as before. Order is kept: the sender is idle only once everything before is written;
-* a receiver task that hands each client text frame to the driver;
+* a receiver task that hands each client text frame to the driver (or, with ``deliver``, has
+  the connection hand each frame to it as it is parsed, in the transport's data callback);
 * a *held* start for resumes: events queue while the missed ones are read from the store,
   then :meth:`release` sends a preamble (``omni.session.resumed`` and the replay) first and
   skips queued events the replay already covered.
@@ -30,7 +31,7 @@ import contextlib
 import enum
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -78,6 +79,9 @@ class ConnectionInfo:
     # Writes an event at once when the connection can take it without waiting (True), else
     # does nothing (False): the link then queues it for its sender task. None: always queue.
     send_nowait: Callable[[dict[str, Any]], bool] | None = None
+    # Hands each client text frame to the callback as the connection parses it (no task hop
+    # per frame) and returns once the client is gone. None: the link awaits `receive()`.
+    deliver: Callable[[Callable[[str], None]], Awaitable[None]] | None = None
 
 
 class Transport(Protocol):
@@ -114,9 +118,11 @@ class TransportLink:
         held: bool = False,
         name: str = "link",
         send_nowait: Callable[[dict[str, Any]], bool] | None = None,
+        deliver: Callable[[Callable[[str], None]], Awaitable[None]] | None = None,
     ) -> None:
         self.transport = transport
         self._send_nowait = send_nowait
+        self._deliver = deliver
         self.limit = limit
         self.max_bytes = max_bytes
         self.name = name
@@ -273,6 +279,10 @@ class TransportLink:
 
     async def _receive_loop(self) -> None:
         try:
+            if self._deliver is not None:
+                await self._deliver(self._on_frame)
+                self.finish(LinkEnd.CLIENT_GONE)
+                return
             while self.open:
                 raw = await self.transport.receive()
                 if raw is None:
@@ -281,6 +291,19 @@ class TransportLink:
                 self._on_text(raw)
         except asyncio.CancelledError:
             raise
+        except Exception as exc:
+            log.exception("%s: a client frame could not be handled", self.name)
+            self.error = exc
+            self.finish(LinkEnd.RECEIVE_ERROR, 1011, "internal error")
+
+    def _on_frame(self, raw: str) -> None:
+        """One client frame, handed over by the connection as it was parsed. Frames after the
+        link stopped reading (ended, or closing after a drain) are not handled, as the loop
+        above would not have read them."""
+        if not self.open:
+            return
+        try:
+            self._on_text(raw)
         except Exception as exc:
             log.exception("%s: a client frame could not be handled", self.name)
             self.error = exc

@@ -48,7 +48,7 @@ from session.voice.hosting import AdmissionRefused, SessionElsewhere, SessionHos
 from web.context import ServerContext
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.session_factory import build_driver
-from web.uvicorn_guards import SEND_NOWAIT
+from web.uvicorn_guards import SEND_NOWAIT, SET_RECEIVER
 
 __all__ = ["build_driver", "error_body", "initial_config", "realtime_endpoint"]
 
@@ -102,6 +102,12 @@ class WebSocketTransport:
         self._send_text_nowait: Callable[[str], bool] | None = nowait if callable(nowait) else None
         if self._send_text_nowait is not None:
             self.info.send_nowait = self.send_nowait
+        receiver = websocket.scope.get("extensions", {}).get(SET_RECEIVER)
+        self._set_receiver: Callable[[Callable[[str], None] | None], None] | None = (
+            receiver if callable(receiver) else None
+        )
+        if self._set_receiver is not None:
+            self.info.deliver = self.deliver
 
     @property
     def connected(self) -> bool:
@@ -129,6 +135,23 @@ class WebSocketTransport:
             self.pending_bytes -= len(text)
             return text
         return await self.read()
+
+    async def deliver(self, on_text: Callable[[str], None]) -> None:
+        """Hand each client text frame to `on_text` as the protocol parses it (no task hop per
+        frame), the frames read while waiting in admission first; return once the client is
+        gone (its close code kept). Binary frames arrive here as `read` gives them."""
+        set_receiver = self._set_receiver
+        assert set_receiver is not None
+        while self.pending:
+            text = self.pending.popleft()
+            self.pending_bytes -= len(text)
+            on_text(text)
+        set_receiver(on_text)
+        try:
+            while (frame := await self.read()) is not None:
+                on_text(frame)
+        finally:
+            set_receiver(None)
 
     async def read(self) -> str | None:
         try:

@@ -21,7 +21,11 @@ buffer is full, for as long as the TCP connection stays up. 200 such connections
   when the app has taken them down to half of that. The scope's extension
   :data:`SEND_NOWAIT` writes a text message at once when nothing needs waiting for (see
   :meth:`GuardedWebSocketProtocol.send_text_nowait`), so a session's event can leave in the
-  loop iteration that made it instead of waking its sender task for the next one.
+  loop iteration that made it instead of waking its sender task for the next one; and
+  :data:`SET_RECEIVER` hands each text message to a callback as it is parsed (see
+  :meth:`GuardedWebSocketProtocol.set_text_receiver`) instead of queueing it for a task to
+  ``receive()`` one loop iteration later: 25 audio appends a second per session skip the queue,
+  the task wake-up and the ASGI receive chain.
 
 The deadlines come from :class:`~web.settings.ServerSettings` through the uvicorn ``Config``
 (:func:`install`), so tests can set them small.
@@ -32,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -49,6 +54,8 @@ SLOW_CLIENT_REASON = "client is not reading its events"
 READ_AHEAD_BYTES = 64 * 1024
 # The ASGI scope extension (``scope["extensions"]``) holding ``send_text_nowait``.
 SEND_NOWAIT = "omni.websocket.send_text_nowait"
+# ... and ``set_text_receiver``.
+SET_RECEIVER = "omni.websocket.set_text_receiver"
 
 
 class Deadlines:
@@ -133,12 +140,50 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._stall_timer: asyncio.TimerHandle | None = None
         self._ahead: deque[int] = deque()  # sizes of the received messages queued for the app
         self._ahead_bytes = 0
+        self._text_receiver: Callable[[str], None] | None = None
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
         scope: Any = getattr(self, "scope", None)  # set unless the handshake was refused
         if scope is not None:
             scope["extensions"][SEND_NOWAIT] = self.send_text_nowait
+            scope["extensions"][SET_RECEIVER] = self.set_text_receiver
+
+    def set_text_receiver(self, receiver: Callable[[str], None] | None) -> None:
+        """From now on hand each complete text message to `receiver` as it is parsed (inside
+        the transport's data callback) instead of queueing it for ``receive()``; the text
+        messages already queued go to it first, in order, up to a queued disconnect. Binary
+        messages and the disconnect still queue: the app keeps awaiting ``receive()`` for
+        them. None goes back to queueing. A receiver must not raise: one that does is logged
+        and the connection is closed with 1011."""
+        self._text_receiver = receiver
+        if receiver is None:
+            return
+        kept: list[Any] = []
+        while not self.queue.empty():
+            message = self.queue.get_nowait()
+            text = message.get("text") if message["type"] == "websocket.receive" else None
+            if kept or not isinstance(text, str):
+                kept.append(message)
+                continue
+            if self._ahead:
+                self._ahead_bytes -= self._ahead.popleft()
+            self._deliver_text(receiver, text)
+        for message in kept:
+            self.queue.put_nowait(message)
+        if self.read_paused and self._ahead_bytes < READ_AHEAD_BYTES // 2:
+            self.read_paused = False
+            self.transport.resume_reading()
+
+    def _deliver_text(self, receiver: Callable[[str], None], text: str) -> None:
+        try:
+            receiver(text)
+        except Exception:
+            log.exception("%s: a WebSocket message receiver failed: closing 1011", self.client)
+            self._text_receiver = None
+            if not self.close_sent and not self.transport.is_closing():
+                self.conn.send_close(1011, "internal error")
+                self.handle_parser_exception()  # queues the disconnect, writes the close, closes
 
     def send_text_nowait(self, text: str) -> bool:
         """Write one text message now, as ASGI ``websocket.send`` would, when that needs no
@@ -204,7 +249,7 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
             return
         if self.curr_msg_data_type == "text":
             try:
-                message: Any = {"type": "websocket.receive", "text": data.decode()}
+                text = data.decode()
             except UnicodeDecodeError as exc:
                 log.warning(
                     "%s: WebSocket closed 1007: a text frame is not UTF-8 (%s)", self.client, exc.reason
@@ -212,6 +257,11 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
                 self.conn.send_close(1007, "invalid UTF-8 in a text frame")
                 self.handle_parser_exception()
                 return
+            receiver = self._text_receiver
+            if receiver is not None:
+                self._deliver_text(receiver, text)
+                return
+            message: Any = {"type": "websocket.receive", "text": text}
         else:
             message = {"type": "websocket.receive", "bytes": data}
         self.queue.put_nowait(message)

@@ -235,6 +235,7 @@ class RealtimeDriver:
             held=held,
             name=f"{self.core.session_id}:link{self._links}",
             send_nowait=transport.info.send_nowait,
+            deliver=transport.info.deliver,
         )
         return self.link
 

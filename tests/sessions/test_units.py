@@ -337,3 +337,42 @@ async def test_a_fast_send_that_raises_ends_the_link_as_a_failed_send() -> None:
     await asyncio.sleep(0.01)
     assert not link.push(ev(1))
     assert await asyncio.wait_for(link.wait(), 2) is LinkEnd.SEND_FAILED
+
+
+class PushTransport(FakeTransport):
+    """A connection that hands frames over as they are parsed (``deliver``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_text: Any = None
+        self.gone = asyncio.Event()
+
+    async def deliver(self, on_text: Any) -> None:
+        self.on_text = on_text
+        await self.gone.wait()
+
+
+async def test_a_delivering_connection_hands_frames_to_the_driver_without_a_task_hop() -> None:
+    transport = PushTransport()
+    got: list[str] = []
+    link = TransportLink(transport, got.append, limit=8, deliver=transport.deliver)
+    await asyncio.sleep(0.01)
+    transport.on_text("a")
+    assert got == ["a"]  # handled inside the call: no task in between
+    transport.gone.set()
+    assert await asyncio.wait_for(link.wait(), 2) is LinkEnd.CLIENT_GONE
+    assert transport.closed is None
+
+
+async def test_a_delivered_frame_that_fails_ends_the_link_1011() -> None:
+    transport = PushTransport()
+
+    def broken(raw: str) -> None:
+        raise ValueError("a bug in the handler")
+
+    link = TransportLink(transport, broken, limit=8, deliver=transport.deliver)
+    await asyncio.sleep(0.01)
+    transport.on_text("x")  # does not raise into the connection
+    assert await asyncio.wait_for(link.wait(), 2) is LinkEnd.RECEIVE_ERROR
+    assert transport.closed == (1011, "internal error")
+    transport.on_text("y")  # the link stopped reading: not handled
