@@ -476,9 +476,7 @@ class WriterHub:
         backoff = MIN_BACKOFF_S
         try:
             while self._writers:
-                await self._until_due()
-                now = self.clock()
-                batch = [w for w in self._writers if self._takes(w, now)]
+                batch = await self._until_due()
                 if not batch:
                     continue
                 try:
@@ -502,35 +500,38 @@ class WriterHub:
             if self._task is asyncio.current_task():
                 self._task = None
 
-    @staticmethod
-    def _takes(writer: SessionWriter, now: float) -> bool:
-        """Due now, or queued and due within half its interval (rides along on this tick's
-        round trip; see the module docstring)."""
-        due = writer._flush_due()
-        if due is None:
-            return False
-        if due <= now:
-            return True
-        return bool(writer._pending) and writer._retry_at <= now and due - now <= writer._interval / 2
-
-    async def _until_due(self) -> None:
-        """Sleep until the earliest writer deadline, waking early for an earlier one."""
+    async def _until_due(self) -> list[SessionWriter]:
+        """Sleep until the earliest writer deadline, waking early for an earlier one; return
+        the writers to flush then: those due, and those queued and due within half their
+        interval (they ride along on this tick's round trip; see the module docstring). One
+        pass over the writers finds both (a wake-up comes with every state change)."""
         wake = self._wake
         assert wake is not None
         while self._writers:
             wake.clear()  # cleared before the scan: a signal after it is not lost
-            target = min((d for w in self._writers if (d := w._flush_due()) is not None), default=math.inf)
-            delay = target - self.clock()
+            now = self.clock()
+            target = math.inf
+            batch: list[SessionWriter] = []
+            for w in self._writers:
+                due = w._flush_due()
+                if due is None:
+                    continue
+                if due < target:
+                    target = due
+                if due <= now or (w._pending and w._retry_at <= now and due - now <= w._interval / 2):
+                    batch.append(w)
+            delay = target - now
             if delay <= 0:
-                return
+                return batch
             self._target = target
             try:
                 if math.isinf(delay):
                     await wake.wait()
-                elif not await wait_event(wake, delay):
-                    return
+                else:
+                    await wait_event(wake, delay)  # woken early or not: scan again, at the new time
             finally:
                 self._target = -math.inf
+        return []
 
     async def _flush(self, batch: list[SessionWriter]) -> None:
         # One EVALSHA per session: a pipeline is not a transaction, so a session's second chunk
