@@ -13,7 +13,8 @@ A session outlives its connections (resume), so the driver keeps what belongs to
 * a fast path past the sender: an event pushed while the sender waits with nothing queued is
   written at once when the transport can take it without waiting (``send_nowait``, e.g. a
   WebSocket whose send buffer has room), in the loop iteration that made it; otherwise it is
-  queued as before. Order is kept: the sender is idle only once everything before is written;
+  queued as before (and always past ``DIRECT_MAX_BYTES``). Order is kept: the sender is idle
+  only once everything before is written;
 * a receiver task that hands each client text frame to the driver (or, with ``deliver``, has
   the connection hand each frame to it as it is parsed, in the transport's data callback);
 * a *held* start for resumes: events queue while the missed ones are read from the store,
@@ -44,6 +45,11 @@ SLOW_CLIENT_CODE = 1008
 SLOW_CLIENT_REASON = "client is not reading its events"
 CLOSE_TIMEOUT_S = 5.0  # closing a transport (its close frame) waits at most this long
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+# The largest event the fast path writes past the outbox: audio deltas and the like (a 40 ms
+# delta is ~2.7 KB). A larger one (a retrieved item of MBs) always goes through the outbox, so
+# a client that stops reading meets the outbox's byte bound, not a transport buffer it never
+# drains.
+DIRECT_MAX_BYTES = 64 * 1024
 
 
 def event_size(event: dict[str, Any]) -> int:
@@ -164,7 +170,8 @@ class TransportLink:
         (more than ``limit`` events or ``max_bytes`` bytes waiting: closed with 1008)."""
         if not self.open:
             return False
-        if self._idle and self._send_nowait is not None and not self._queue:
+        size = event_size(event)
+        if self._idle and self._send_nowait is not None and not self._queue and size <= DIRECT_MAX_BYTES:
             try:
                 if self._send_nowait(event):
                     return True
@@ -172,7 +179,6 @@ class TransportLink:
                 log.debug("%s: send failed", self.name, exc_info=True)
                 self.finish(LinkEnd.SEND_FAILED)
                 return False
-        size = event_size(event)
         if len(self._queue) >= self.limit or (self._queue and self._queued_bytes + size > self.max_bytes):
             log.info(
                 "%s: closed 1008: %d events, %d bytes not read",

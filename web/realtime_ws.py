@@ -103,7 +103,7 @@ class WebSocketTransport:
         if self._send_text_nowait is not None:
             self.info.send_nowait = self.send_nowait
         receiver = websocket.scope.get("extensions", {}).get(SET_RECEIVER)
-        self._set_receiver: Callable[[Callable[[str], None] | None], None] | None = (
+        self._set_receiver: Callable[[Callable[[str | bytes], None] | None], None] | None = (
             receiver if callable(receiver) else None
         )
         if self._set_receiver is not None:
@@ -137,19 +137,23 @@ class WebSocketTransport:
         return await self.read()
 
     async def deliver(self, on_text: Callable[[str], None]) -> None:
-        """Hand each client text frame to `on_text` as the protocol parses it (no task hop per
+        """Hand each client frame to `on_text` as the protocol parses it (no task hop per
         frame), the frames read while waiting in admission first; return once the client is
-        gone (its close code kept). Binary frames arrive here as `read` gives them."""
+        gone (its close code kept). A binary frame is decoded as `read` decodes it."""
         set_receiver = self._set_receiver
         assert set_receiver is not None
         while self.pending:
             text = self.pending.popleft()
             self.pending_bytes -= len(text)
             on_text(text)
-        set_receiver(on_text)
+
+        def on_message(data: str | bytes) -> None:
+            on_text(data if isinstance(data, str) else data.decode("utf-8", errors="replace"))
+
+        set_receiver(on_message)
         try:
             while (frame := await self.read()) is not None:
-                on_text(frame)
+                on_text(frame)  # read() gives None at the disconnect: frames go to on_message
         finally:
             set_receiver(None)
 

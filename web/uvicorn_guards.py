@@ -22,8 +22,8 @@ buffer is full, for as long as the TCP connection stays up. 200 such connections
   :data:`SEND_NOWAIT` writes a text message at once when nothing needs waiting for (see
   :meth:`GuardedWebSocketProtocol.send_text_nowait`), so a session's event can leave in the
   loop iteration that made it instead of waking its sender task for the next one; and
-  :data:`SET_RECEIVER` hands each text message to a callback as it is parsed (see
-  :meth:`GuardedWebSocketProtocol.set_text_receiver`) instead of queueing it for a task to
+  :data:`SET_RECEIVER` hands each message to a callback as it is parsed (see
+  :meth:`GuardedWebSocketProtocol.set_receiver`) instead of queueing it for a task to
   ``receive()`` one loop iteration later: 25 audio appends a second per session skip the queue,
   the task wake-up and the ASGI receive chain.
 
@@ -54,8 +54,8 @@ SLOW_CLIENT_REASON = "client is not reading its events"
 READ_AHEAD_BYTES = 64 * 1024
 # The ASGI scope extension (``scope["extensions"]``) holding ``send_text_nowait``.
 SEND_NOWAIT = "omni.websocket.send_text_nowait"
-# ... and ``set_text_receiver``.
-SET_RECEIVER = "omni.websocket.set_text_receiver"
+# ... and ``set_receiver``.
+SET_RECEIVER = "omni.websocket.set_receiver"
 
 
 class Deadlines:
@@ -140,47 +140,47 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._stall_timer: asyncio.TimerHandle | None = None
         self._ahead: deque[int] = deque()  # sizes of the received messages queued for the app
         self._ahead_bytes = 0
-        self._text_receiver: Callable[[str], None] | None = None
+        self._receiver: Callable[[str | bytes], None] | None = None
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
         scope: Any = getattr(self, "scope", None)  # set unless the handshake was refused
         if scope is not None:
             scope["extensions"][SEND_NOWAIT] = self.send_text_nowait
-            scope["extensions"][SET_RECEIVER] = self.set_text_receiver
+            scope["extensions"][SET_RECEIVER] = self.set_receiver
 
-    def set_text_receiver(self, receiver: Callable[[str], None] | None) -> None:
-        """From now on hand each complete text message to `receiver` as it is parsed (inside
-        the transport's data callback) instead of queueing it for ``receive()``; the text
-        messages already queued go to it first, in order, up to a queued disconnect. Binary
-        messages and the disconnect still queue: the app keeps awaiting ``receive()`` for
-        them. None goes back to queueing. A receiver must not raise: one that does is logged
-        and the connection is closed with 1011."""
-        self._text_receiver = receiver
+    def set_receiver(self, receiver: Callable[[str | bytes], None] | None) -> None:
+        """From now on hand each complete message to `receiver` as it is parsed (inside the
+        transport's data callback), text as `str` and binary as `bytes`, instead of queueing
+        it for ``receive()``; the messages already queued go to it first, in order. The
+        disconnect still queues: the app keeps awaiting ``receive()`` for it. None goes back
+        to queueing. A receiver must not raise: one that does is logged and the connection is
+        closed with 1011."""
+        self._receiver = receiver
         if receiver is None:
             return
         kept: list[Any] = []
         while not self.queue.empty():
             message = self.queue.get_nowait()
-            text = message.get("text") if message["type"] == "websocket.receive" else None
-            if kept or not isinstance(text, str):
-                kept.append(message)
+            if kept or message["type"] != "websocket.receive":
+                kept.append(message)  # the disconnect, and anything queued after it
                 continue
             if self._ahead:
                 self._ahead_bytes -= self._ahead.popleft()
-            self._deliver_text(receiver, text)
+            text = message.get("text")
+            self._deliver(receiver, text if text is not None else message.get("bytes") or b"")
         for message in kept:
             self.queue.put_nowait(message)
         if self.read_paused and self._ahead_bytes < READ_AHEAD_BYTES // 2:
             self.read_paused = False
             self.transport.resume_reading()
 
-    def _deliver_text(self, receiver: Callable[[str], None], text: str) -> None:
+    def _deliver(self, receiver: Callable[[str | bytes], None], data: str | bytes) -> None:
         try:
-            receiver(text)
+            receiver(data)
         except Exception:
             log.exception("%s: a WebSocket message receiver failed: closing 1011", self.client)
-            self._text_receiver = None
+            self._receiver = None
             if not self.close_sent and not self.transport.is_closing():
                 self.conn.send_close(1011, "internal error")
                 self.handle_parser_exception()  # queues the disconnect, writes the close, closes
@@ -257,12 +257,14 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
                 self.conn.send_close(1007, "invalid UTF-8 in a text frame")
                 self.handle_parser_exception()
                 return
-            receiver = self._text_receiver
-            if receiver is not None:
-                self._deliver_text(receiver, text)
+            if self._receiver is not None:
+                self._deliver(self._receiver, text)
                 return
             message: Any = {"type": "websocket.receive", "text": text}
         else:
+            if self._receiver is not None:
+                self._deliver(self._receiver, data)
+                return
             message = {"type": "websocket.receive", "bytes": data}
         self.queue.put_nowait(message)
         self._ahead.append(len(data))

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from session.link import ConnectionInfo, LinkEnd, TransportLink
+from session.link import DIRECT_MAX_BYTES, ConnectionInfo, LinkEnd, TransportLink
 from session.realtime import CoreOptions, RealtimeSessionCore, StartResponse
 from session.realtime.config import SessionConfig, SessionIn
 from session.realtime.ids import SequentialIds
@@ -376,3 +376,15 @@ async def test_a_delivered_frame_that_fails_ends_the_link_1011() -> None:
     assert await asyncio.wait_for(link.wait(), 2) is LinkEnd.RECEIVE_ERROR
     assert transport.closed == (1011, "internal error")
     transport.on_text("y")  # the link stopped reading: not handled
+
+
+async def test_a_large_event_always_goes_through_the_outbox() -> None:
+    transport = NowaitTransport()
+    link = TransportLink(transport, lambda _: None, limit=8, send_nowait=transport.send_nowait)
+    await asyncio.sleep(0.01)
+    big = {**ev(1), "item": "x" * (DIRECT_MAX_BYTES + 1)}  # a retrieved item of MBs, say
+    link.push(big)
+    assert transport.direct == [] and link.queued == 1  # counted against the outbox's bytes
+    await asyncio.sleep(0.01)
+    assert transport.sent == [big]
+    await link.aclose()

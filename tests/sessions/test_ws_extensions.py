@@ -7,8 +7,9 @@ high-water mark), so the caller falls back to the ASGI send, which waits for roo
 is the transport's own call, made here by hand: this host's loopback takes hundreds of MB from
 a peer that reads nothing before any buffer fills.)
 
-``set_text_receiver`` hands text messages to a callback as they are parsed, those already
-queued first, while binary messages and the disconnect still come from ``receive()``."""
+``set_receiver`` hands messages (text as `str`, binary as `bytes`) to a callback as they are
+parsed, those already queued first, in order, while the disconnect still comes from
+``receive()``."""
 
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ async def test_send_text_nowait_writes_at_once_and_refuses_while_writing_is_paus
         await asyncio.wait_for(serving, 10)
 
 
-async def test_a_text_receiver_gets_queued_then_new_messages_in_order() -> None:
-    got: list[str] = []
+async def test_a_receiver_gets_queued_then_new_messages_in_order() -> None:
+    got: list[str | bytes] = []
     seen: dict[str, Any] = {}
     three_queued = asyncio.Event()
     receiving = asyncio.Event()
@@ -89,8 +90,7 @@ async def test_a_text_receiver_gets_queued_then_new_messages_in_order() -> None:
         scope["extensions"][SET_RECEIVER](got.append)
         seen["at_once"] = list(got)
         receiving.set()
-        seen["binary"] = await receive()  # binary messages still come from receive()
-        seen["end"] = await receive()
+        seen["end"] = await receive()  # the disconnect still comes from receive()
         scope["extensions"][SET_RECEIVER](None)
         done.set()
 
@@ -102,24 +102,23 @@ async def test_a_text_receiver_gets_queued_then_new_messages_in_order() -> None:
             three_queued.set()
             await asyncio.wait_for(receiving.wait(), 10)
             await ws.send("d")
-            await ws.send("e")
             await ws.send(b"\x01\x02")
+            await ws.send("e")
             await asyncio.sleep(0.05)
         await asyncio.wait_for(done.wait(), 10)
         assert seen["at_once"] == ["a", "b", "c"]
-        assert got == ["a", "b", "c", "d", "e"]
-        assert seen["binary"] == {"type": "websocket.receive", "bytes": b"\x01\x02"}
+        assert got == ["a", "b", "c", "d", b"\x01\x02", "e"]
         assert seen["end"]["type"] == "websocket.disconnect" and seen["end"]["code"] == 1000
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 10)
 
 
-async def test_a_text_receiver_that_raises_closes_the_connection_1011() -> None:
+async def test_a_receiver_that_raises_closes_the_connection_1011() -> None:
     seen: dict[str, Any] = {}
     done = asyncio.Event()
 
-    def receiver(text: str) -> None:
+    def receiver(data: str | bytes) -> None:
         raise RuntimeError("a bug in the app")
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
