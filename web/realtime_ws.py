@@ -129,11 +129,14 @@ class WebSocketTransport:
         if self.connected:
             await self.websocket.close(code=code, reason=reason)
 
+    def _take_pending(self) -> str:
+        text = self.pending.popleft()
+        self.pending_bytes -= len(text)
+        return text
+
     async def receive(self) -> str | None:
         if self.pending:
-            text = self.pending.popleft()
-            self.pending_bytes -= len(text)
-            return text
+            return self._take_pending()
         return await self.read()
 
     async def deliver(self, on_text: Callable[[str], None]) -> None:
@@ -143,17 +146,12 @@ class WebSocketTransport:
         set_receiver = self._set_receiver
         assert set_receiver is not None
         while self.pending:
-            text = self.pending.popleft()
-            self.pending_bytes -= len(text)
-            on_text(text)
-
-        def on_message(data: str | bytes) -> None:
-            on_text(data if isinstance(data, str) else data.decode("utf-8", errors="replace"))
-
-        set_receiver(on_message)
+            on_text(self._take_pending())
+        set_receiver(lambda data: on_text(frame_text(data)))
         try:
+            # With the receiver set, read() returns only at the disconnect (None).
             while (frame := await self.read()) is not None:
-                on_text(frame)  # read() gives None at the disconnect: frames go to on_message
+                on_text(frame)
         finally:
             set_receiver(None)
 
@@ -167,10 +165,12 @@ class WebSocketTransport:
             self.info.disconnect_code = int(message.get("code") or 1005)
             return None
         text = message.get("text")
-        if text is None:
-            data = message.get("bytes") or b""
-            text = data.decode("utf-8", errors="replace")
-        return str(text)
+        return frame_text(text if text is not None else message.get("bytes") or b"")
+
+
+def frame_text(data: str | bytes) -> str:
+    """A client frame as text: a binary frame is decoded as UTF-8, invalid bytes replaced."""
+    return data if isinstance(data, str) else data.decode("utf-8", errors="replace")
 
 
 async def realtime_endpoint(websocket: WebSocket) -> None:
