@@ -30,7 +30,7 @@ from runtime.engine import Engine
 from runtime.kv import SessionKVStore, bind_process_store
 from runtime.registry import engine_path, load_engine_path
 from runtime.shm import SharedMemoryConnector, sweep_segments
-from runtime.worker import CallResult, EngineHost, WorkCall, Worker, WorkerDied
+from runtime.worker import CallResult, Done, EngineHost, WorkCall, Worker, WorkerDied, submit_on
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,9 @@ class ProcessWorker(Worker):
 
     async def run(self, call: WorkCall) -> CallResult:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run_sync, call)
+
+    def submit(self, call: WorkCall, done: Done) -> None:
+        submit_on(self._executor, self._run_sync, call, done)
 
     # -- on the worker's thread ---------------------------------------------------------------
 

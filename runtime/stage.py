@@ -1,30 +1,35 @@
 """A stage: one engine, a resource budget and a pool of replicas, each with its own scheduler.
 
-A replica's scheduler is ``budget.workers`` stepper tasks on the event loop. A stepper picks
-runnable requests (new chunks, inputs or updates, or not waiting and not paced to a later time
-by the engine's ``not_before``), up to ``max_batch``, packs them with pending starts and
-finishes into one :class:`~runtime.worker.WorkCall`, runs it on the replica's worker (thread
-or process; never the loop), hands each request's result to the orchestrator (the *sink*) and
-builds the next call at once; it waits only when there is nothing to run. A timer wakes the
-steppers when the earliest paced request falls due. With ``budget.gather_ms``, a woken
-stepper waits that long before it builds the call, so that small inputs arriving close
-together (every session's next VAD frame) are stepped together; not when it holds one
+A replica's scheduler runs on the event loop as callbacks, with up to ``budget.workers`` calls
+in flight. It picks runnable requests (new chunks, inputs or updates, or not waiting and not
+paced to a later time by the engine's ``not_before``), up to ``max_batch``, packs them with
+pending starts and finishes into one :class:`~runtime.worker.WorkCall` and submits it to the
+replica's worker (thread or process; never the loop). When the call ends, the worker hands
+its outcome to the loop (`Worker.submit`); that callback gives each request's result to the
+orchestrator (the *sink*) and builds and submits the next call at once. Nothing runs when
+there is nothing to run: new input, a drained consumer or a finish schedules a build, and a
+timer fires when the earliest paced request falls due (its callback builds the call itself).
+With ``budget.gather_ms``, a build waits that long first, so that small inputs arriving close
+together (every session's next VAD frame) are stepped together; not when the replica holds one
 request only, or every request has input already.
 
-Why steppers and not a scheduler task that starts a task per call: on a busy loop every
-hand-off costs one loop iteration, and an iteration then lasts tens of milliseconds. A call
-whose result came back and whose next call goes out in the same task step costs two (the
-worker's result arriving, the stepper resuming); a task per call with a done-callback that
-woke the scheduler cost five, and a paced stage (audio released in real time) fell ~100 ms
+Why callbacks and not tasks: on a busy loop every hand-off costs one loop iteration, and an
+iteration then lasts tens of milliseconds. A step cycle here costs one (the worker's outcome
+arriving), and a paced request's release costs the timer's iteration and that one. Stepper
+tasks awaiting ``run_in_executor`` cost three more on that way (the timer waking the task, the
+asyncio future's callback, the task's resumption); a task per call with a done-callback that
+woke a scheduler task cost five, and a paced stage (audio released in real time) fell ~100 ms
 behind under 200 sessions (docs/benchmarks.md, "Null pipeline at default niceness").
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,7 +40,7 @@ from runtime.metrics import RuntimeMetrics
 from runtime.payloads import Conditioning, Payload
 from runtime.progress import AdmissionError, StageTiming
 from runtime.spec import StageSpec
-from runtime.worker import ChunkRef, ItemResult, ThreadWorker, WorkCall, Worker, WorkerDied, WorkItem
+from runtime.worker import ChunkRef, ItemResult, Outcome, ThreadWorker, WorkCall, Worker, WorkerDied, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +112,16 @@ class Replica:
         self._slots: OrderedDict[str, Slot] = OrderedDict()
         self._finishes: dict[str, bool] = {}
         self._inflight_ids: set[str] = set()
-        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # from start(): builds run on it
+        self._build_at: asyncio.Handle | None = None  # a build scheduled by wake() (or gather)
         self._timer: asyncio.TimerHandle | None = None  # wakes the loop at the next paced step
         self._timer_at = 0.0
-        self._steppers: list[asyncio.Task[None]] = []
+        self._calls = 0  # work calls in flight (at most budget.workers)
+        self._call_tasks: set[asyncio.Task[None]] = set()  # workers without a thread of their own
+        self._gather_s = spec.budget.gather_ms / 1000
         self._restart_task: asyncio.Task[None] | None = None
         self.ready = False
+        self.closed = False
         self.restarts = 0
 
     @property
@@ -122,20 +131,20 @@ class Replica:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await self.worker.open()
         self.worker.watch(self._on_worker_died)
         self.ready = True
-        self._steppers = [
-            asyncio.create_task(self._stepper(), name=f"stage-{self.name}-{self.index}.{k}")
-            for k in range(max(1, self.spec.budget.workers))
-        ]
+        self.wake()
 
     async def close(self) -> None:
         self.ready = False
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        tasks = [t for t in (self._restart_task, *self._steppers) if t is not None]
+        self.closed = True  # outcomes still to come are dropped
+        for handle in (self._timer, self._build_at):
+            if handle is not None:
+                handle.cancel()
+        self._timer = self._build_at = None
+        tasks = [t for t in (self._restart_task, *self._call_tasks) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -148,7 +157,7 @@ class Replica:
     ) -> StageTiming:
         timing = StageTiming(replica=self.index)
         self._slots[request.request_id] = Slot(request, prewarm, waiting, incoming, admitted_at, timing)
-        self._wake.set()
+        self.wake()
         return timing
 
     def deliver(self, request_id: str, chunk: ChunkRef) -> bool:
@@ -158,7 +167,7 @@ class Replica:
         slot.chunks.append(chunk)
         if chunk.finished:
             slot.finished_edges += 1
-        self._wake.set()
+        self.wake()
         return True
 
     def add_inputs(self, request_id: str, payloads: list[Payload]) -> bool:
@@ -166,7 +175,7 @@ class Replica:
         if slot is None or slot.closed:
             return False
         slot.inputs.extend(payloads)
-        self._wake.set()
+        self.wake()
         return True
 
     def add_update(self, request_id: str, update: Conditioning) -> bool:
@@ -174,7 +183,7 @@ class Replica:
         if slot is None or slot.closed:
             return False
         slot.updates.append(update)
-        self._wake.set()
+        self.wake()
         return True
 
     async def wait_input_room(self, request_id: str, limit: int) -> bool:
@@ -200,29 +209,59 @@ class Replica:
         self._close_slot(slot, outcome, finish=slot.start_sent)
 
     def wake(self) -> None:
-        self._wake.set()
+        """Something may have become runnable: build the next call in a callback of its own
+        (not here: the caller is in the middle of its own work, often another replica's)."""
+        if self._build_at is None and self._loop is not None and not self.closed:
+            if self._gather_s > 0 and self._others_may_come():
+                self._build_at = self._loop.call_later(self._gather_s, self._build_scheduled)
+            else:
+                self._build_at = self._loop.call_soon(self._build_scheduled)
 
     # -- scheduling ---------------------------------------------------------------------------
 
-    async def _stepper(self) -> None:
-        gather_s = self.spec.budget.gather_ms / 1000
-        while True:
-            # Cleared before the build: whatever arrives after it sets the event again.
-            self._wake.clear()
-            built = self._build_call() if self.ready else None
-            if built is not None:
-                call, slots = built
-                self._inflight_ids |= {slot.request_id for slot in slots}  # before the next build
-                try:
-                    await self._execute(call, slots)
-                except Exception:  # a bug applying one call's results must not stop the replica
-                    log.exception("stage %s replica %d: applying a result failed", self.name, self.index)
-            else:
-                await self._wake.wait()
-            if gather_s > 0 and self._others_may_come():
-                # What arrives meanwhile joins this round: one step (one worker hand-off) for
-                # many requests' small inputs instead of one each (budget.gather_ms).
-                await asyncio.sleep(gather_s)
+    def _build_scheduled(self) -> None:
+        self._build_at = None
+        self._run_calls()
+
+    def _build_next(self) -> None:
+        """After a step or at a paced request's time: the next call now, unless gathering
+        pays (``budget.gather_ms``), then after that wait."""
+        if self._gather_s > 0 and self._others_may_come():
+            self.wake()
+        else:
+            self._run_calls()
+
+    def _run_calls(self) -> None:
+        """Submit calls while the worker has room and something is runnable."""
+        while self.ready and self._calls < max(1, self.spec.budget.workers):
+            try:
+                built = self._build_call()
+            except Exception:  # a bug here must not leave the replica stuck with calls to run
+                log.exception("stage %s replica %d: building a call failed", self.name, self.index)
+                return
+            if built is None:
+                return
+            call, slots = built
+            self._inflight_ids |= {slot.request_id for slot in slots}  # before the next build
+            self._calls += 1
+            task = self.worker.submit(call, functools.partial(self._on_outcome, slots))
+            if task is not None:
+                self._call_tasks.add(task)
+                task.add_done_callback(self._call_tasks.discard)
+
+    def _on_outcome(self, slots: list[Slot], outcome: Outcome) -> None:
+        """A call ended (on the loop, in the worker's callback): apply it, then the next one."""
+        self._calls -= 1
+        for slot in slots:
+            slot.in_flight = False
+        self._inflight_ids -= {slot.request_id for slot in slots}
+        if self.closed or isinstance(outcome, (asyncio.CancelledError, futures.CancelledError)):
+            return  # closing: nobody takes results any more
+        try:
+            self._settle(slots, outcome)
+        except Exception:  # a bug applying one call's results must not stop the replica
+            log.exception("stage %s replica %d: applying a result failed", self.name, self.index)
+        self._build_next()
 
     def _others_may_come(self) -> bool:
         """Worth waiting for more input: some live request has none yet (with one request, or
@@ -255,8 +294,8 @@ class Replica:
             due = paced is None or has_work or paced <= now
             if paced is not None and not due and (paced_until is None or paced < paced_until):
                 paced_until = paced
-            wants_step = (
-                (has_work or (not slot.waiting and due)) and self._sink.can_step(self.name, slot.request_id)
+            wants_step = (has_work or (not slot.waiting and due)) and self._sink.can_step(
+                self.name, slot.request_id
             )
             if wants_step:
                 runnable += 1
@@ -297,7 +336,7 @@ class Replica:
         # The loop's timers may fire up to a millisecond early: the next build then finds the
         # request not yet due and sets a new timer, which it can only do once this one is gone.
         self._timer = None
-        self._wake.set()
+        self._build_next()
 
     def _take_item(self, slot: Slot) -> WorkItem:
         item = WorkItem(
@@ -313,24 +352,21 @@ class Replica:
             self._sink.on_taken(self.name, slot.request_id, item.chunks)
         return item
 
-    async def _execute(self, call: WorkCall, slots: list[Slot]) -> None:
-        ids = {slot.request_id for slot in slots}
-        try:
-            result = await self.worker.run(call)
-        except asyncio.CancelledError:
-            raise
-        except WorkerDied as exc:
-            self._on_worker_died(str(exc))
+    def _settle(self, slots: list[Slot], outcome: Outcome) -> None:
+        if isinstance(outcome, WorkerDied):
+            self._on_worker_died(str(outcome))
             return
-        except Exception as exc:
-            log.exception("stage %s replica %d: work call failed", self.name, self.index)
+        if isinstance(outcome, BaseException):
+            log.error(
+                "stage %s replica %d: work call failed",
+                self.name,
+                self.index,
+                exc_info=(type(outcome), outcome, outcome.__traceback__),
+            )
             for slot in slots:
-                self._fail(slot, f"stage {self.name}: worker error: {type(exc).__name__}: {exc}")
+                self._fail(slot, f"stage {self.name}: worker error: {type(outcome).__name__}: {outcome}")
             return
-        finally:
-            for slot in slots:
-                slot.in_flight = False
-            self._inflight_ids -= ids
+        result = outcome
         now = self._clock()
         if result.batch:
             self._metrics.step(self.name, self.index, result.batch, result.step_s)
@@ -387,7 +423,7 @@ class Replica:
         self._metrics.request(self.name, now - slot.admitted_at, outcome)
         if finish:
             self._finishes[slot.request_id] = True
-            self._wake.set()
+            self.wake()
 
     def _release(self, item: ItemResult) -> None:
         """Free what a step produced for a request that ended meanwhile (cancelled, failed):
@@ -422,7 +458,7 @@ class Replica:
                 delay = min(delay * 2, 5.0)
         self.restarts += 1
         self.ready = True
-        self._wake.set()
+        self.wake()
 
 
 class Stage:

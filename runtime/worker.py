@@ -9,12 +9,13 @@ scheduler on the event loop only builds :class:`WorkCall` values and applies :cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,6 +253,10 @@ class WorkerDied(RuntimeError):
     """The worker (process) running a replica's engine is gone; its requests are lost."""
 
 
+Outcome = CallResult | BaseException  # what a submitted call came to: its result or its error
+Done = Callable[[Outcome], None]
+
+
 class Worker(ABC):
     """The async face of an engine host, used by a replica's scheduler on the event loop."""
 
@@ -260,6 +265,23 @@ class Worker(ABC):
 
     @abstractmethod
     async def run(self, call: WorkCall) -> CallResult: ...
+
+    def submit(self, call: WorkCall, done: Done) -> asyncio.Task[None] | None:
+        """Run ``call``; ``done(outcome)`` runs on the event loop once it ended. The default
+        awaits :meth:`run` in a task (returned, for the caller to cancel); workers that run
+        calls on a thread of their own hand the outcome straight to the loop instead
+        (:func:`submit_on`), one loop iteration after the call ends and no task in between."""
+
+        async def run_and_report() -> None:
+            try:
+                outcome: Outcome = await self.run(call)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # handed to done(), which decides
+                outcome = exc
+            done(outcome)
+
+        return asyncio.get_running_loop().create_task(run_and_report())
 
     @abstractmethod
     async def close(self) -> None: ...
@@ -326,9 +348,37 @@ class ThreadWorker(Worker):
     async def run(self, call: WorkCall) -> CallResult:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run_sync, call)
 
+    def submit(self, call: WorkCall, done: Done) -> None:
+        submit_on(self._executor, self._run_sync, call, done)
+
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(self._executor, self.host.close)
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def submit_on(executor: Executor, fn: Callable[[WorkCall], CallResult], call: WorkCall, done: Done) -> None:
+    """Run ``fn(call)`` on ``executor`` and call ``done(outcome)`` on the running loop when it
+    ends, as a callback of its own (``call_soon_threadsafe``). Awaiting ``run_in_executor``
+    costs two loop iterations more on the way back (the asyncio future's callback, then the
+    awaiting task's step); on a loop busy with hundreds of sessions an iteration can last tens
+    of milliseconds, and a paced stage's every step takes this way. A ``done`` that never runs
+    (the loop closed first) is dropped: nothing waits for it then."""
+    loop = asyncio.get_running_loop()
+
+    def report(future: Future[CallResult]) -> None:
+        try:
+            outcome: Outcome = future.result()
+        except BaseException as exc:  # cancelled (executor shut down) or the call's error
+            outcome = exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            loop.call_soon_threadsafe(done, outcome)
+
+    try:
+        future = executor.submit(fn, call)
+    except RuntimeError as exc:  # shut down: the worker is closing
+        loop.call_soon(done, exc)
+        return
+    future.add_done_callback(report)
