@@ -8,7 +8,7 @@ time. A chunk that arrives after everything received before it has been played i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -19,6 +19,7 @@ class PlayoutBuffer:
     underruns: int = 0
     stall_s: float = 0.0
     received_ms: float = 0.0
+    underrun_at: list[float] = field(default_factory=list)  # arrival time of each late chunk
 
     def push(self, now: float, audio_ms: float) -> None:
         if self.started_at is None:
@@ -26,6 +27,7 @@ class PlayoutBuffer:
             self.runs_dry_at = self.started_at
         elif now > self.runs_dry_at:
             self.underruns += 1
+            self.underrun_at.append(now)
             self.stall_s += now - self.runs_dry_at
             self.runs_dry_at = now
         self.runs_dry_at += audio_ms / 1000.0

@@ -214,7 +214,9 @@ GLOSSARY = """## What the columns mean
   last delta) / reply audio duration.
 - **delta gap**: interval between consecutive output deltas of one reply.
 - **underruns**: a simulated client playout buffer (playback starts `prebuffer_ms` after the
-  first delta, then plays in real time) ran dry before the next delta arrived.
+  first delta, then plays in real time) ran dry before the next delta arrived. Each turn in
+  the JSON lists when (`underrun_at`, the client's `CLOCK_MONOTONIC` seconds, the clock other
+  processes on the host read too): one stall hits every session streaming at that moment.
 - **barge-in stop**: the client's interruption (speech onset with server VAD, or
   `response.cancel`) → `response.done` (cancelled) of the interrupted reply.
 """

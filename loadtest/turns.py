@@ -105,6 +105,9 @@ class TurnRecord:
             "underruns": self.underruns,
             "silent_frames": self.silent_frames,
             "stall_ms": r(self.playout.stall_s * 1000.0),
+            # client monotonic seconds (CLOCK_MONOTONIC: the same clock as other processes on
+            # the host), to line stalls up with server or host timelines
+            "underrun_at": [round(t, 3) for t in self.playout.underrun_at],
             "barge_in": self.barge_in_at is not None,
             "barge_in_stop_ms": r(self.barge_in_stop_ms),
             "errors": dict(self.errors),

@@ -31,6 +31,7 @@ def test_playout_counts_a_late_chunk_and_resumes() -> None:
     buf.push(0.2, 40)  # 110 ms late: a stall, then plays 0.2 .. 0.24
     buf.push(0.21, 40)
     assert (buf.underruns, round(buf.stall_s, 3)) == (1, 0.11)
+    assert buf.underrun_at == [0.2]  # when: to line stalls up with other timelines
     assert buf.played_ms(0.22) == pytest.approx(60.0)
 
 
@@ -51,6 +52,9 @@ def test_turn_metrics() -> None:
     assert turn.stream_ms == pytest.approx(160)
     assert turn.rtf == pytest.approx((1.36 - 1.0) / 0.2)
     assert max(turn.gaps_s) == pytest.approx(0.04)
+    assert turn.to_json()["underrun_at"] == []
+    turn.on_audio(1.8, 40)  # 240 ms after the last: the 100 ms prebuffer ran dry
+    assert turn.underruns == 1 and turn.to_json()["underrun_at"] == [1.8]
 
 
 def test_utterance_frames_are_padded_and_timed() -> None:
