@@ -148,9 +148,6 @@ class ProcessWorker(Worker):
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def run(self, call: WorkCall) -> CallResult:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._run_sync, call)
-
     def submit(self, call: WorkCall, done: Done) -> None:
         submit_on(self._executor, self._run_sync, call, done)
 

@@ -117,11 +117,9 @@ class Replica:
         self._timer: asyncio.TimerHandle | None = None  # wakes the loop at the next paced step
         self._timer_at = 0.0
         self._calls = 0  # work calls in flight (at most budget.workers)
-        self._call_tasks: set[asyncio.Task[None]] = set()  # workers without a thread of their own
         self._gather_s = spec.budget.gather_ms / 1000
         self._restart_task: asyncio.Task[None] | None = None
         self.ready = False
-        self.closed = False
         self.restarts = 0
 
     @property
@@ -139,15 +137,13 @@ class Replica:
 
     async def close(self) -> None:
         self.ready = False
-        self.closed = True  # outcomes still to come are dropped
         for handle in (self._timer, self._build_at):
             if handle is not None:
                 handle.cancel()
         self._timer = self._build_at = None
-        tasks = [t for t in (self._restart_task, *self._call_tasks) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+            await asyncio.gather(self._restart_task, return_exceptions=True)
         await self.worker.close()
 
     # -- requests (called by the orchestrator) -----------------------------------------------
@@ -211,7 +207,7 @@ class Replica:
     def wake(self) -> None:
         """Something may have become runnable: build the next call in a callback of its own
         (not here: the caller is in the middle of its own work, often another replica's)."""
-        if self._build_at is None and self._loop is not None and not self.closed:
+        if self._build_at is None and self._loop is not None:
             if self._gather_s > 0 and self._others_may_come():
                 self._build_at = self._loop.call_later(self._gather_s, self._build_scheduled)
             else:
@@ -244,10 +240,7 @@ class Replica:
             call, slots = built
             self._inflight_ids |= {slot.request_id for slot in slots}  # before the next build
             self._calls += 1
-            task = self.worker.submit(call, functools.partial(self._on_outcome, slots))
-            if task is not None:
-                self._call_tasks.add(task)
-                task.add_done_callback(self._call_tasks.discard)
+            self.worker.submit(call, functools.partial(self._on_outcome, slots))
 
     def _on_outcome(self, slots: list[Slot], outcome: Outcome) -> None:
         """A call ended (on the loop, in the worker's callback): apply it, then the next one."""
@@ -255,8 +248,8 @@ class Replica:
         for slot in slots:
             slot.in_flight = False
         self._inflight_ids -= {slot.request_id for slot in slots}
-        if self.closed or isinstance(outcome, (asyncio.CancelledError, futures.CancelledError)):
-            return  # closing: nobody takes results any more
+        if isinstance(outcome, (asyncio.CancelledError, futures.CancelledError)):
+            return  # never ran: the worker is closing
         try:
             self._settle(slots, outcome)
         except Exception:  # a bug applying one call's results must not stop the replica
@@ -294,8 +287,8 @@ class Replica:
             due = paced is None or has_work or paced <= now
             if paced is not None and not due and (paced_until is None or paced < paced_until):
                 paced_until = paced
-            wants_step = (has_work or (not slot.waiting and due)) and self._sink.can_step(
-                self.name, slot.request_id
+            wants_step = (
+                (has_work or (not slot.waiting and due)) and self._sink.can_step(self.name, slot.request_id)
             )
             if wants_step:
                 runnable += 1

@@ -264,24 +264,9 @@ class Worker(ABC):
     async def open(self) -> None: ...
 
     @abstractmethod
-    async def run(self, call: WorkCall) -> CallResult: ...
-
-    def submit(self, call: WorkCall, done: Done) -> asyncio.Task[None] | None:
-        """Run ``call``; ``done(outcome)`` runs on the event loop once it ended. The default
-        awaits :meth:`run` in a task (returned, for the caller to cancel); workers that run
-        calls on a thread of their own hand the outcome straight to the loop instead
-        (:func:`submit_on`), one loop iteration after the call ends and no task in between."""
-
-        async def run_and_report() -> None:
-            try:
-                outcome: Outcome = await self.run(call)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:  # handed to done(), which decides
-                outcome = exc
-            done(outcome)
-
-        return asyncio.get_running_loop().create_task(run_and_report())
+    def submit(self, call: WorkCall, done: Done) -> None:
+        """Run ``call`` off the loop; ``done(outcome)`` then runs on the loop, as a callback of
+        its own (:func:`submit_on`): one loop iteration after the call ends, no task between."""
 
     @abstractmethod
     async def close(self) -> None: ...
@@ -344,9 +329,6 @@ class ThreadWorker(Worker):
 
     async def open(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, self.host.open)
-
-    async def run(self, call: WorkCall) -> CallResult:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._run_sync, call)
 
     def submit(self, call: WorkCall, done: Done) -> None:
         submit_on(self._executor, self._run_sync, call, done)

@@ -83,9 +83,24 @@ async def test_submit_on_hands_the_result_or_the_error_to_the_loop() -> None:
 async def test_a_call_in_flight_when_the_stage_closes_is_dropped_quietly(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """The step running when the pipeline closes ends afterwards: its requests are gone by
+    then, so its results are released, not handed to the closed orchestrator, and nothing is
+    logged as an error."""
     slow = PIPELINE.replace("options: {tag: gen}", "options: {tag: gen, step_s: 0.2}")
+    after_close: list[str] = []
     async with running(slow) as orch:
+        original = orch.on_result
+        closing = False
+
+        def on_result(stage: str, request_id: str, result: Any) -> None:
+            if closing:
+                after_close.append(request_id)
+            original(stage, request_id, result)
+
+        orch.on_result = on_result  # type: ignore[method-assign]
         await orch.submit({"n": 5})
         await asyncio.sleep(0.05)  # its first step is running on the worker thread
-    await asyncio.sleep(0.3)  # the step ends after the close: its outcome has nobody to go to
+        closing = True
+    await asyncio.sleep(0.3)  # the step has ended by now: its outcome had nobody to go to
+    assert after_close == []
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
