@@ -32,16 +32,17 @@ def logged_event_id(event_id: str | None) -> str | None:
     return event_id.split(OMNI_MARK, 1)[0]
 
 
-def event_seq(event_id: str | None) -> int:
-    """The log sequence number of a logged event id; 0 for anything else."""
+def event_position(event_id: str | None) -> tuple[int, int]:
+    """Where a session event id is in the session's order (``EventRef.position``); (0, 0)
+    for anything else."""
     ref = parse_event_id(event_id) if event_id else None
-    return ref.seq if ref is not None else 0
+    return ref.position if ref is not None else (0, 0)
 
 
-def replayed_through(seq: int) -> Callable[[dict[str, Any]], bool]:
+def replayed_through(position: tuple[int, int]) -> Callable[[dict[str, Any]], bool]:
     """A `TransportLink.release(skip=...)` predicate: events the replay already carried."""
 
     def skip(event: dict[str, Any]) -> bool:
-        return event_seq(str(event.get("event_id", ""))) <= seq
+        return event_position(str(event.get("event_id", ""))) <= position
 
     return skip

@@ -87,6 +87,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--event-log-max-bytes", type=int, default=16 * 1024 * 1024, help="logged events per session"
     )
     p.add_argument(
+        "--audio-replay-max-bytes",
+        type=int,
+        default=6 * 1024 * 1024,
+        help="audio deltas a session's process keeps for a resume there",
+    )
+    p.add_argument(
         "--http-timeout-s", type=float, default=10.0, help="request headers/body must arrive within"
     )
     p.add_argument(

@@ -15,8 +15,10 @@ from session.voice.driver import DriverOptions, RealtimeDriver, SessionLog
 from session.voice.live_request import LiveEntry
 
 if TYPE_CHECKING:
+    from session.store import SessionStore
     from session.voice.hosting import SessionHost
     from web.context import ServerContext
+    from web.settings import ServerSettings
 
 
 def core_options(
@@ -103,21 +105,34 @@ def build_driver(
     )
 
 
+def build_store(redis: Any, s: ServerSettings) -> SessionStore:
+    """The session store on ``redis`` with the retention and replay bounds of ``s``."""
+    from session.retention import RetentionPolicy
+    from session.store import SessionStore
+
+    policy = RetentionPolicy(
+        idle_ttl_s=s.idle_ttl_s, max_lifetime_s=s.max_lifetime, disconnect_grace_s=s.disconnect_grace_s
+    )
+    return SessionStore(
+        redis,
+        policy=policy,
+        stream_maxlen=s.event_log_maxlen,
+        log_max_bytes=s.event_log_max_bytes,
+        held_max_bytes=s.audio_replay_max_bytes,
+        # a dead socket goes unnoticed for up to a ping interval plus its timeout, then the grace
+        held_window_s=s.disconnect_grace_s + s.ws_ping_interval_s + s.ws_ping_timeout_s,
+    )
+
+
 def build_host(ctx: ServerContext, replica_id: str) -> SessionHost:
     """The session host of this process (not started)."""
     from session.admission import AdmissionController
     from session.affinity import SessionBinding
-    from session.retention import RetentionPolicy
-    from session.store import SessionStore
     from session.voice.hosting import HostSettings, SessionHost
 
     s = ctx.settings
-    policy = RetentionPolicy(
-        idle_ttl_s=s.idle_ttl_s, max_lifetime_s=s.max_lifetime, disconnect_grace_s=s.disconnect_grace_s
-    )
-    store = SessionStore(
-        ctx.redis, policy=policy, stream_maxlen=s.event_log_maxlen, log_max_bytes=s.event_log_max_bytes
-    )
+    store = build_store(ctx.redis, s)
+    policy = store.policy
     tenant_limit = s.tenant_max_sessions if s.tenant_max_sessions is not None else s.max_sessions
     admission = AdmissionController(
         ctx.redis,

@@ -52,6 +52,10 @@ class ServerSettings:
     max_input_audio_s: float = 300.0  # uncommitted input audio (input_audio_buffer_too_large)
     outbox_max_bytes: int = 16 * 1024 * 1024  # unsent events per connection, then close 1008
     event_log_max_bytes: int = 16 * 1024 * 1024  # event JSON kept per session for replay
+    # Audio deltas each session's process keeps for a resume there (not logged in Redis): 70 s
+    # of 24 kHz PCM16 as base64 JSON is ~4.6 MB; they are also dropped once older than the
+    # disconnect grace plus the ping interval and timeout (how long a dead socket goes unseen).
+    audio_replay_max_bytes: int = 6 * 1024 * 1024
     # Connections (web/uvicorn_guards.py): half-open and silent peers are dropped.
     http_timeout_s: float = 10.0  # request headers (and a body) must arrive within this
     keep_alive_s: float = 5.0  # an idle keep-alive HTTP connection is closed after this
@@ -112,6 +116,7 @@ class ServerSettings:
             max_input_audio_s=float(get("max_input_audio_s", 300.0)),
             outbox_max_bytes=int(get("outbox_max_bytes", 16 * 1024 * 1024)),
             event_log_max_bytes=int(get("event_log_max_bytes", 16 * 1024 * 1024)),
+            audio_replay_max_bytes=int(get("audio_replay_max_bytes", 6 * 1024 * 1024)),
             http_timeout_s=float(get("http_timeout_s", 10.0)),
             keep_alive_s=float(get("keep_alive_s", 5.0)),
             ws_ping_interval_s=float(get("ws_ping_interval_s", 20.0)),

@@ -8,6 +8,13 @@ explicit entry id ``0-<seq>``, so resolving a client's ``last_event_id`` is arit
 index to keep: ``XRANGE events 0-<seq> +``. The first entry must carry exactly that event id
 (a different epoch at the same seq means the id was never made durable, e.g. it was lost with a
 dead replica) and the following seqs must be contiguous (no gap).
+
+Events the process keeps itself and does not write to Redis (audio deltas, see
+:class:`session.store.event_log.SessionWriter`) carry ``event_<tag>_<epoch>_<seq>.<n>``: ``seq``
+is the logged event they follow and ``n`` the writer's own counter of such events (+1 each).
+Their place in the session's order is ``(seq, n)``, a logged event's is ``(seq, 0)``
+(:attr:`EventRef.position`), so one comparison orders both kinds and a replay resolves such
+an id through the logged event it follows.
 """
 
 from __future__ import annotations
@@ -68,15 +75,36 @@ def session_tag(session_id: str) -> str:
 class EventRef:
     tag: str
     epoch: int
-    seq: int
+    seq: int  # the logged event's seq; for an event kept in process, the logged one before it
+    held: int = 0  # > 0: an event kept in process, the writer's n-th
 
     @property
     def stream_id(self) -> str:
         return f"0-{self.seq}"
 
+    @property
+    def position(self) -> tuple[int, int]:
+        """Where the event is in the session's order (see the module doc)."""
+        return (self.seq, self.held)
+
+    @property
+    def logged_id(self) -> str | None:
+        """The id of the logged event at or before this one (``None``: before any)."""
+        return format_event_id(self.tag, self.epoch, self.seq) if self.seq else None
+
 
 def format_event_id(tag: str, epoch: int, seq: int) -> str:
     return f"{EVENT_PREFIX}{tag}_{epoch}_{seq}"
+
+
+def format_held_event_id(tag: str, epoch: int, seq: int, held: int) -> str:
+    """The id of the ``held``-th event kept in process, after the logged event ``seq``."""
+    return f"{EVENT_PREFIX}{tag}_{epoch}_{seq}.{held}"
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes "²", which ``int`` refuses."""
+    return text.isascii() and text.isdigit()
 
 
 def parse_event_id(event_id: str) -> EventRef | None:
@@ -84,13 +112,16 @@ def parse_event_id(event_id: str) -> EventRef | None:
     if not event_id.startswith(EVENT_PREFIX):
         return None
     tag, sep1, rest = event_id[len(EVENT_PREFIX) :].partition("_")
-    epoch_s, sep2, seq_s = rest.partition("_")
-    if not (sep1 and sep2 and tag and epoch_s.isdigit() and seq_s.isdigit()):
+    epoch_s, sep2, position = rest.partition("_")
+    seq_s, dot, held_s = position.partition(".")
+    if not (sep1 and sep2 and tag and _digits(epoch_s) and _digits(seq_s)):
         return None
-    seq = int(seq_s)
-    if seq < 1:
+    if dot and not _digits(held_s):
         return None
-    return EventRef(tag=tag, epoch=int(epoch_s), seq=seq)
+    seq, held = int(seq_s), int(held_s) if dot else 0
+    if (seq < 1 and not held) or (dot and held < 1):
+        return None
+    return EventRef(tag=tag, epoch=int(epoch_s), seq=seq, held=held)
 
 
 def seq_of_stream_id(stream_id: str) -> int:

@@ -26,6 +26,15 @@ EVALSHA per event, and the hub's share of the event loop doubled.)
 No Redis call per input audio frame: those never reach the writer. Activity without events
 (:meth:`mark_activity`) refreshes the TTLs at most every ``touch_interval_s``.
 
+Held events: the store's ``held_event_types`` (audio deltas) are stamped and sent like any
+other but kept here, not queued for Redis: the newest ``held_max_bytes`` of JSON no older than
+``held_window_s`` (6 MiB, 70 s: the 30 s disconnect grace plus the up to 40 s a dead
+connection takes to be noticed by its pings; 70 s of 24 kHz audio is ~4.6 MB). Their id is
+the logged event they follow plus ``.<n>`` (:mod:`session.store.event_ids`), and
+:meth:`replay` puts them back between the logged events for a resume on this process. A
+resume on another process (restart, failover) replays every logged event, items and
+transcripts included, without them, and says so (``Replay.held``).
+
 Redis down: the live session keeps working; ops stay queued and the hub retries with backoff
 (0.05 s doubling to 2 s). The queue is bounded (``max_pending``): past it the oldest *events*
 are dropped (never items or state); a later replay across them raises
@@ -47,8 +56,21 @@ from typing import Any, NamedTuple
 
 from session import json_text
 from session.store.aio import cancel_and_wait, wait_event
-from session.store.errors import SessionGone, StaleEpoch, StoreError, StoreUnavailable, WriteRejected
-from session.store.event_ids import StampedEvent, format_event_id, session_tag
+from session.store.errors import (
+    ReplayUnavailable,
+    SessionGone,
+    StaleEpoch,
+    StoreError,
+    StoreUnavailable,
+    WriteRejected,
+)
+from session.store.event_ids import (
+    StampedEvent,
+    format_event_id,
+    format_held_event_id,
+    parse_event_id,
+    session_tag,
+)
 from session.store.redis_store import MAX_OPS_PER_CALL, BatchOp, SessionBatch, SessionRecord, SessionStore
 
 log = logging.getLogger(__name__)
@@ -64,6 +86,20 @@ class _Taken(NamedTuple):
     urgent: bool
     due: float | None
     activity: bool
+
+
+class Replay(NamedTuple):
+    """What :meth:`SessionWriter.replay` found after a client's last event id.
+
+    ``held``: whether the events kept in process (audio deltas) after that id are all in
+    ``events``: ``"complete"``; ``"trimmed"``: some were past this process's bound (bytes or
+    age) and are left out; ``"not_kept"``: the id is from before this writer had the session
+    (a restart, a failover, or a session parked and restored) and whatever the earlier one
+    held after it is gone (it may have held nothing).
+    Every logged event after the id is in ``events`` in all three cases."""
+
+    events: list[dict[str, Any]]
+    held: str
 
 
 class SessionWriter:
@@ -105,6 +141,26 @@ class SessionWriter:
         self._log_sizes: deque[int] = deque()
         self._log_first = 0
         self._log_bytes = 0
+        # Events kept in this process, not logged (``store.held_event_types``): their compact
+        # JSON, the logged seq each follows and when it was made, oldest first; the first is the
+        # ``_held_first``-th (contiguous). Parallel deques of str / int / float: no tuple per
+        # event for the collector to track (see ``_log_sizes``).
+        self._held_types: frozenset[str] = frozenset(getattr(store, "held_event_types", ()) or ())
+        self._held_max_bytes = int(getattr(store, "held_max_bytes", 0) or 0)
+        self._held_window_s = float(getattr(store, "held_window_s", 0.0) or 0.0)
+        self._held_wires: deque[str] = deque()
+        self._held_seqs: deque[int] = deque()
+        self._held_times: deque[float] = deque()
+        self._held_first = 1
+        self._held_next = 1
+        self._held_bytes = 0
+        self._held_dropped = (0, 0)  # the position of the newest one dropped (past the bound)
+        # The logged seq this writer began after: held events after it are this writer's; an
+        # earlier process's (restart, failover) are not here. Until this writer logged an event
+        # of its own, a held one is logged instead, so positions never repeat an earlier one's.
+        self._origin = record.event_seq
+        self._logged_own = False
+        self.held_dropped = 0
         self._touch_interval = touch_interval_s or max(1.0, store.policy.idle_ttl_s / 4)
         self._on_fatal = on_fatal
         self._pending: deque[BatchOp] = deque()
@@ -135,7 +191,11 @@ class SessionWriter:
     # --- hot path (sync, no I/O) --------------------------------------------------------------
 
     def append(self, event: Mapping[str, Any]) -> dict[str, Any]:
-        """Stamp ``event_id``, queue the event, return the stamped copy to send to the client."""
+        """Stamp ``event_id``, queue the event (or keep it here: a held type), return the
+        stamped copy to send to the client."""
+        if self._logged_own and event.get("type") in self._held_types:
+            return self._hold(event)
+        self._logged_own = True
         seq = self._next_seq
         self._next_seq += 1
         stamped = StampedEvent(event)
@@ -151,6 +211,39 @@ class SessionWriter:
                 if not self._drop_oldest_event():
                     break
         return stamped
+
+    def _hold(self, event: Mapping[str, Any]) -> dict[str, Any]:
+        """Keep the event in this process only: bounded by bytes and by age, oldest out first."""
+        n = self._held_next
+        self._held_next += 1
+        seq = self._next_seq - 1  # the logged event it follows
+        stamped = StampedEvent(event)
+        stamped["event_id"] = format_held_event_id(self._tag, self.epoch, seq, n)
+        stamped.wire = wire = json_text.dumps(stamped)
+        now = time.monotonic()
+        if not self._held_wires:
+            self._held_first = n
+        self._held_wires.append(wire)
+        self._held_seqs.append(seq)
+        self._held_times.append(now)
+        self._held_bytes += len(wire)
+        oldest = now - self._held_window_s
+        while len(self._held_wires) > 1 and (
+            (self._held_max_bytes and self._held_bytes > self._held_max_bytes)
+            or (self._held_window_s and self._held_times[0] < oldest)
+        ):
+            self._held_bytes -= len(self._held_wires.popleft())
+            self._held_times.popleft()
+            self._held_dropped = (self._held_seqs.popleft(), self._held_first)
+            self._held_first += 1
+            self.held_dropped += 1
+        self.mark_activity()  # not logged, but the session is active: keep its keys alive
+        return stamped
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of event JSON kept in this process (audio deltas) for a resume here."""
+        return self._held_bytes
 
     def _account_log(self, seq: int, size: int) -> None:
         """The stream holds at most ``log_max_bytes`` of events: past it, queue a trim of the
@@ -274,10 +367,40 @@ class SessionWriter:
             self._settle_ok(seq, round_trips=max(1, -(-len(ops) // MAX_OPS_PER_CALL)))
             return len(ops)
 
-    async def events_after(self, last_event_id: str | None) -> list[dict[str, Any]]:
-        """Replay for a resume on this process: flush what is buffered, then read the stream."""
+    async def replay(self, last_event_id: str | None) -> Replay:
+        """The session's events after ``last_event_id`` for a resume on this process, in order:
+        flush what is buffered, read the logged ones from the stream (one round trip), and put
+        the held ones between them. Raises what ``SessionStore.events_after`` raises, and
+        ``ReplayUnavailable("unknown_event_id")`` for a held id this writer never made."""
+        ref = parse_event_id(last_event_id) if last_event_id else None
+        after = ref.position if ref is not None else (0, 0)
+        if ref is not None and ref.held and ref.seq > self._origin and ref.held >= self._held_next:
+            raise ReplayUnavailable(self.session_id, last_event_id, "unknown_event_id")
         await self.flush()
-        return await self.store.events_after(self.session_id, last_event_id)
+        logged = await self.store.events_after(self.session_id, last_event_id)
+        # Held events up to the last logged one read: a later logged event was appended after
+        # the flush, so it and the held ones after it reach the client live (see serve_resume).
+        through = _logged_seq(logged[-1]) if logged else after[0]
+        events: list[dict[str, Any]] = []
+        i = 0
+        n = self._held_first
+        for wire, seq in zip(self._held_wires, self._held_seqs, strict=True):
+            if seq > through:
+                break
+            if (seq, n) > after:
+                while i < len(logged) and _logged_seq(logged[i]) <= seq:
+                    events.append(logged[i])
+                    i += 1
+                events.append(_held_event(wire))
+            n += 1
+        events.extend(logged[i:])
+        if self._origin and after[0] <= self._origin:
+            held = "not_kept"
+        elif self._held_dropped > after:
+            held = "trimmed"
+        else:
+            held = "complete"
+        return Replay(events, held)
 
     async def start(self) -> None:
         """Hand the writer to its hub (the store's unless one was given), which flushes it."""
@@ -389,6 +512,17 @@ class SessionWriter:
                 self._on_fatal(exc)
             except Exception:  # one session's callback must not stop the hub for all others
                 log.exception("session %s: on_fatal failed", self.session_id)
+
+
+def _logged_seq(event: Mapping[str, Any]) -> int:
+    ref = parse_event_id(str(event.get("event_id", "")))
+    return ref.seq if ref is not None else 0
+
+
+def _held_event(wire: str) -> StampedEvent:
+    event = StampedEvent(json_text.loads(wire))
+    event.wire = wire
+    return event
 
 
 class WriterHub:

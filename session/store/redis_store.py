@@ -7,11 +7,12 @@ Per session (all keys share the hash tag ``{sess_…}``, see :mod:`session.store
   ``resume_token_sha256``;
 * ``items`` hash (item id → item JSON) and ``order`` list (item ids in conversation order):
   the conversation, transcripts included (they live in the items' content);
-* ``events`` stream: every client-visible server event, entry id ``0-<seq>``, fields ``i``
-  (event id) and ``e`` (event JSON), capped with ``XADD MAXLEN ~ stream_maxlen``. Audio deltas
-  are kept in full but only inside this bounded window (default 4,096 entries): recent enough
-  for any resume within the disconnect grace; older audio is gone while every item and
-  transcript stays for the session's life (see ``events_after`` → ``ReplayUnavailable``);
+* ``events`` stream: every client-visible server event except audio deltas, entry id
+  ``0-<seq>``, fields ``i`` (event id) and ``e`` (event JSON), capped with ``XADD MAXLEN ~
+  stream_maxlen`` and ``log_max_bytes``; every item and transcript stays for the session's
+  life (see ``events_after`` → ``ReplayUnavailable``). Audio deltas
+  (:data:`HELD_EVENT_TYPES`) are kept by the session's writer in its own process, for a
+  resume there within the disconnect grace (``SessionWriter.replay``);
 * ``owner`` hash: the replica binding and its epoch (written by ``session.affinity``).
 
 Every key carries a PEXPIRE of ``min(idle TTL, time left to expires_at)``, refreshed by each
@@ -61,6 +62,10 @@ if TYPE_CHECKING:
 # "^" first, else an item id; ``t`` trims the event stream below ``min_seq`` (its byte budget)
 BatchOp = tuple[str, str, str, str]
 MAX_OPS_PER_CALL = 1024
+# Kept by the writer's process, not in the stream: at 24 kHz they are nearly all of a voice
+# session's event bytes (``docs/benchmarks.md``: logging them made the embedded Redis rewrite its
+# AOF every few seconds at 200 sessions, and those rewrites stalled every session's audio).
+HELD_EVENT_TYPES = frozenset({"response.output_audio.delta"})
 
 
 class SessionBatch(NamedTuple):
@@ -226,6 +231,9 @@ class SessionStore:
         policy: RetentionPolicy | None = None,
         stream_maxlen: int = 4096,
         log_max_bytes: int = 16 * 1024 * 1024,
+        held_event_types: frozenset[str] = HELD_EVENT_TYPES,
+        held_max_bytes: int = 6 * 1024 * 1024,
+        held_window_s: float = 70.0,
         prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -235,6 +243,12 @@ class SessionStore:
         # Each session's event stream also holds at most this many bytes of event JSON (its
         # writer trims the oldest entries, ``t`` ops): 4,096 events of 1.9 MB would be 8 GB.
         self.log_max_bytes = log_max_bytes
+        # Events of these types are not written here: each session's writer keeps them in its
+        # process, at most ``held_max_bytes`` of JSON and ``held_window_s`` old, and a resume
+        # on that process replays them (see ``SessionWriter``).
+        self.held_event_types = held_event_types
+        self.held_max_bytes = held_max_bytes
+        self.held_window_s = held_window_s
         self.prefix = prefix
         self.clock = clock
         self._create = redis.register_script(_CREATE_LUA)
@@ -339,10 +353,12 @@ class SessionStore:
         """One EVALSHA: the meta hash and the events after ``last_event_id`` (or why not)."""
         ref = parse_event_id(last_event_id) if last_event_id is not None else None
         bad_id = last_event_id is not None and (ref is None or ref.tag != session_tag(session_id))
-        start_seq = ref.seq if ref is not None else 1
+        # An event the process kept (not in the stream) resolves through the logged one before it.
+        logged_id = ref.logged_id if ref is not None else None
+        start_seq = ref.seq if ref is not None and ref.seq else 1
         count = (limit if limit is not None else self.stream_maxlen * 2) + 1
         k = self.keys(session_id)
-        args: list[str | int] = [start_seq, last_event_id or "", count]
+        args: list[str | int] = [start_seq, logged_id or "", count]
         async with redis_errors():
             status, payload, flat = await self._replay_script(keys=[k.meta, k.events], args=args)
         meta = {str(flat[i]): str(flat[i + 1]) for i in range(0, len(flat), 2)}

@@ -22,7 +22,7 @@ from session.identity import resume_token_matches, secret_digest
 from session.link import LinkEnd, Transport, TransportLink
 from session.realtime.core import RealtimeSessionCore
 from session.realtime.records import config_from_record
-from session.resume import connection_event, event_seq, logged_event_id, replayed_through
+from session.resume import connection_event, event_position, logged_event_id, replayed_through
 from session.store.errors import ReplayUnavailable, ResumeTokenInvalid, SessionNotFound, StoreError
 
 if TYPE_CHECKING:
@@ -145,9 +145,9 @@ class VoiceResume:
 
     async def _replay(self, hs: HostedSession, link: TransportLink, last_event_id: str | None) -> None:
         after = logged_event_id(last_event_id)
-        await hs.writer.flush()  # what this process holds unflushed becomes replayable
         try:
-            events = await self.host.store.events_after(hs.session_id, after)
+            # flushes first: what this process holds unflushed becomes replayable
+            replay = await hs.writer.replay(after)
         except ReplayUnavailable as exc:
             core = hs.driver.core
             resumed = connection_event(
@@ -167,9 +167,14 @@ class VoiceResume:
             link.release([resumed, snapshot, *notice], drop_queued=True)  # the snapshot supersedes them
             self.host.counts["resynced"] += 1
             return
-        through = event_seq(events[-1]["event_id"]) if events else event_seq(after)
+        events = replay.events
+        through = event_position(events[-1]["event_id"]) if events else event_position(after)
         resumed = connection_event(
-            "omni.session.resumed", last_event_id, session_id=hs.session_id, replay_count=len(events)
+            "omni.session.resumed",
+            last_event_id,
+            session_id=hs.session_id,
+            replay_count=len(events),
+            audio_replay=replay.held,
         )
         last = events[-1]["event_id"] if events else last_event_id
         link.release([resumed, *events, *self._migration_notice(hs, last)], skip=replayed_through(through))

@@ -8,7 +8,7 @@ from typing import Any
 from runtime.capabilities import PipelineCapabilities
 from session.realtime.config import SessionConfig
 from web.cli import build_parser
-from web.session_factory import core_options
+from web.session_factory import build_store, core_options
 from web.settings import ServerSettings
 
 
@@ -26,3 +26,18 @@ def test_audio_retention_flag_reaches_core_options() -> None:
 def test_audio_retention_default_is_ten_seconds() -> None:
     settings = ServerSettings.from_args(build_parser().parse_args(["serve"]))
     assert settings.audio_retention_s == 10.0
+
+
+def test_audio_replay_bounds_reach_the_store() -> None:
+    """Audio deltas held for a resume: the byte flag, and a window of the disconnect grace plus
+    the time a dead socket goes unnoticed (ping interval + timeout)."""
+    args = build_parser().parse_args(
+        ["serve", "--audio-replay-max-bytes", "123456", "--disconnect-grace-s", "12"]
+    )
+    settings = ServerSettings.from_args(args)
+    store = build_store(SimpleNamespace(register_script=lambda script: script), settings)
+    assert store.held_max_bytes == 123456
+    assert store.held_window_s == 12 + settings.ws_ping_interval_s + settings.ws_ping_timeout_s
+    assert store.held_event_types == {"response.output_audio.delta"}
+    default = build_store(SimpleNamespace(register_script=lambda script: script), ServerSettings())
+    assert default.held_max_bytes == 6 * 1024 * 1024 and default.held_window_s == 70.0

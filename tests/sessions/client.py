@@ -136,9 +136,17 @@ def logged(received: Iterable[Received]) -> list[dict[str, Any]]:
 
 
 def seq(event: dict[str, Any]) -> int:
+    """The logged seq of an event (for a held audio delta, that of the logged one before it)."""
     ref = parse_event_id(str(event["event_id"]))
     assert ref is not None, event
     return ref.seq
+
+
+def position(event: dict[str, Any]) -> tuple[int, int]:
+    """Where an event is in the session's order (``EventRef.position``)."""
+    ref = parse_event_id(str(event["event_id"]))
+    assert ref is not None, event
+    return ref.position
 
 
 def reply_text(events: Iterable[Received]) -> str:

@@ -114,6 +114,11 @@ async def test_kill9_restart_resume_and_continue_with_history(tmp_path: Path, da
             except TimeoutError:
                 print([(r.type, r.raw["event_id"]) for r in again.events.log])
                 raise
+            # The dead process held its audio deltas (not logged): the replay says they are not
+            # kept, or the client resyncs (its last event was not durable yet).
+            hello = again.events.log[0].raw
+            assert hello["type"] == "omni.session.resumed"
+            assert hello.get("audio_replay") == "not_kept" or hello.get("replay_unavailable")
             # The response the crash cut short is ended for the client, as failed.
             assert ended["id"] == cut and ended["status"] == "failed"
             reply = await turn(again, "what is my name?", audio=False)

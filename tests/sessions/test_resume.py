@@ -14,7 +14,17 @@ from session.store import SessionStore
 from tests.conftest_redis import RedisServerProcess
 from tests.live_server import LiveServer
 from tests.realtime.wire import Received
-from tests.sessions.client import logged, opened, realtime_url, reply_text, resumed, seq, turn, user_text
+from tests.sessions.client import (
+    logged,
+    opened,
+    position,
+    realtime_url,
+    reply_text,
+    resumed,
+    seq,
+    turn,
+    user_text,
+)
 from tests.sessions.conftest import on_server_async, session_server
 
 RESPONSE_MS = 2000  # long enough to drop in the middle and still have a live tail after resume
@@ -29,6 +39,15 @@ def server(
 
 
 async def session_log(server: LiveServer, session_id: str) -> list[dict]:
+    """Every event the session sent: the logged ones from Redis, the audio deltas its writer
+    holds in this process, in order."""
+    writer = server.ctx.host.sessions[session_id].writer
+    replay = await on_server_async(server, writer.replay(None))
+    assert replay.held == "complete"
+    return replay.events
+
+
+async def redis_log(server: LiveServer, session_id: str) -> list[dict]:
     store: SessionStore = server.ctx.host.store
     return await on_server_async(server, store.events_after(session_id, None))
 
@@ -52,15 +71,25 @@ async def test_drop_mid_response_then_resume_gets_every_event_once_in_order(serv
     async with resumed(server, session_id, token, before[-1].raw["event_id"]) as second:
         after: list[Received] = await second.events.collect_until("response.done", within_s=30)
         replay_count = second.events.log[0].raw["replay_count"]
+        sent = await session_log(server, session_id)  # while the session is still hosted here
 
     received = logged(before) + logged(after)
-    seqs = [seq(e) for e in received]
-    assert seqs == list(range(1, len(received) + 1)), "gap or duplicate in the received sequence"
+    places = [position(e) for e in received]
+    assert places == sorted(set(places)), "out of order or duplicated in the received sequence"
+    durable = [p for p, held in places if not held]
+    assert durable == list(range(1, len(durable) + 1)), "a gap in the logged sequence"
     assert received[-1]["type"] == "response.done" and received[-1]["response"]["status"] == "completed"
-    # Part of it was replayed from the log, the rest arrived live after the handoff.
+    # Part of it was replayed, audio deltas included (held by this process, not in Redis),
+    # the rest arrived live after the handoff.
     assert 0 < replay_count < len(logged(after))
-    # Same ids and content as what the session logged, i.e. what an uninterrupted client got.
-    assert received == await session_log(server, session_id)
+    assert second.events.log[0].raw["audio_replay"] == "complete"
+    replayed = [r.raw for r in second.events.log[1 : 1 + replay_count]]
+    assert any(e["type"] == "response.output_audio.delta" for e in replayed)
+    # Same ids and content as what the session sent, i.e. what an uninterrupted client got.
+    assert received == sent
+    assert await redis_log(server, session_id) == [
+        e for e in received if e["type"] != "response.output_audio.delta"
+    ]
 
     # And the same sequence as a run that was never interrupted (ids aside).
     async with opened(server) as reference:
@@ -99,6 +128,22 @@ async def test_clean_close_parks_then_resume_restores_from_redis(server: LiveSer
         assert second.events.log[0].raw["replay_count"] == 0
         reply = await turn(second, "and now")
         assert "user:remember me / assistant:remember me | history: -" in reply_text(reply)
+
+
+async def test_ids_of_our_shape_that_are_not_ours_get_a_snapshot(server: LiveServer) -> None:
+    """`last_event_id`s that look like ours: a non-ASCII digit (int() refuses "²", which
+    str.isdigit takes), a held event this session never sent, another session's tag."""
+    async with opened(server) as first:
+        await user_text(first, "snap")
+        last = str(first.events.log[-1].raw["event_id"])
+        first.abort()
+    tag = last.split("_")[1]
+    for bogus in (f"event_{tag}_0_\u00b2", f"{last}.999999", f"event_{tag}_0_1.0", "event_ZZZZZZZZ_0_1.1"):
+        async with resumed(server, first.session_id, first.resume_token, bogus) as again:
+            hello = again.events.log[0].raw
+            assert hello["replay_count"] == 0 and hello["replay_unavailable"] == "unknown_event_id", bogus
+            assert (await again.events.next()).type == "omni.session.snapshot"
+            again.abort()
 
 
 async def test_unreplayable_id_gets_a_snapshot(server: LiveServer) -> None:

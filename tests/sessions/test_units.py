@@ -13,8 +13,8 @@ from session.realtime import CoreOptions, RealtimeSessionCore, StartResponse
 from session.realtime.config import SessionConfig, SessionIn
 from session.realtime.ids import SequentialIds
 from session.realtime.records import config_from_record, item_from_record, item_to_record
-from session.resume import connection_event, event_seq, logged_event_id, replayed_through
-from session.store.event_ids import split_events
+from session.resume import connection_event, event_position, logged_event_id, replayed_through
+from session.store.event_ids import EventRef, parse_event_id, split_events
 from session.voice.turn_gate import TurnGate, TurnRejected
 
 
@@ -141,7 +141,8 @@ async def test_held_link_sends_preamble_then_skips_what_the_replay_had() -> None
     await asyncio.sleep(0.01)
     assert transport.sent == []  # held
     link.release(
-        [{"type": "omni.session.resumed", "event_id": "r"}, ev(2), ev(3), ev(4)], skip=replayed_through(4)
+        [{"type": "omni.session.resumed", "event_id": "r"}, ev(2), ev(3), ev(4)],
+        skip=replayed_through((4, 0)),
     )
     link.push(ev(6))
     await asyncio.sleep(0.01)
@@ -173,8 +174,31 @@ def test_connection_event_ids_map_to_the_logged_event_before_them() -> None:
     event = connection_event("omni.session.resumable", "event_abcdefgh_0_7", session_id="s")
     assert event["event_id"].startswith("event_abcdefgh_0_7:omni:")
     assert logged_event_id(event["event_id"]) == "event_abcdefgh_0_7"
-    assert event_seq(logged_event_id(event["event_id"])) == 7
-    assert logged_event_id(None) is None and event_seq("nope") == 0
+    assert event_position(logged_event_id(event["event_id"])) == (7, 0)
+    assert logged_event_id(None) is None and event_position("nope") == (0, 0)
+    # A held event (kept in process) sits after the logged event it follows, before the next.
+    held = connection_event("omni.session.resumed", "event_abcdefgh_0_7.3")
+    assert logged_event_id(held["event_id"]) == "event_abcdefgh_0_7.3"
+    assert (7, 0) < event_position("event_abcdefgh_0_7.3") < event_position("event_abcdefgh_0_8")
+    skip = replayed_through(event_position("event_abcdefgh_0_7.3"))
+    assert skip({"event_id": "event_abcdefgh_0_7.2"}) and skip({"event_id": "event_abcdefgh_0_7"})
+    assert not skip({"event_id": "event_abcdefgh_0_7.4"}) and not skip({"event_id": "event_abcdefgh_0_8"})
+
+
+def test_event_ids_that_are_not_ours_parse_to_none() -> None:
+    """Hostile `last_event_id`s: no exception, just not an id of ours (a resume then resyncs)."""
+    for text in (
+        "event_abcdefgh_0_²",
+        "event_abcdefgh_٣_7",  # an Arabic-Indic digit
+        "event_abcdefgh_0_7.",
+        "event_abcdefgh_0_7.0",
+        "event_abcdefgh_0_7.x",
+        "event_abcdefgh_0_0",
+        "event_abcdefgh_0_7.3.1",
+        "event__0_7",
+    ):
+        assert parse_event_id(text) is None, text
+    assert parse_event_id("event_abcdefgh_2_0.5") == EventRef("abcdefgh", 2, 0, 5)
 
 
 async def test_turn_gate_queues_briefly_then_refuses() -> None:
@@ -316,7 +340,7 @@ async def test_a_resumed_link_checks_events_against_the_replay_before_any_fast_s
     link = TransportLink(transport, lambda _: None, limit=16, held=True, send_nowait=transport.send_nowait)
     link.push(ev(3))  # held: queued
     assert transport.direct == []
-    link.release([ev(2), ev(3), ev(4)], skip=replayed_through(4))
+    link.release([ev(2), ev(3), ev(4)], skip=replayed_through((4, 0)))
     await asyncio.sleep(0.01)  # preamble sent, 3 skipped; the replay check is still pending
     link.push(ev(4))  # the replay had it: dropped, not written past the check
     link.push(ev(5))

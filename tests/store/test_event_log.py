@@ -19,7 +19,8 @@ async def store(redis_client: redis.asyncio.Redis) -> SessionStore:
 
 
 def _delta(i: int) -> dict[str, object]:
-    return {"type": "response.output_audio.delta", "response_id": "resp_1", "delta": f"AAAA{i}"}
+    # A logged type (audio deltas are held in process: tests/store/test_held_events.py)
+    return {"type": "response.output_audio_transcript.delta", "response_id": "resp_1", "delta": f"w{i}"}
 
 
 async def test_append_stamps_ids_and_flush_is_one_round_trip(store: SessionStore) -> None:
@@ -167,7 +168,7 @@ async def test_resume_mid_response_matches_uninterrupted_run(store: SessionStore
     client_got: list[dict[str, object]] = []
     all_sent: list[dict[str, object]] = []
     for i in range(60):  # a response streaming; the socket drops after event 25
-        event = writer.append({"type": "response.output_audio.delta", "delta": f"chunk{i}"})
+        event = writer.append(_delta(i))
         all_sent.append(event)
         if i < 25:
             client_got.append(event)
@@ -178,7 +179,7 @@ async def test_resume_mid_response_matches_uninterrupted_run(store: SessionStore
         await store.resume("tenantA", record.session_id, "rt_wrong", last)
     with pytest.raises(SessionNotFound):
         await store.resume("tenantB", record.session_id, token, last)
-    await writer.flush()  # the resuming process flushes its own writer first (writer.events_after)
+    await writer.flush()  # the resuming process flushes its own writer first (SessionWriter.replay)
     resumed = await store.resume("tenantA", record.session_id, token, last)
     assert resumed.replay_unavailable is None and resumed.events is not None
     client_got += resumed.events

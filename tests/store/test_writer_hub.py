@@ -432,11 +432,12 @@ async def test_direct_flushes_race_the_hub_without_loss_or_duplicates(store: Cou
         assert await store.events_after(w.session_id, None) == sent[w.session_id]
 
 
-async def test_events_after_flushes_first(store: CountingStore) -> None:
+async def test_replay_flushes_first(store: CountingStore) -> None:
     (w,) = await new_writers(store, 1, flush_interval_s=10.0)
     await w.start()
     sent = [w.append({"type": "x", "n": i}) for i in range(3)]
-    assert await w.events_after(sent[0]["event_id"]) == sent[1:]
+    assert (await w.replay(sent[0]["event_id"])).events == sent[1:]
+    assert w.pending == 0
     await w.close()
 
 
