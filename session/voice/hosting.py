@@ -408,6 +408,8 @@ class SessionHost:
                 "flushes": w.flushes,
                 "pending": w.pending,
                 "dropped_events": w.dropped_events,
+                "held_bytes": w.held_bytes,  # audio deltas kept here for a resume
+                "held_dropped": w.held_dropped,
             }
         return body
 

@@ -209,6 +209,10 @@ async def test_session_state_and_delete(server: LiveServer) -> None:
             state = (await http.get(f"/v1/sessions/{conn.session_id}")).json()
             assert state["state"] == "active" and state["connected"] and state["live_here"]
             assert state["event_count"] == seq(conn.events.log[-1].raw)
+            # The turn's audio deltas are held here for a resume, not counted as logged events.
+            deltas = [r.raw for r in conn.events.log if r.type == "response.output_audio.delta"]
+            assert deltas and state["log"]["held_bytes"] > sum(len(d["delta"]) for d in deltas)
+            assert state["log"]["held_dropped"] == 0
             deleted = await http.delete(f"/v1/sessions/{conn.session_id}")
             assert deleted.status_code == 200 and deleted.json()["deleted"] is True
             assert await conn.events.close_code(within_s=10) == 1000
