@@ -119,8 +119,8 @@ def build_store(redis: Any, s: ServerSettings) -> SessionStore:
         stream_maxlen=s.event_log_maxlen,
         log_max_bytes=s.event_log_max_bytes,
         held_max_bytes=s.audio_replay_max_bytes,
-        # a dead socket goes unnoticed for up to a ping interval plus its timeout, then the grace
-        held_window_s=s.disconnect_grace_s + s.ws_ping_interval_s + s.ws_ping_timeout_s,
+        # how long a dead socket can go unnoticed: a ping interval, its timeout, a full send buffer
+        held_window_s=s.ws_ping_interval_s + s.ws_ping_timeout_s + s.ws_send_timeout_s,
     )
 
 

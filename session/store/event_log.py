@@ -27,9 +27,11 @@ No Redis call per input audio frame: those never reach the writer. Activity with
 (:meth:`mark_activity`) refreshes the TTLs at most every ``touch_interval_s``.
 
 Held events: the store's ``held_event_types`` (audio deltas) are stamped and sent like any
-other but kept here, not queued for Redis: the newest ``held_max_bytes`` of JSON no older than
-``held_window_s`` (6 MiB, 70 s: the 30 s disconnect grace plus the up to 40 s a dead
-connection takes to be noticed by its pings; 70 s of 24 kHz audio is ~4.6 MB). Their id is
+other but kept here, not queued for Redis: the newest ``held_max_bytes`` of JSON (6 MiB), and
+while the session is connected none older than ``held_window_s`` (55 s: how long a dead
+connection can go unnoticed, the 20 s ping interval plus its 20 s timeout plus the 15 s a full
+send buffer may wait); once it is detached (:meth:`set_state`), none made more than that
+before it went, however long the resume takes (the disconnect grace bounds that). Their id is
 the logged event they follow plus ``.<n>`` (:mod:`session.store.event_ids`), and
 :meth:`replay` puts them back between the logged events for a resume on this process. A
 resume on another process (restart, failover) replays every logged event, items and
@@ -155,6 +157,7 @@ class SessionWriter:
         self._held_next = 1
         self._held_bytes = 0
         self._held_dropped = (0, 0)  # the position of the newest one dropped (past the bound)
+        self._detached_at: float | None = None  # held events from window_s before it on stay
         # The logged seq this writer began after: held events after it are this writer's; an
         # earlier process's (restart, failover) are not here. Until this writer logged an event
         # of its own, a held one is logged instead, so positions never repeat an earlier one's.
@@ -227,7 +230,7 @@ class SessionWriter:
         self._held_seqs.append(seq)
         self._held_times.append(now)
         self._held_bytes += len(wire)
-        oldest = now - self._held_window_s
+        oldest = (now if self._detached_at is None else self._detached_at) - self._held_window_s
         while len(self._held_wires) > 1 and (
             (self._held_max_bytes and self._held_bytes > self._held_max_bytes)
             or (self._held_window_s and self._held_times[0] < oldest)
@@ -287,6 +290,13 @@ class SessionWriter:
         self._queue(("d", item_id, "", ""), urgent=True)
 
     def set_state(self, state: str) -> None:
+        """The session's state (``active``, ``detached``, ``parked``...). While ``detached``,
+        held events are kept from ``held_window_s`` before the connection went on, for the
+        resume to replay (see the module doc)."""
+        if state != "detached":
+            self._detached_at = None
+        elif self._detached_at is None:
+            self._detached_at = time.monotonic()
         self._queue(("m", "state", state, ""), urgent=True)
 
     def set_config(self, config: Mapping[str, Any]) -> None:

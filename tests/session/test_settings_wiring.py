@@ -29,15 +29,23 @@ def test_audio_retention_default_is_ten_seconds() -> None:
 
 
 def test_audio_replay_bounds_reach_the_store() -> None:
-    """Audio deltas held for a resume: the byte flag, and a window of the disconnect grace plus
-    the time a dead socket goes unnoticed (ping interval + timeout)."""
+    """Audio deltas held for a resume: the byte flag, and a window of the time a dead socket
+    can go unnoticed (ping interval + ping timeout + send timeout)."""
     args = build_parser().parse_args(
-        ["serve", "--audio-replay-max-bytes", "123456", "--disconnect-grace-s", "12"]
+        [
+            "serve",
+            "--audio-replay-max-bytes",
+            "123456",
+            "--ws-ping-interval-s",
+            "5",
+            "--ws-send-timeout-s",
+            "3",
+        ]
     )
     settings = ServerSettings.from_args(args)
     store = build_store(SimpleNamespace(register_script=lambda script: script), settings)
     assert store.held_max_bytes == 123456
-    assert store.held_window_s == 12 + settings.ws_ping_interval_s + settings.ws_ping_timeout_s
+    assert store.held_window_s == 5 + settings.ws_ping_timeout_s + 3
     assert store.held_event_types == {"response.output_audio.delta"}
     default = build_store(SimpleNamespace(register_script=lambda script: script), ServerSettings())
-    assert default.held_max_bytes == 6 * 1024 * 1024 and default.held_window_s == 70.0
+    assert default.held_max_bytes == 6 * 1024 * 1024 and default.held_window_s == 55.0

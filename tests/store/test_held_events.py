@@ -101,6 +101,28 @@ async def test_held_events_older_than_the_window_are_dropped(
     ] + [second]
 
 
+async def test_a_detached_session_keeps_what_it_held_when_the_connection_went(
+    store: SessionStore, redis_client: redis.asyncio.Redis
+) -> None:
+    """While connected, the window runs from now; once detached, from when the connection
+    went: what was sent just before it (maybe lost with the socket) and what was made while
+    detached stay however long the resume takes; reattached, the window runs from now again."""
+    brief = SessionStore(redis_client, held_window_s=0.2)
+    record, _ = await brief.create_session("t")
+    writer = SessionWriter(brief, record)
+    before = stream(writer, 2)
+    writer.set_state("detached")
+    await asyncio.sleep(0.3)
+    while_away = writer.append(audio(50))
+    assert writer.held_dropped == 0  # the first deltas are older than 0.2 s, not than the detach
+    replay = await writer.replay(str(before[0]["event_id"]))
+    assert replay.held == "complete" and replay.events == [*before[1:], while_away]
+    writer.set_state("active")  # the resume replayed them
+    await asyncio.sleep(0.3)
+    later = writer.append(audio(51))
+    assert writer.held_dropped == 3 and writer.held_bytes == len(later.wire)  # type: ignore[attr-defined]
+
+
 async def test_a_restored_writer_replays_every_logged_event_and_says_the_audio_is_not_kept(
     store: SessionStore,
 ) -> None:
