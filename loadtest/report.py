@@ -31,7 +31,7 @@ LEVEL_HEADER = (
 )
 SERVER_HEADER = (
     "| config | N | server CPU mean / max | CPU ms per session-s "
-    "| RSS idle → peak (growth; conversation audio) | loop lag p99 "
+    "| RSS idle → peak (growth; conversation audio; held audio) | loop lag p99 "
     "| server TTFA p50 / p95 | client CPU / loop lag p99 | late client sends "
     "| host CPU (all processes) / load avg |\n"
     "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
@@ -74,7 +74,8 @@ def server_row(lv: dict[str, Any]) -> str:
         f"| {lv['label']} | {lv['sessions']} | {_f(sv['cpu_mean_percent'], 0, '%')}{with_redis} / "
         f"{_f(sv['cpu_max_percent'], 0, '%')} | {_f(sv.get('cpu_ms_per_session_s'), 2)} "
         f"| {_f(sv['idle_rss_mb'])} → {_f(sv['peak_rss_mb'])} MB "
-        f"({_f(sv['rss_growth_mb'], 0, ' MB')}; {_f(sv.get('peak_conversation_audio_mb'), 0, ' MB')} audio) "
+        f"({_f(sv['rss_growth_mb'], 0, ' MB')}; {_f(sv.get('peak_conversation_audio_mb'), 0, ' MB')} audio; "
+        f"{_f(sv.get('peak_held_audio_mb'), 0, ' MB')} held) "
         f"| {_f(lag['p99'], 1, ' ms')} "
         f"| {_f(st['p50'])} / {_f(st['p95'])} "
         f"| {_f(c.get('cpu_percent'), 0, '%')} / {_f((c.get('loop_lag_ms') or {}).get('p99'), 0, ' ms')} "
@@ -227,6 +228,9 @@ SERVER_GLOSSARY = """- **server TTFA**: the server's own histogram, response sta
 - **conversation audio**: audio the server holds in open sessions' conversations (peak): the
   newest items' audio, PCM16, at most `--audio-retention-s` (default 10 s) per conversation;
   older items keep their transcripts.
+- **held audio**: the audio deltas the server keeps for a resume on it (peak; their event JSON,
+  Redis does not keep them): at most `--audio-replay-max-bytes` (6 MiB) per session, none older
+  than 55 s while connected.
 - **loop lag**: how late a 100 ms timer fires on the server's event loop.
 - **host CPU**: every process on the host, in % of one core (the host has `cpus` × 100 %),
   and the 1-minute load average at the start and end of the level; when it is well above

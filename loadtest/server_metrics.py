@@ -230,6 +230,7 @@ def server_summary(
                 "rss_mb": round(b.value("process_resident_memory_bytes") / 2**20, 1),
                 "active_sessions": b.value("omniduplex_active_sessions"),
                 "conversation_audio_mb": round(b.value("omniduplex_conversation_audio_bytes") / 2**20, 1),
+                "held_audio_mb": round(b.value("omniduplex_held_audio_bytes") / 2**20, 1),
             }
         )
     span = last.at - first.at
@@ -259,6 +260,7 @@ def server_summary(
         "peak_conversation_audio_mb": round(
             max(s.value("omniduplex_conversation_audio_bytes") for s in scrapes) / 2**20, 1
         ),
+        "peak_held_audio_mb": round(max(s.value("omniduplex_held_audio_bytes") for s in scrapes) / 2**20, 1),
         "peak_active_sessions": max(s.value("omniduplex_active_sessions") for s in scrapes),
         "peak_active_sessions_by_kind": peak_by_label(scrapes, "omniduplex_active_sessions_by_kind", "kind"),
         "server_ttfa_ms": {

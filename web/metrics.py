@@ -191,6 +191,12 @@ class ServerMetrics:
             "output as sent; audio spooled to disk is not counted).",
             registry=r,
         )
+        self.held_audio_bytes = Gauge(
+            f"{PREFIX}_held_audio_bytes",
+            "Audio deltas of open sessions this process keeps for a resume here (their event "
+            "JSON; Redis does not keep them), at most --audio-replay-max-bytes per session.",
+            registry=r,
+        )
         self.conversation_audio_spooled_bytes = Gauge(
             f"{PREFIX}_conversation_audio_spooled_bytes",
             "Conversation audio this process keeps in its disk spool (off the heap).",
@@ -263,6 +269,7 @@ class ServerMetrics:
         conversations hold (what grows server memory turn after turn)."""
         self._voice_sessions = lambda: sum(1 for _ in sessions())
         self.conversation_audio_bytes.set_function(lambda: float(conversation_audio_bytes(sessions())))
+        self.held_audio_bytes.set_function(lambda: float(held_audio_bytes(sessions())))
 
     def bind_audio_spool(self, spooled_bytes: Callable[[], int]) -> None:
         """The process's audio spool: bytes in its files, read at scrape time."""
@@ -352,6 +359,11 @@ def conversation_audio_bytes(drivers: Iterable[Any]) -> int:
     return sum(d.audio_bytes_in_memory() for d in list(drivers) if isinstance(d, RealtimeDriver))
 
 
+def held_audio_bytes(drivers: Iterable[Any]) -> int:
+    """Bytes of audio-delta JSON the logs of realtime drivers keep in this process."""
+    return sum(d.held_event_bytes() for d in list(drivers) if isinstance(d, RealtimeDriver))
+
+
 @contextlib.asynccontextmanager
 async def loop_lag_watcher(metrics: ServerMetrics) -> Any:
     """Own the lag-watching task and the GC timing callback for the lifetime of the block."""
@@ -380,6 +392,7 @@ GAUGE_MERGE: dict[str, GaugeMerge] = {
     f"{PREFIX}_active_sessions_by_kind": "sum",
     f"{PREFIX}_conversation_audio_bytes": "sum",
     f"{PREFIX}_conversation_audio_spooled_bytes": "sum",
+    f"{PREFIX}_held_audio_bytes": "sum",
     f"{PREFIX}_stage_queue_depth": "sum",  # each worker runs its own stage replicas
     f"{PREFIX}_stage_live_requests": "sum",
     "process_resident_memory_bytes": "sum",

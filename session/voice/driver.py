@@ -99,6 +99,11 @@ class SessionLog(Protocol):
 
     def mark_activity(self) -> None: ...
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of event JSON it keeps in process only (audio deltas, for a resume here)."""
+        ...
+
 
 @dataclass(slots=True)
 class DriverOptions:
@@ -187,6 +192,11 @@ class RealtimeDriver:
             )
 
     # --- lifecycle -----------------------------------------------------------------------
+
+    def held_event_bytes(self) -> int:
+        """Bytes of this session's events its log keeps in this process for a resume here
+        (its audio deltas, which Redis does not keep; what /metrics sums)."""
+        return self._log.held_bytes if self._log is not None else 0
 
     def audio_bytes_in_memory(self) -> int:
         """Bytes of audio this session's conversation items hold in memory (what /metrics sums):

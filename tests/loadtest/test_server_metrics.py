@@ -24,7 +24,12 @@ def test_metrics_from_hooks_and_scrape_time_state() -> None:
         ]
     )
     driver = RealtimeDriver(SimpleNamespace(conversation=SimpleNamespace(items=[item])), None)  # type: ignore[arg-type]
-    metrics.bind_sessions(lambda: [driver, object()])
+    held = RealtimeDriver(  # a session whose log holds 5,000 bytes of audio deltas for a resume
+        SimpleNamespace(conversation=SimpleNamespace(items=[])),  # type: ignore[arg-type]
+        None,
+        log=SimpleNamespace(held_bytes=5000),  # type: ignore[arg-type]
+    )
+    metrics.bind_sessions(lambda: [driver, held, object()])
 
     runtime.step("respond", 0, batch=8, step_s=0.002)
     runtime.queue("respond", 0, depth=3, live=9)
@@ -49,8 +54,9 @@ def test_metrics_from_hooks_and_scrape_time_state() -> None:
     assert scrape.value("omniduplex_turn_latency_seconds_count", status="completed") == 1
     assert scrape.value("omniduplex_errors_total", code="invalid_value") == 1
     assert scrape.by_label("omniduplex_admissions_total", "outcome") == {"admitted": 1, "server_busy": 1}
-    assert scrape.value("omniduplex_active_sessions") == 2
+    assert scrape.value("omniduplex_active_sessions") == 3
     assert scrape.value("omniduplex_conversation_audio_bytes") == 1600 * 4 + 960
+    assert scrape.value("omniduplex_held_audio_bytes") == 5000
     assert scrape.value("process_resident_memory_bytes") > 0
 
 
