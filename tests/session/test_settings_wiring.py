@@ -29,7 +29,7 @@ def test_audio_retention_default_is_ten_seconds() -> None:
 
 
 def test_audio_replay_bounds_reach_the_store() -> None:
-    """Audio deltas held for a resume: the byte flag, and a window of the time a dead socket
+    """Audio deltas held for a resume: the byte flag, and a window of the time a dead connection
     can go unnoticed (ping interval + ping timeout + send timeout)."""
     args = build_parser().parse_args(
         [
