@@ -20,6 +20,13 @@ async def store(redis_client: redis.asyncio.Redis) -> SessionStore:
     return s
 
 
+async def writer_on(redis_client: redis.asyncio.Redis, **bounds: Any) -> SessionWriter:
+    """A new session's writer on a store with these held-event bounds."""
+    bounded = SessionStore(redis_client, **bounds)
+    record, _ = await bounded.create_session("t")
+    return SessionWriter(bounded, record)
+
+
 def audio(i: int, size: int = 8) -> dict[str, Any]:
     return {"type": "response.output_audio.delta", "response_id": "resp_1", "delta": f"{i:0{size}d}"}
 
@@ -69,9 +76,7 @@ async def test_audio_deltas_are_not_logged_and_replay_puts_them_back_in_order(st
 async def test_the_held_bound_drops_the_oldest_and_a_replay_across_them_says_trimmed(
     store: SessionStore, redis_client: redis.asyncio.Redis
 ) -> None:
-    small = SessionStore(redis_client, held_max_bytes=2_000)
-    record, _ = await small.create_session("t")
-    writer = SessionWriter(small, record)
+    writer = await writer_on(redis_client, held_max_bytes=2_000)
     sent = stream(writer, 60, size=40)
     assert writer.held_bytes <= 2_000 and writer.held_dropped > 0
     held = [e for e in sent if e["type"] == "response.output_audio.delta"]
@@ -88,9 +93,7 @@ async def test_the_held_bound_drops_the_oldest_and_a_replay_across_them_says_tri
 async def test_held_events_older_than_the_window_are_dropped(
     store: SessionStore, redis_client: redis.asyncio.Redis
 ) -> None:
-    brief = SessionStore(redis_client, held_window_s=0.05)
-    record, _ = await brief.create_session("t")
-    writer = SessionWriter(brief, record)
+    writer = await writer_on(redis_client, held_window_s=0.05)
     first = stream(writer, 4)
     await asyncio.sleep(0.1)
     second = writer.append(audio(99))
@@ -107,9 +110,7 @@ async def test_a_detached_session_keeps_what_it_held_when_the_connection_went(
     """While connected, the window runs from now; once detached, from when the connection
     went: what was sent just before it (maybe lost with the socket) and what was made while
     detached stay however long the resume takes; reattached, the window runs from now again."""
-    brief = SessionStore(redis_client, held_window_s=0.2)
-    record, _ = await brief.create_session("t")
-    writer = SessionWriter(brief, record)
+    writer = await writer_on(redis_client, held_window_s=0.2)
     before = stream(writer, 2)
     writer.set_state("detached")
     await asyncio.sleep(0.3)
