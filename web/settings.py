@@ -52,8 +52,8 @@ class ServerSettings:
     max_input_audio_s: float = 300.0  # uncommitted input audio (input_audio_buffer_too_large)
     outbox_max_bytes: int = 16 * 1024 * 1024  # unsent events per connection, then close 1008
     event_log_max_bytes: int = 16 * 1024 * 1024  # event JSON kept per session for replay
-    # Audio deltas each session's process keeps for a resume there (not logged in Redis): 70 s
-    # of 24 kHz PCM16 as base64 JSON is ~4.6 MB. While connected they are also dropped once
+    # Audio deltas each session's process keeps for a resume there (not logged in Redis): 55 s
+    # of 24 kHz PCM16 as base64 JSON is ~3.6 MB. While connected they are also dropped once
     # older than a dead socket can go unnoticed (ping interval + ping timeout + send timeout).
     audio_replay_max_bytes: int = 6 * 1024 * 1024
     # Connections (web/uvicorn_guards.py): half-open and silent peers are dropped.
