@@ -74,7 +74,7 @@ async def test_audio_deltas_are_not_logged_and_replay_puts_them_back_in_order(st
 
 
 async def test_the_held_bound_drops_the_oldest_and_a_replay_across_them_says_trimmed(
-    store: SessionStore, redis_client: redis.asyncio.Redis
+    redis_client: redis.asyncio.Redis,
 ) -> None:
     writer = await writer_on(redis_client, held_max_bytes=2_000)
     sent = stream(writer, 60, size=40)
@@ -91,7 +91,7 @@ async def test_the_held_bound_drops_the_oldest_and_a_replay_across_them_says_tri
 
 
 async def test_held_events_older_than_the_window_are_dropped(
-    store: SessionStore, redis_client: redis.asyncio.Redis
+    redis_client: redis.asyncio.Redis,
 ) -> None:
     writer = await writer_on(redis_client, held_window_s=0.05)
     first = stream(writer, 4)
@@ -105,7 +105,7 @@ async def test_held_events_older_than_the_window_are_dropped(
 
 
 async def test_a_detached_session_keeps_what_it_held_when_the_connection_went(
-    store: SessionStore, redis_client: redis.asyncio.Redis
+    redis_client: redis.asyncio.Redis,
 ) -> None:
     """While connected, the window runs from now; once detached, from when the connection
     went: what was sent just before it (maybe lost with the socket) and what was made while
