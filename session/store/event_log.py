@@ -48,6 +48,7 @@ stale epoch or a vanished session is fatal for that writer alone: it stops and c
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 import math
@@ -274,7 +275,7 @@ class SessionWriter:
         if not self._activity:  # called per input frame: only the first one since a write counts
             self._activity = True
             if self._hub is not None and not self._pending:
-                self._hub.schedule(self._last_write + self._touch_interval)
+                self._hub.schedule(self, self._last_write + self._touch_interval)
 
     # --- state changes (flushed at once, in order) ----------------------------------------------
 
@@ -318,10 +319,10 @@ class SessionWriter:
         if urgent and not self._urgent:
             self._urgent = True
             if hub is not None:
-                hub.wake()
+                hub.wake(self)
         if self._due is None and hub is not None:
             self._due = hub.clock() + self._interval
-            hub.schedule(self._due)
+            hub.schedule(self, self._due)
 
     def _drop_oldest_event(self) -> bool:
         if self._flushing:  # the ops in flight are positions in _pending: leave them be
@@ -513,7 +514,7 @@ class SessionWriter:
 
     def _wake_hub_if_dirty(self) -> None:
         if self._hub is not None and (self._pending or self._activity):
-            self._hub.wake()  # it may have skipped us while we were in flight
+            self._hub.wake(self)  # it may have skipped us while we were in flight
 
     def _report_fatal(self, exc: StoreError) -> None:
         log.warning("session %s: writer stopped: %s", self.session_id, exc)
@@ -547,6 +548,13 @@ class WriterHub:
         self.store = store
         self.clock = clock
         self._writers: dict[SessionWriter, None] = {}  # insertion-ordered set
+        # When each writer is due, earliest first: (due, tiebreak, writer). Lazy: a writer
+        # pushes a new entry whenever its due time may have moved earlier, and an entry whose
+        # writer is now due later (or not at all, or gone) is corrected when it reaches the top.
+        # So a tick costs the writers it looks at, not every writer of the process.
+        self._heap: list[tuple[float, int, SessionWriter]] = []
+        self._tiebreak = itertools.count()
+        self._longest_interval = 0.0  # of the writers registered so far: how far along looks
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._target = -math.inf  # when the sleeping task looks next; -inf: not asleep
@@ -571,9 +579,10 @@ class WriterHub:
 
     def register(self, writer: SessionWriter) -> None:
         self._writers[writer] = None
+        self._longest_interval = max(self._longest_interval, writer._interval)
         if self._task is None or self._task.done():
             self._start_task()
-        self.wake()
+        self.wake(writer)
 
     def discard(self, writer: SessionWriter) -> None:
         """Stop flushing ``writer`` (a task with nothing left to flush then ends by itself)."""
@@ -604,15 +613,31 @@ class WriterHub:
 
     # --- signals from writers (sync, cheap) -----------------------------------------------------
 
-    def wake(self) -> None:
-        """Look at the writers now (a state change, a full batch, a writer back from a flush)."""
-        if self._wake is not None:
-            self._wake.set()
+    def wake(self, writer: SessionWriter | None = None) -> None:
+        """``writer`` may be due earlier than the hub knows (a state change, a full batch, back
+        from a flush): look at it. Without one: look again (a writer left)."""
+        if writer is None:
+            if self._wake is not None:
+                self._wake.set()
+        elif (due := writer._flush_due()) is not None:
+            self.schedule(writer, due)
 
-    def schedule(self, due: float) -> None:
-        """A writer needs a write at ``due``: wake only if that is before the current target."""
+    def schedule(self, writer: SessionWriter, due: float) -> None:
+        """``writer`` needs a write at ``due``: wake only if that is before the current target."""
+        heap = self._heap
+        if len(heap) > 4 * len(self._writers) + 64:
+            self._compact()
+        heapq.heappush(heap, (due, next(self._tiebreak), writer))
         if due < self._target and self._wake is not None:
             self._wake.set()
+
+    def _compact(self) -> None:
+        """One entry per writer with a write due (stale entries pile up under a busy writer)."""
+        entries = [
+            (due, next(self._tiebreak), w) for w in self._writers if (due := w._flush_due()) is not None
+        ]
+        heapq.heapify(entries)
+        self._heap = entries
 
     # --- the task ------------------------------------------------------------------------------
 
@@ -647,35 +672,57 @@ class WriterHub:
     async def _until_due(self) -> list[SessionWriter]:
         """Sleep until the earliest writer deadline, waking early for an earlier one; return
         the writers to flush then: those due, and those queued and due within half their
-        interval (they ride along on this tick's round trip; see the module docstring). One
-        pass over the writers finds both (a wake-up comes with every state change)."""
+        interval (they ride along on this tick's round trip; see the module docstring)."""
         wake = self._wake
         assert wake is not None
         while self._writers:
-            wake.clear()  # cleared before the scan: a signal after it is not lost
+            wake.clear()  # cleared before the look: a signal after it is not lost
+            heap = self._heap
             now = self.clock()
-            target = math.inf
-            batch: list[SessionWriter] = []
-            for w in self._writers:
-                due = w._flush_due()
-                if due is None:
-                    continue
-                if due < target:
-                    target = due
-                if due <= now or (w._pending and w._retry_at <= now and due - now <= w._interval / 2):
-                    batch.append(w)
-            delay = target - now
-            if delay <= 0:
-                return batch
+            batch: dict[SessionWriter, None] = {}
+            while heap:
+                entry_due, _, w = heap[0]
+                due = w._flush_due() if w in self._writers else None
+                if due is None or w in batch:
+                    heapq.heappop(heap)  # nothing to write, in flight, gone, or taken already
+                elif due != entry_due:  # moved since: put it where it belongs now
+                    heapq.heapreplace(heap, (due, next(self._tiebreak), w))
+                elif due <= now:
+                    heapq.heappop(heap)
+                    batch[w] = None
+                else:
+                    break
+            if batch:
+                self._take_along(batch, now)
+                return list(batch)
+            target = heap[0][0] if heap else math.inf
             self._target = target
             try:
-                if math.isinf(delay):
+                if math.isinf(target):
                     await wake.wait()
                 else:
-                    await wait_event(wake, delay)  # woken early or not: scan again, at the new time
+                    await wait_event(wake, target - now)  # woken early or not: look again
             finally:
                 self._target = -math.inf
         return []
+
+    def _take_along(self, batch: dict[SessionWriter, None], now: float) -> None:
+        """Add the writers with events queued and due within half their interval."""
+        heap = self._heap
+        horizon = now + self._longest_interval / 2
+        later: list[tuple[float, int, SessionWriter]] = []
+        while heap and heap[0][0] <= horizon:
+            entry = heapq.heappop(heap)
+            w = entry[2]
+            due = w._flush_due() if w in self._writers else None
+            if due is None or w in batch:
+                continue
+            if w._pending and w._retry_at <= now and due - now <= w._interval / 2:
+                batch[w] = None
+            else:
+                later.append((due, entry[1], w))
+        for entry in later:
+            heapq.heappush(heap, entry)
 
     async def _flush(self, batch: list[SessionWriter]) -> None:
         # One EVALSHA per session: a pipeline is not a transaction, so a session's second chunk
