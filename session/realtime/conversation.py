@@ -309,10 +309,19 @@ class Conversation:
         changed, self._changed = self._changed, {}
         upserts: list[tuple[Item, str]] = []
         if changed:
-            for index, item in enumerate(self._items):
+            # From the newest back, only as far as the oldest changed item: a change is almost
+            # always to the last items, and an hour-long session has hundreds before them.
+            items = self._items
+            left = sum(1 for item_id in changed if item_id in self._by_id)
+            for index in range(len(items) - 1, -1, -1):
+                if not left:
+                    break
+                item = items[index]
                 if item.id in changed:
+                    left -= 1
                     self._resize(item)  # its text grew (a response, a transcript) or was cut
-                    upserts.append((item, self._items[index - 1].id if index > 0 else "root"))
+                    upserts.append((item, items[index - 1].id if index > 0 else "root"))
+            upserts.reverse()  # conversation order
         return deleted, upserts
 
     def _resize(self, item: Item) -> None:
