@@ -374,6 +374,27 @@ class Conversation:
         self._audio_holders_bound = seen
         return dropped
 
+    def audio_bytes_in_memory(self) -> int:
+        """Bytes of audio the items hold in process memory (spilled audio only while its write
+        is pending, or for good after a failed one). Walks back from the newest item only as
+        far as `retain_audio` does: nothing older holds audio, and /metrics asks every second
+        for every session (a walk over whole conversations grew with their length)."""
+        total = 0
+        seen = 0
+        for item in reversed(self._items):
+            if seen >= self._audio_holders_bound:
+                break
+            for part in item.content:
+                if part.input_audio is not None:
+                    total += part.input_audio.nbytes
+                if part.output_audio is not None:
+                    total += len(part.output_audio)
+                if part.spilled is not None:
+                    total += part.spilled.resident_bytes
+            if item.status == "in_progress" or sum(part.audio_ms() for part in item.content) > 0:
+                seen += 1  # the same count as retain_audio's
+        return total
+
     def truncate(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
         """Cut assistant audio at `audio_end_ms` and the transcript in proportion."""
         item = self.get(item_id)

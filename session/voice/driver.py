@@ -201,17 +201,7 @@ class RealtimeDriver:
     def audio_bytes_in_memory(self) -> int:
         """Bytes of audio this session's conversation items hold in memory (what /metrics sums):
         spilled audio counts only while its write to the spool is pending (or failed)."""
-        total = 0
-        for item in self.core.conversation.items:
-            for part in item.content:
-                if part.input_audio is not None:
-                    total += part.input_audio.nbytes
-                if part.output_audio is not None:
-                    total += len(part.output_audio)
-                spilled = getattr(part, "spilled", None)
-                if spilled is not None:
-                    total += spilled.resident_bytes
-        return total
+        return self.core.conversation.audio_bytes_in_memory()
 
     def now(self) -> float:
         return self.options.clock()

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import numpy as np
 
 from loadtest.server_metrics import Scrape
+from media.audio import PCM24K
 from runtime.metrics import RuntimeMetrics
+from session.realtime.conversation import Content, Conversation, Item
 from session.voice.driver import RealtimeDriver
 from web.metrics import ServerMetrics
 
@@ -17,15 +19,19 @@ def test_metrics_from_hooks_and_scrape_time_state() -> None:
     runtime.add_stage("respond", replicas=1)
     metrics = ServerMetrics()
     metrics.bind_runtime(runtime)
-    item = SimpleNamespace(
-        content=[
-            SimpleNamespace(input_audio=np.zeros(1600, np.float32), output_audio=None),
-            SimpleNamespace(input_audio=None, output_audio=bytearray(960)),
-        ]
+    conversation = Conversation()
+    answer = Content(type="output_audio", output_audio=bytearray(960), output_format=PCM24K)
+    conversation.insert(
+        Item(
+            id="item_1",
+            type="message",
+            role="user",
+            content=[Content(type="input_audio", input_audio=np.zeros(1600, np.float32)), answer],
+        )
     )
-    driver = RealtimeDriver(SimpleNamespace(conversation=SimpleNamespace(items=[item])), None)  # type: ignore[arg-type]
+    driver = RealtimeDriver(SimpleNamespace(conversation=conversation), None)  # type: ignore[arg-type]
     held = RealtimeDriver(  # a session whose log holds 5,000 bytes of audio deltas for a resume
-        SimpleNamespace(conversation=SimpleNamespace(items=[])),  # type: ignore[arg-type]
+        SimpleNamespace(conversation=Conversation()),  # type: ignore[arg-type]
         None,
         log=SimpleNamespace(held_bytes=5000),  # type: ignore[arg-type]
     )

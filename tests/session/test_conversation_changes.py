@@ -16,9 +16,7 @@ def _item(item_id: str, text: str = "hi") -> Item:
 def _expected(conversation: Conversation, changed: set[str]) -> list[tuple[str, str]]:
     """What a walk over the whole conversation gives (the definition)."""
     items = conversation.items
-    return [
-        (item.id, items[i - 1].id if i else "root") for i, item in enumerate(items) if item.id in changed
-    ]
+    return [(item.id, items[i - 1].id if i else "root") for i, item in enumerate(items) if item.id in changed]
 
 
 def test_changes_come_in_conversation_order_with_their_previous_ids() -> None:
