@@ -47,7 +47,15 @@ REDIS_CLIENT_OPTIONS: dict[str, Any] = {
 # the p99 interval between audio deltas. Almost everything here is freed by reference counting:
 # at 20000, the same load ran 4 young collections in 35 s and no full one (loadtest null, 200
 # sessions: delta gap p99 133 → 80 ms, loop lag p99 55 → 25 ms on a busy host).
-GC_THRESHOLDS = (20_000, 10, 10)
+# But once the ramp is over, what a young collection finds is long-lived (the conversations'
+# items: `collected=0`), so generation 1 grows by the whole threshold each time, and the
+# twelfth young collection, a generation-1 one, scanned 20,000 × 11 survivors: ~200 ms with the
+# loop stopped, every ~8 minutes at null-200 (docs/benchmarks.md, "Longer runs"). A
+# generation-1 collection scans at most threshold0 × (threshold1 + 1) objects: 2,000 keeps it
+# at about what a young one at 20,000 cost (8–33 ms), and young ones at ~2 ms. threshold2 100
+# keeps full collections as rare as before (one per 100 generation-1 collections, each 10 times
+# as frequent as before).
+GC_THRESHOLDS = (2_000, 10, 100)
 
 
 RESPONDER = "speech.responder"
