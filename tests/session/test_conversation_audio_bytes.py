@@ -14,16 +14,11 @@ from session.realtime.conversation import Content, Conversation, Item
 
 
 def _whole_walk(conversation: Conversation) -> int:
-    total = 0
-    for item in conversation.items:
-        for part in item.content:
-            if part.input_audio is not None:
-                total += part.input_audio.nbytes
-            if part.output_audio is not None:
-                total += len(part.output_audio)
-            if part.spilled is not None:
-                total += part.spilled.resident_bytes
-    return total
+    parts = [part for item in conversation.items for part in item.content]
+    in_arrays = sum(p.input_audio.nbytes for p in parts if p.input_audio is not None)
+    in_bytearrays = sum(len(p.output_audio) for p in parts if p.output_audio is not None)
+    pending_spills = sum(p.spilled.resident_bytes for p in parts if p.spilled is not None)
+    return in_arrays + in_bytearrays + pending_spills
 
 
 def _user(item_id: str, ms: int) -> Item:
