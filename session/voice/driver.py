@@ -571,6 +571,10 @@ class RealtimeDriver:
         finally:
             if handle is not None:
                 handle.listen(None)  # a cancelled task hands on nothing more
+                if handle.status is None and self._orch is not None:
+                    # Ended here (the driver failed on a payload, or the task was cancelled)
+                    # while the pipeline still runs it: stop its stages, free its slot.
+                    await self._orch.cancel(handle.request_id)
             self._responses.pop(rid, None)
             if self._audio_sink is None and self._track_response == rid:
                 # Its track went away (the peer vanished, or the session moved to a

@@ -1,0 +1,77 @@
+"""A response that fails in the driver (its handling of a payload raised) ends its pipeline
+request too: the stages stop and the request leaves the orchestrator at once, instead of
+running to its end with nobody reading it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from runtime.orchestrator import Orchestrator
+from runtime.spec import parse_pipeline
+from session.realtime.core import CoreOptions, RealtimeSessionCore
+from session.realtime.ids import SequentialIds
+from session.voice.driver import RealtimeDriver
+
+# The null responder: 10 s of a tone in real time, so a request left running would still be live.
+SPEC = (
+    "name: t\nentry: respond\nstages:\n"
+    "  - {name: respond, engine: null.audio, options: {delay_ms: 0, audio_ms: 10000, chunk_ms: 40,"
+    " sample_rate: 24000, realtime: true, tick_ms: 10}}\n"
+)
+
+
+async def wait_until(check: Any, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("fault", ["audio", "none"])
+async def test_a_response_failing_in_the_driver_cancels_its_request(fault: str) -> None:
+    orch = Orchestrator.from_spec(parse_pipeline(SPEC, source="t.yaml"))
+    await orch.start()
+    core = RealtimeSessionCore(CoreOptions(new_id=SequentialIds()))
+    driver = RealtimeDriver(core, orch)
+    driver.start()
+    chunks = 0
+    real = core.on_response_audio
+
+    def on_response_audio(*args: Any, **kwargs: Any) -> Any:
+        nonlocal chunks
+        chunks += 1
+        if fault == "audio" and chunks == 3:
+            raise RuntimeError("the driver's handling of a payload failed")
+        return real(*args, **kwargs)
+
+    core.on_response_audio = on_response_audio  # type: ignore[method-assign]
+    events: list[dict[str, Any]] = []
+    apply = driver.apply
+
+    def recording_apply(out: Any) -> None:
+        events.extend(out.events)
+        apply(out)
+
+    driver.apply = recording_apply  # type: ignore[method-assign]
+    try:
+        driver._on_client_text(json.dumps({"type": "response.create"}))
+        await wait_until(lambda: chunks >= 3)
+        if fault == "audio":
+            # The response failed and its request is gone from the pipeline.
+            await wait_until(lambda: driver.active_responses == 0)
+            assert orch.health()["live"] == 0
+            done = [e for e in events if e["type"] == "response.done"]
+            assert [d["response"]["status"] for d in done] == ["failed"]
+            seen = chunks
+            await asyncio.sleep(0.2)
+            assert chunks == seen  # no payload reaches the session after the failure
+        else:
+            # Control: the healthy response is still streaming, its request live.
+            assert driver.active_responses == 1 and orch.health()["live"] == 1
+    finally:
+        await driver.shutdown()
+        await orch.close()
