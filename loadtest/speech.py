@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from media.audio import OPUS_RATE, resample
+
 RATE = 24000  # the realtime protocol's audio/pcm rate
 SENTENCES = (
     "Hello there, can you tell me what the weather will be like tomorrow?",
@@ -109,3 +111,22 @@ def build_speech_bank(
         raise ValueError(f"unknown speech source {source!r}")
     silence = append_event(bytes(RATE * append_ms // 1000 * 2))
     return SpeechBank(tuple(encode_utterance(a, append_ms) for a in raw), silence, append_ms)
+
+
+_SPEECH_48K: dict[int, tuple[SpeechBank, tuple[np.ndarray, ...]]] = {}
+
+
+def rtc_speech(bank: SpeechBank) -> tuple[np.ndarray, ...]:
+    """The bank's utterances as 48 kHz float32 (decoded from its append events once per bank)."""
+    cached = _SPEECH_48K.get(id(bank))
+    if cached is not None and cached[0] is bank:
+        return cached[1]
+    out = []
+    for utterance in bank.utterances:
+        pcm = b"".join(base64.b64decode(json.loads(frame)["audio"]) for frame in utterance.frames)
+        samples = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0
+        samples = samples[: round(utterance.speech_ms * RATE / 1000.0)]
+        out.append(resample(samples, RATE, OPUS_RATE))
+    speech = tuple(out)
+    _SPEECH_48K[id(bank)] = (bank, speech)
+    return speech

@@ -23,7 +23,6 @@ Measures per turn, on the client's monotonic clock:
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import time
@@ -35,12 +34,12 @@ import numpy as np
 from aiortc import RTCSessionDescription
 from aiortc.mediastreams import MediaStreamTrack
 
-from loadtest.speech import RATE, SpeechBank
+from loadtest.speech import SpeechBank, rtc_speech
 from loadtest.turns import TurnRecord
 from loadtest.voice_common import LiveCounters, SessionResult, VoiceSession, session_update
 from loadtest.webrtc_client import RealtimeCallClient, audio_frames
 from loadtest.workload import Workload
-from media.audio import OPUS_RATE, resample
+from media.audio import OPUS_RATE
 from media.tracks import frame_to_mono
 
 AUDIBLE = 0.02  # first audio: a decoded peak above this (full scale 1.0)
@@ -48,25 +47,6 @@ AUDIBLE = 0.02  # first audio: a decoded peak above this (full scale 1.0)
 # zeros, while the quietest stretches of speech (Piper's pauses, ~1e-4) stay above one LSB.
 SILENT = 1e-5
 FRAME_MS = 20.0
-_SPEECH_48K: dict[int, tuple[SpeechBank, tuple[np.ndarray, ...]]] = {}
-
-
-def rtc_speech(bank: SpeechBank) -> tuple[np.ndarray, ...]:
-    """The bank's utterances as 48 kHz float32 (decoded from its append events once per bank)."""
-    cached = _SPEECH_48K.get(id(bank))
-    if cached is not None and cached[0] is bank:
-        return cached[1]
-    out = []
-    for utterance in bank.utterances:
-        pcm = b"".join(base64.b64decode(json.loads(frame)["audio"]) for frame in utterance.frames)
-        samples = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0
-        samples = samples[: round(utterance.speech_ms * RATE / 1000.0)]
-        out.append(resample(samples, RATE, OPUS_RATE))
-    speech = tuple(out)
-    _SPEECH_48K[id(bank)] = (bank, speech)
-    return speech
-
-
 class _Mic:
     """Replaces the client's mic observer: when each utterance's first / last sample left."""
 

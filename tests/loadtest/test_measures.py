@@ -127,8 +127,7 @@ def test_world_stats_fps_jitter_and_action_latency() -> None:
 
 
 def test_rtc_speech_decodes_the_bank_at_48k() -> None:
-    from loadtest.speech import build_speech_bank
-    from loadtest.voice_rtc import rtc_speech
+    from loadtest.speech import build_speech_bank, rtc_speech
 
     bank = build_speech_bank("tone", append_ms=40, speech_ms=500)
     speech = rtc_speech(bank)
