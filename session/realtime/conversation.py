@@ -31,6 +31,7 @@ import numpy as np
 from media.audio import VAD_RATE, WireFormat, b64encode_audio, int16_to_float32, resample
 from session.realtime.audio_store import AudioHandle, AudioStore
 from session.realtime.errors import INVALID_VALUE, ITEM_NOT_FOUND, UNSUPPORTED_CONTENT, ProtocolError
+from session.realtime.gc_untrack import untrack
 
 ItemType = Literal["message", "function_call", "function_call_output"]
 ItemStatus = Literal["completed", "incomplete", "in_progress"]
@@ -278,6 +279,7 @@ class Conversation:
             index = self._items.index(self._by_id[previous_item_id]) + 1
         self._items.insert(index, item)
         self._by_id[item.id] = item
+        _leave_gc_scans(item)
         self._resize(item)
         self._changed[item.id] = None
         self._audio_holders_bound += 1
@@ -297,8 +299,10 @@ class Conversation:
 
     def mark_changed(self, item_id: str) -> None:
         """An item's stored form changed (status, transcript): persist it at the next take."""
-        if item_id in self._by_id:
+        item = self._by_id.get(item_id)
+        if item is not None:
             self._changed[item_id] = None
+            _leave_gc_scans(item)  # a part added since it was inserted (a response's)
 
     def take_changes(self) -> tuple[list[str], list[tuple[Item, str]]] | None:
         """Deleted ids, then changed items in conversation order with the id of the item
@@ -430,6 +434,16 @@ class Conversation:
         if item.status == "in_progress":
             item.status = "incomplete"
         self._changed[item_id] = None
+
+
+def _leave_gc_scans(item: Item) -> None:
+    """Items live as long as their session and are freed by reference counting (an item, its
+    content list and its parts refer to nothing that refers back to them): the cyclic GC need
+    not scan them in every full collection (session/realtime/gc_untrack.py)."""
+    untrack(item)
+    untrack(item.content)
+    for part in item.content:
+        untrack(part)
 
 
 def text_bytes(item: Item) -> int:
