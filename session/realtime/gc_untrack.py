@@ -2,10 +2,11 @@
 
 A voice session adds a few objects to its conversation every turn (two items, their content
 lists, their parts) and keeps them for the session's life. Reference counting frees them:
-none of them refers back to anything that refers to it. But the collector scans every tracked
-object in a full collection with the event loop stopped, so at 200 sessions the pause grew
-with the conversations (a full collection about once an hour of a null-200 run: ~0.5 µs per
-object, ~840,000 conversation objects by then; docs/benchmarks.md, eighth session).
+none of them refers back to anything that refers to it. But a full collection scans every
+tracked object with the event loop stopped: in a null-200 run the collector's oldest
+generation grew by ~16,000 objects a minute, and a full collection went from 52 to 102 ms
+between minute 1.5 and minute 5 (docs/benchmarks.md, "Conversation state out of the
+collector's scans"); one comes after 100 generation-1 collections, ~40 minutes at that load.
 
 `untrack` takes such an object out of the collector's lists (CPython's public
 `PyObject_GC_UnTrack`; a no-op elsewhere). The caller's promise: the object is never part of a
