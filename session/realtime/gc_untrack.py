@@ -4,9 +4,9 @@ A voice session adds a few objects to its conversation every turn (two items, th
 lists, their parts) and keeps them for the session's life. Reference counting frees them:
 none of them refers back to anything that refers to it. But a full collection scans every
 tracked object with the event loop stopped: in a null-200 run the collector's oldest
-generation grew by ~16,000 objects a minute, and a full collection went from 52 to 102 ms
+generation grew by ~15,800 objects a minute, and a full collection went from 52 to 102 ms
 between minute 1.5 and minute 5 (docs/benchmarks.md, "Conversation state out of the
-collector's scans"); one comes after 100 generation-1 collections, ~40 minutes at that load.
+collector's scans"); one comes after 100 generation-1 collections, every ~8-90 minutes there.
 
 `untrack` takes such an object out of the collector's lists (CPython's public
 `PyObject_GC_UnTrack`; a no-op elsewhere). The caller's promise: the object is never part of a
