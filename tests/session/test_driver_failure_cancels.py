@@ -15,6 +15,7 @@ from runtime.spec import parse_pipeline
 from session.realtime.core import CoreOptions, RealtimeSessionCore
 from session.realtime.ids import SequentialIds
 from session.voice.driver import RealtimeDriver
+from tests.sessions.client import until
 
 # The null responder: 10 s of a tone in real time, so a request left running would still be live.
 SPEC = (
@@ -22,13 +23,6 @@ SPEC = (
     "  - {name: respond, engine: null.audio, options: {delay_ms: 0, audio_ms: 10000, chunk_ms: 40,"
     " sample_rate: 24000, realtime: true, tick_ms: 10}}\n"
 )
-
-
-async def wait_until(check: Any, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize("fault", ["audio", "none"])
@@ -59,10 +53,10 @@ async def test_a_response_failing_in_the_driver_cancels_its_request(fault: str) 
     driver.apply = recording_apply  # type: ignore[method-assign]
     try:
         driver._on_client_text(json.dumps({"type": "response.create"}))
-        await wait_until(lambda: chunks >= 3)
+        await until(lambda: chunks >= 3)
         if fault == "audio":
             # The response failed and its request is gone from the pipeline.
-            await wait_until(lambda: driver.active_responses == 0)
+            await until(lambda: driver.active_responses == 0)
             assert orch.health()["live"] == 0
             done = [e for e in events if e["type"] == "response.done"]
             assert [d["response"]["status"] for d in done] == ["failed"]
