@@ -1,68 +1,73 @@
 """Tests by layer: every test is `unit`, `system` or `browser` (registered in pyproject.toml).
 
-Why a hook rather than a marker in every file: the layer of a test follows from what it touches,
-and most files touch one thing throughout. The rule, per test module:
+Every test module names its layer at module level, ``pytestmark = pytest.mark.unit`` (or
+``system``, ``browser``; a list may add other marks, e.g. a timeout). The layer follows from what
+the module's tests touch:
 
 - ``browser``: the module drives a real Chromium (Playwright);
-- ``system``: the module's source names a real server, process, socket, Redis, aiortc peer,
-  SDK client or model (see ``_SYSTEM_WORDS``), or it lives under a directory whose conftest
-  starts one for every test (``_SYSTEM_DIRS``);
-- ``unit``: everything else.
+- ``system``: its tests start or reach a real server, process, socket, Redis, aiortc peer, SDK
+  client, or build a model;
+- ``unit``: none of that, only memory.
 
-A test that carries one of the three markers itself keeps it (that is how a mixed file says
-which of its tests are which). The ``unit`` layer is enforced, not just named: while a ``unit``
-test (and its fixtures) runs, opening a network socket, starting a process and building a
-torch module fail the test (``_unit_guard``), so a misfiled test is caught the first time
-``pytest -m unit`` runs it.
+A module with tests of two layers is two modules. Collection fails, naming the modules, when a
+module names no layer, or more than one, or a test names a layer other than its module's
+(``LayerNotNamed``): the layer is read from the code, never guessed from its text. The ``unit``
+layer is enforced, not just named: while a ``unit`` test (and its fixtures) runs, opening a
+network socket, starting a process and building a torch module fail the test
+(``_unit_guard``), so a misfiled test is caught the first time ``pytest -m unit`` runs it.
 """
 
 from __future__ import annotations
 
-import re
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
 LAYERS = ("unit", "system", "browser")
 
-_HERE = Path(__file__).parent
 
-# Words in a module's source that mean it reaches outside the process's memory, or loads a model.
-_SYSTEM_WORDS = re.compile(
-    r"\b(live_server|LiveServer|redis\w*|Redis\w*|subprocess|Popen|uvicorn|websockets|aiortc|RTCPeer\w*"
-    r"|httpx|openai|socket|Orchestrator|torch|from_pretrained|multiprocessing"
-    r"|world_server|stall_server|module_redis|fresh_db|two_replicas|db_url"
-    r"|robot_server|session_server|tts|asr|speak16k|sentence16k|run_engine"
-    r"|fake_engines|openpi_\w+|load_engine)\b"
-)
-_BROWSER_WORDS = re.compile(r"\b(playwright|chromium)\b")
-# Directories whose conftest gives every test a live server or process.
-_SYSTEM_DIRS: frozenset[str] = frozenset()
+class LayerNotNamed(pytest.UsageError):
+    """A test module names no layer, or two, or a test of it names another one."""
 
 
-def _layer_of(path: Path, cache: dict[Path, str]) -> str:
-    if path not in cache:
-        source = path.read_text(encoding="utf-8")
-        if _BROWSER_WORDS.search(source):
-            cache[path] = "browser"
-        elif _SYSTEM_WORDS.search(source) or path.parent.name in _SYSTEM_DIRS:
-            cache[path] = "system"
-        else:
-            cache[path] = "unit"
-    return cache[path]
+def module_layers(module: ModuleType) -> list[str]:
+    """The layers a test module's ``pytestmark`` names."""
+    marks = getattr(module, "pytestmark", [])
+    marks = marks if isinstance(marks, list) else [marks]
+    return [mark.name for mark in marks if getattr(mark, "name", None) in LAYERS]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    cache: dict[Path, str] = {}
+def layer_problems(items: list[pytest.Item]) -> list[str]:
+    """What is wrong with the layers of ``items``' modules, one line each (empty: all named)."""
+    problems: dict[str, str] = {}
     for item in items:
-        if any(item.get_closest_marker(layer) for layer in LAYERS):
+        module = getattr(item, "module", None)
+        if module is None:
             continue
-        item.add_marker(getattr(pytest.mark, _layer_of(Path(str(item.path)), cache)))
+        where = str(Path(str(item.path)).relative_to(Path(__file__).parent.parent))
+        layers = module_layers(module)
+        if len(layers) != 1:
+            named = layers or "no layer"
+            problems.setdefault(where, f"{where}: pytestmark names {named}, not one of {LAYERS}")
+            continue
+        own = {mark.name for mark in item.own_markers if mark.name in LAYERS} - set(layers)
+        if own:
+            problems.setdefault(where, f"{where}::{item.name} is {sorted(own)} in a {layers[0]} module")
+    return sorted(problems.values())
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Before ``-m`` deselects anything: every collected module names its one layer."""
+    problems = layer_problems(items)
+    if problems:
+        raise LayerNotNamed("test modules must name their layer (tests/conftest.py):\n" + "\n".join(problems))
 
 
 class UnitLayerViolation(AssertionError):

@@ -33,6 +33,8 @@ from tests.browser.test_demo_page import CHROMIUM, WAV_RATE, launch, silence, wr
 from tests.live_server import LiveServer, free_port, live_server
 from tests.speech_audio import SENTENCE, speak, words
 
+pytestmark = pytest.mark.browser
+
 SDK_DIR = Path(__file__).parent / "agents_sdk"
 BUNDLE = SDK_DIR / "dist" / "page.js"
 KEY = "sk-browser-app"

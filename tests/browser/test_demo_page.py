@@ -21,6 +21,8 @@ from playwright.async_api import Browser, Page, async_playwright
 from tests.live_server import LiveServer, live_server
 from tests.speech_audio import SENTENCE, speak, word_errors, words
 
+pytestmark = pytest.mark.browser
+
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 WAV_RATE = 48_000

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import pytest
 
 from runtime.orchestrator import Orchestrator
 from runtime.spec import load_pipeline
@@ -17,6 +18,8 @@ from session.realtime.ids import SequentialIds
 from session.realtime.user_input import LIVE_COMMIT_MAX_MS
 from session.voice.live_request import LiveEntry, LiveRequest
 from tests.session.realtime_harness import assert_valid_server_event, pcm16_b64
+
+pytestmark = pytest.mark.system
 
 RATE = 24_000
 

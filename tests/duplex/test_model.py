@@ -11,6 +11,8 @@ from engines.duplex.lm import FrameLM
 from engines.duplex.slot_kv import SlotKV
 from engines.duplex.text import SpeechStretches, TextPieces
 
+pytestmark = pytest.mark.system
+
 FRAME = 1920
 
 

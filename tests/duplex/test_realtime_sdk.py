@@ -14,6 +14,8 @@ import pytest
 from tests.live_server import LiveServer, live_server
 from tests.realtime.wire import decode_pcm16, ping, sdk_session, stream_realtime
 
+pytestmark = pytest.mark.system
+
 RATE = 24_000
 
 

@@ -14,6 +14,8 @@ from tests.live_server import LiveServer, live_server
 from tests.realtime.wire import chunks, pcm16_b64
 from tests.sessions.client import Conn, opened, resumed
 
+pytestmark = pytest.mark.system
+
 RATE = 24_000
 
 

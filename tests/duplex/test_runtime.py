@@ -16,6 +16,8 @@ from runtime.payloads import AudioChunk, AudioInput, Payload, ResponseDone, Resp
 from runtime.progress import RequestHandle, RequestStatus
 from runtime.spec import load_pipeline
 
+pytestmark = pytest.mark.system
+
 FRAME = 1920
 RATE = 24000
 

@@ -14,6 +14,8 @@ from loadtest.webrtc_client import RealtimeCallClient
 from tests.live_server import LiveServer, live_server
 from tests.session.realtime_harness import assert_valid_server_event
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:

@@ -21,6 +21,8 @@ from runtime.spec import PipelineSpec, load_pipeline
 from tests.engines_qwen.conftest import speech_like
 from tests.engines_qwen.driver import Engines, run_pipeline
 
+pytestmark = pytest.mark.system
+
 FULL_EDGES = {"thinker->talker": "full", "talker->code2wav": "full"}
 GAIN = 100_000.0  # what the tiny pipeline YAML sets
 LONG = {

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from engines.qwen3_omni.prompt import build_prompt
 from engines.qwen3_omni.session_kv import common_prefix
@@ -17,6 +18,8 @@ from engines.qwen3_omni.stages import ThinkerEngine
 from runtime.engine import EngineRequest, StepInput
 from tests.engines_qwen.conftest import speech_like
 from tests.engines_qwen.driver import TINY, make_engines, run_pipeline
+
+pytestmark = pytest.mark.system
 
 GREEDY = {"greedy": True, "seed": 0}
 ROOT = Path(__file__).resolve().parents[2]

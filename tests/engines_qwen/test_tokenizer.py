@@ -14,6 +14,8 @@ from engines.qwen3_omni.tokenizer import (
     tiny_token_ids,
 )
 
+pytestmark = pytest.mark.unit
+
 SAMPLES = [
     "Hello world!",
     "  leading and trailing spaces  ",

@@ -11,6 +11,8 @@ from torch import nn
 from engines.qwen3_omni.config import tiny_config
 from engines.qwen3_omni.seeded import build_tiny_model, check_initialised
 
+pytestmark = pytest.mark.system
+
 
 def tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}

@@ -18,6 +18,8 @@ import pytest
 from engines.speech.asr import max_new_tokens, short_encode_suspect
 from tests.engines_speech.conftest import SENTENCE, words
 
+pytestmark = pytest.mark.system
+
 TEST_SENTENCES = [
     SENTENCE,
     "Hello, how are you today?",

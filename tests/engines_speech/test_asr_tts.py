@@ -15,6 +15,8 @@ from tests.engines_speech.conftest import SENTENCE
 from tests.speech_audio import word_errors, words
 from tests.timing import slack
 
+pytestmark = pytest.mark.system
+
 
 def test_normalize_transcript() -> None:
     assert normalize_transcript("  Hello  world.\n Again ") == "Hello world. Again"

@@ -4,6 +4,8 @@ import pytest
 
 from engines.speech.tts import ClauseSplitter, split_clauses
 
+pytestmark = pytest.mark.system
+
 
 @pytest.mark.parametrize(
     ("text", "clauses"),

@@ -11,6 +11,8 @@ from engines.null.stages import NULL_REPLY, NULL_TRANSCRIPT, NullAudioEngine, Pa
 from runtime.engine import EdgeChunk, EngineRequest, StepInput, StepOutput
 from runtime.payloads import AudioChunk, AudioInput, TextDelta, Transcript
 
+pytestmark = pytest.mark.unit
+
 
 class FakeClock:
     def __init__(self) -> None:

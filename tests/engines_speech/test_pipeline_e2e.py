@@ -12,6 +12,8 @@ from runtime.spec import load_pipeline
 from tests.engines_speech.conftest import SENTENCE, words
 from tests.timing import slack
 
+pytestmark = pytest.mark.system
+
 orchestrator = pytest.importorskip("runtime.orchestrator")
 pytest.importorskip("piper")
 pytest.importorskip("faster_whisper")

@@ -14,6 +14,8 @@ from runtime.payloads import TextDelta
 from tests.engines_speech.conftest import run_engine
 from tests.tiny_lm import save_tiny_llama
 
+pytestmark = pytest.mark.system
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

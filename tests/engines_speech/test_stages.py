@@ -14,6 +14,8 @@ from runtime.engine import EdgeChunk, EngineRequest, StepInput, StepOutput
 from runtime.payloads import AudioChunk, AudioInput, TextDelta, Transcript
 from tests.engines_speech.conftest import DETERMINISTIC_VOICE, SENTENCE, run_engine, text_chunks, words
 
+pytestmark = pytest.mark.system
+
 pytest.importorskip("piper")
 pytest.importorskip("faster_whisper")
 

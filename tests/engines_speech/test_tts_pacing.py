@@ -21,6 +21,8 @@ from runtime.engine import EdgeChunk, EngineRequest, StepInput
 from runtime.payloads import AudioChunk, TextDelta
 from tests.engines_speech.conftest import DETERMINISTIC_VOICE, run_engine, text_chunks, words
 
+pytestmark = pytest.mark.system
+
 # 51 words; a first clause of one word, then one of 39 words without a mark (the splitter cuts
 # it at max_words), then the rest.
 REPLY = (

@@ -7,6 +7,8 @@ import pytest
 
 from engines.speech.vad import FRAME_SAMPLES, SileroVad, as_frames, speech_probs_across_streams
 
+pytestmark = pytest.mark.system
+
 pytest.importorskip("onnxruntime")
 
 

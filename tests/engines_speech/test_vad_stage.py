@@ -15,6 +15,8 @@ from runtime.orchestrator import Orchestrator
 from runtime.payloads import AudioInput, TurnControl, VoiceActivity
 from runtime.spec import parse_pipeline
 
+pytestmark = pytest.mark.system
+
 PIPELINE = """
 name: vad-only
 entry: respond

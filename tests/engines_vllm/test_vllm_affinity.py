@@ -14,7 +14,7 @@ from runtime.registry import register_engine
 from runtime.spec import parse_pipeline
 from tests.tiny_lm import save_tiny_qwen3
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]
 
 PIPELINE = """
 name: tiny-vllm-2

@@ -10,7 +10,7 @@ from runtime.payloads import TextDelta
 from web.context import pipeline_spec
 from web.settings import ServerSettings
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]
 
 
 def test_llm_engine_vllm_swaps_the_responder_stage() -> None:

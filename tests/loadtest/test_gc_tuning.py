@@ -5,8 +5,12 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import pytest
+
 from tests.live_server import live_server
 from web.context import GC_THRESHOLDS
+
+pytestmark = pytest.mark.system
 
 
 def test_server_freezes_startup_objects_and_bounds_what_a_collection_scans(tmp_path: Path) -> None:

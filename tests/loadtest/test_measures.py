@@ -16,6 +16,8 @@ from loadtest.turns import TurnRecord
 from loadtest.voice_ws import delta_audio_ms
 from loadtest.workload import parse_levels
 
+pytestmark = pytest.mark.unit
+
 
 def test_playout_paced_stream_never_underruns() -> None:
     buf = PlayoutBuffer(prebuffer_ms=100)

@@ -13,6 +13,8 @@ from loadtest.__main__ import main
 from tests.live_server import live_server
 from tests.timing import slack
 
+pytestmark = pytest.mark.system
+
 
 @pytest.mark.timing
 def test_voice_webrtc_scenario(tmp_path: Path) -> None:

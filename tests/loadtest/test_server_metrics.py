@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from loadtest.server_metrics import Scrape
 from media.audio import PCM24K
@@ -12,6 +13,8 @@ from runtime.metrics import RuntimeMetrics
 from session.realtime.conversation import Content, Conversation, Item
 from session.voice.driver import RealtimeDriver
 from web.metrics import ServerMetrics
+
+pytestmark = pytest.mark.unit
 
 
 def test_metrics_from_hooks_and_scrape_time_state() -> None:

@@ -3,8 +3,12 @@ and dashboards read) counts voice and world sessions; `..._by_kind{kind}` splits
 
 from __future__ import annotations
 
+import pytest
+
 from loadtest.server_metrics import Scrape, server_summary
 from web.metrics import ServerMetrics
+
+pytestmark = pytest.mark.unit
 
 
 def scrape(metrics: ServerMetrics, at: float) -> Scrape:

@@ -9,6 +9,8 @@ from loadtest.runner import level_summary
 from loadtest.slo import METRICS, WORLD_METRICS, evaluate, parse_slo
 from loadtest.world import WARMUP_S, Action, WorldSessionResult, WorldStats
 
+pytestmark = pytest.mark.unit
+
 FPS = 15.0
 
 

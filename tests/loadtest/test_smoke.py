@@ -17,6 +17,8 @@ from loadtest.server_metrics import Scrape
 from tests.live_server import live_server
 from tests.timing import slack
 
+pytestmark = pytest.mark.system
+
 
 @pytest.mark.timing
 def test_loadtest_smoke(tmp_path: Path) -> None:

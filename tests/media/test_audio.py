@@ -23,6 +23,8 @@ from media.audio import (
 )
 from media.g711 import alaw_decode, alaw_encode, ulaw_decode, ulaw_encode
 
+pytestmark = pytest.mark.system
+
 ALL_INT16 = np.arange(-32768, 32768, dtype=np.int16)
 
 # Golden digests of the full encode tables (every int16 value, ascending) and decode tables

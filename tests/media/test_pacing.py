@@ -15,6 +15,8 @@ from media.audio import StreamingResampler, float32_to_int16
 from media.pacing import EARLY_OK_S, MIN_RESLEEP_S, FramePacer, PlayoutBuffer
 from media.tracks import OutboundAudioTrack
 
+pytestmark = pytest.mark.unit
+
 FRAME = 0.020
 RATE = 48_000
 N = RATE // 50  # samples per frame

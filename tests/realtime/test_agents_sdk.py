@@ -32,6 +32,8 @@ from tests.live_server import LiveServer, live_server
 from tests.realtime.wire import WIRE_RATE, chunks, silence
 from tests.speech_audio import SENTENCE, speak, words
 
+pytestmark = pytest.mark.system
+
 pytest.importorskip("piper")
 pytest.importorskip("faster_whisper")
 

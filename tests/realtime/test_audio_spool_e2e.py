@@ -17,6 +17,8 @@ from tests.live_server import LiveServer
 from tests.sessions.client import Conn, opened, until, user_text
 from tests.sessions.conftest import session_server
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:

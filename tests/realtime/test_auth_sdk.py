@@ -17,6 +17,8 @@ from websockets.exceptions import InvalidStatus
 from tests.live_server import LiveServer, live_server
 from tests.realtime.wire import ServerEvents, ping, sdk_session
 
+pytestmark = pytest.mark.system
+
 KEY = "k1"
 
 

@@ -16,6 +16,8 @@ import pytest
 from tests.live_server import LiveServer, live_server
 from tests.realtime.wire import WIRE_RATE, ServerEvents, decode_pcm16, pcm16_b64, ping, sdk_session, silence
 
+pytestmark = pytest.mark.system
+
 MAX_FRAME = 256 * 1024
 LONG_TEXT = ", ".join(f"item number {k}" for k in range(40)) + "."
 

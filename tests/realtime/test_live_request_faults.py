@@ -33,6 +33,8 @@ from tests.realtime.wire import (
 from tests.sessions.client import opened, resumed
 from tests.speech_audio import SENTENCE, speak
 
+pytestmark = pytest.mark.system
+
 pytest.importorskip("piper")
 pytest.importorskip("onnxruntime")
 

@@ -12,6 +12,8 @@ from session.realtime import LiveControl, PrepareTranscript
 from session.realtime.user_input import remaining_words
 from tests.session.realtime_harness import Harness, silence, tone, types
 
+pytestmark = pytest.mark.unit
+
 TRANSCRIBED = {"input": {"transcription": {"model": "whisper-1"}, "turn_detection": {"type": "server_vad"}}}
 
 

@@ -16,6 +16,8 @@ from tests.live_server import LiveServer, live_server
 from tests.realtime.wire import sdk_session
 from tests.tiny_lm import save_tiny_llama
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:

@@ -6,10 +6,13 @@ carries the same key, so the driver can hand the pipeline that text instead of t
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from session.realtime import DropAhead, PrepareTranscript, RespondAhead, StartResponse
 from session.voice.ahead import with_transcript
 from tests.session.realtime_harness import Harness, silence, tone
+
+pytestmark = pytest.mark.unit
 
 
 def prepared(h: Harness) -> list[PrepareTranscript]:

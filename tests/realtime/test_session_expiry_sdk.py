@@ -11,6 +11,8 @@ import pytest
 from tests.live_server import LiveServer, live_server
 from tests.realtime.wire import sdk_session
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:

@@ -29,6 +29,8 @@ from tests.realtime.wire import (
 )
 from tests.speech_audio import SENTENCE, speak, word_errors, words
 
+pytestmark = pytest.mark.system
+
 pytest.importorskip("piper")
 pytest.importorskip("faster_whisper")
 

@@ -20,6 +20,8 @@ from session.robot.core import (
 )
 from session.robot.wire import WireError, pack, unpack
 
+pytestmark = pytest.mark.unit
+
 META = {
     "image_keys": ["cam/front"],
     "image_shape": [8, 8, 3],

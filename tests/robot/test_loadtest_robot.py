@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from loadtest.robot import capacity, run_level
 from loadtest.server_process import Target
 from tests.live_server import LiveServer
+
+pytestmark = pytest.mark.system
 
 
 async def test_a_level_measures_latency_and_chunk_rate(robot_server: LiveServer) -> None:

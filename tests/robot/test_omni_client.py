@@ -15,6 +15,8 @@ import pytest
 from tests.live_server import LiveServer
 from tests.robot.robot_client import RobotClient, observation, pack, refused
 
+pytestmark = pytest.mark.system
+
 KEY, OTHER = "sk-robot-a", "sk-robot-b"
 
 

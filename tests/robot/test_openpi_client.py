@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from websockets.asyncio.client import connect
 
 from tests.live_server import LiveServer
 from tests.robot.robot_client import refused
+
+pytestmark = pytest.mark.system
 
 SCRIPT = Path(__file__).with_name("openpi_client_script.py")
 KEY = "sk-robot-a"

@@ -17,6 +17,8 @@ from tests.conftest_redis import RedisServerProcess, start_tcp_redis
 from tests.live_server import live_server
 from tests.robot.robot_client import RobotClient, observation, refused
 
+pytestmark = pytest.mark.system
+
 KEY = "sk-robot-a"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 

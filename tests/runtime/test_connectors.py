@@ -11,6 +11,8 @@ from runtime.connectors import ConnectorError, InProcessConnector, make_connecto
 from runtime.payloads import AudioChunk, CodecCodes, Conditioning, HiddenStates, KVBlocks, TextDelta
 from runtime.shm import SHM_DIR, SharedMemoryConnector, sweep_segments
 
+pytestmark = pytest.mark.system
+
 
 def segments(prefix: str) -> list[str]:
     return sorted(p.name for p in Path(SHM_DIR).iterdir() if p.name.startswith(prefix))

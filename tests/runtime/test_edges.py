@@ -5,6 +5,8 @@ import pytest
 from runtime.edges import AsyncChunker, FullCollector, make_collector
 from runtime.spec import ChunkPolicy
 
+pytestmark = pytest.mark.unit
+
 
 def run(chunker: AsyncChunker[int], n: int, step: int = 1) -> list:
     chunks = []

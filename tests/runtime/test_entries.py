@@ -14,6 +14,8 @@ from runtime.registry import register_engine, unregister_engine
 from runtime.spec import PipelineSpecError, parse_pipeline
 from tests.runtime import fakes
 
+pytestmark = pytest.mark.unit
+
 PIPELINE = """
 name: entries
 entry: a

@@ -11,7 +11,7 @@ from runtime.payloads import AudioChunk, TextDelta
 from tests.runtime.conftest import running
 from tests.runtime.fakes import events
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 def pipeline(

@@ -12,6 +12,8 @@ from tests.runtime import fakes
 from tests.runtime.conftest import running
 from tests.runtime.test_orchestrator import wait_for
 
+pytestmark = pytest.mark.unit
+
 PIPELINE = """
 name: gather
 entry: gen

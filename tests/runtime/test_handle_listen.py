@@ -11,6 +11,8 @@ import pytest
 from runtime.payloads import Payload, TextDelta
 from runtime.progress import RequestHandle, RequestStatus
 
+pytestmark = pytest.mark.unit
+
 
 def delta(text: str) -> TextDelta:
     return TextDelta(text)

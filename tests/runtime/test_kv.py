@@ -3,9 +3,12 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from runtime.kv import SessionKVStore, bind_thread_store, current_kv_store, nbytes_of
+
+pytestmark = pytest.mark.system
 
 
 def test_lru_eviction_under_a_byte_budget() -> None:

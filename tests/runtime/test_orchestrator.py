@@ -13,7 +13,7 @@ from runtime.spec import parse_pipeline
 from tests.runtime.conftest import running
 from tests.runtime.fakes import events
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.system, pytest.mark.timeout(30)]
 
 
 def three_stage(chunk: str = "{first: 4, steady: 25, left_context: 25}", *, gen_step: float = 0.0,

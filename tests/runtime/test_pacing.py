@@ -13,7 +13,7 @@ from runtime.payloads import AudioChunk
 from runtime.progress import RequestStatus
 from tests.runtime.conftest import running
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 PACED = """
 name: paced

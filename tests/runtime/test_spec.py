@@ -8,6 +8,8 @@ from runtime.registry import UnknownEngineError, available_engines, engine_class
 from runtime.spec import PipelineSpecError, available_pipelines, load_pipeline, parse_pipeline
 from tests.runtime import fakes
 
+pytestmark = pytest.mark.unit
+
 GOOD = """
 name: demo
 entry: a

@@ -15,7 +15,7 @@ import pytest
 from runtime.worker import CallResult, Outcome, WorkCall, submit_on
 from tests.runtime.conftest import running
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 PIPELINE = """
 name: cycle

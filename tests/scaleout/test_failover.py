@@ -26,6 +26,8 @@ from tests.scaleout.cluster import (
 )
 from tests.timing import slack
 
+pytestmark = pytest.mark.system
+
 
 def reply_text(done: dict[str, Any]) -> str:
     parts = done["response"]["output"][0]["content"]

@@ -25,6 +25,8 @@ from tests.scaleout.cluster import (
     wait_until,
 )
 
+pytestmark = pytest.mark.system
+
 
 async def owner_of_only_session(c: Cluster) -> Proc:
     """The replica serving the one open session (its load report takes ~0.1 s)."""

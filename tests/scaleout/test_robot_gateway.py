@@ -9,9 +9,12 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from tests.robot.robot_client import RobotClient, observation
 from tests.scaleout.cluster import Cluster, Proc, get, replica_id_of
+
+pytestmark = pytest.mark.system
 
 
 def robot_url(proc: Proc, query: str = "") -> str:

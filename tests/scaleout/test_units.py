@@ -12,6 +12,8 @@ from web.gateway_relay import _close_code, forwarded_headers, ws_url
 from web.gateway_routing import NoReplicaAvailable, Router
 from web.replica import ReplicaConfig, admin_denial, opens_new_session
 
+pytestmark = pytest.mark.unit
+
 
 class FakeRegistry:
     def __init__(self, replicas: Sequence[ReplicaInfo], alive_polls: int = 0) -> None:

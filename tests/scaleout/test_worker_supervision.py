@@ -16,6 +16,8 @@ import pytest
 from tests.scaleout.workers_parent import descendants, gone, live_workers, start_parent, stop_everything
 from web.workers import RestartPolicy, Supervisor, worker_label
 
+pytestmark = pytest.mark.system
+
 # A stand-in worker for the supervisor alone: worker 1 dies at start, every time; the others
 # serve until SIGTERM, then exit 0 (as a drained worker does).
 FAKE_WORKER = """

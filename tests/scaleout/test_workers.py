@@ -11,11 +11,14 @@ from typing import Any
 
 import httpx
 import psutil
+import pytest
 
 from loadtest.webrtc_client import RealtimeCallClient
 from tests.scaleout.cluster import RealtimeClient, get
 from tests.scaleout.workers_parent import start_parent
 from web.workers import strip_flags
+
+pytestmark = pytest.mark.system
 
 
 def test_strip_flags_drops_what_the_parent_sets() -> None:

@@ -25,6 +25,8 @@ from web.gateway_relay import _client_close
 from web.gateway_ws import world_error
 from web.replica import opens_new_session
 
+pytestmark = pytest.mark.system
+
 START = {
     "type": "session.start",
     "model": "tiny-jepa",

@@ -34,6 +34,8 @@ from web.context import audio_spool
 from web.session_factory import core_options
 from web.settings import ServerSettings
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture
 def spool(tmp_path: Path) -> Iterator[SpoolAudioStore]:

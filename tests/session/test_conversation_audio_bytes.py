@@ -7,10 +7,13 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
 from media.audio import PCM24K
 from session.realtime.audio_store import MemoryAudioStore
 from session.realtime.conversation import Content, Conversation, Item
+
+pytestmark = pytest.mark.unit
 
 
 def _whole_walk(conversation: Conversation) -> int:

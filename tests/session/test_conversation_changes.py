@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from session.realtime.conversation import Content, Conversation, Item
+
+pytestmark = pytest.mark.unit
 
 
 def _item(item_id: str, text: str = "hi") -> Item:

@@ -9,10 +9,13 @@ import weakref
 from collections.abc import Iterator
 
 import numpy as np
+import pytest
 
 from session.realtime.conversation import Content, Conversation, Item
 from session.realtime.gc_untrack import untrack
 from tests.session.realtime_harness import Harness, tone
+
+pytestmark = pytest.mark.unit
 
 
 def _conversation_objects(conversation: Conversation) -> Iterator[object]:

@@ -17,6 +17,8 @@ from session.voice.driver import RealtimeDriver
 from tests.session.realtime_harness import Harness, pcm16_b64, tone, types
 from web.metrics import conversation_audio_bytes
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(params=["memory", "spool"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[AudioStore]:

@@ -17,6 +17,8 @@ from session.realtime.ids import SequentialIds
 from session.voice.driver import RealtimeDriver
 from tests.sessions.client import until
 
+pytestmark = pytest.mark.system
+
 # The null responder: 10 s of a tone in real time, so a request left running would still be live.
 SPEC = (
     "name: t\nentry: respond\nstages:\n"

@@ -4,8 +4,11 @@ track audio past `max_input_audio_s` with one `error`, and takes it again once c
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.session.realtime_harness import Harness
+
+pytestmark = pytest.mark.unit
 
 
 def errors(h: Harness) -> list[dict]:

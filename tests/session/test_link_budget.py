@@ -11,6 +11,8 @@ import pytest
 from session import link as link_module
 from session.link import SLOW_CLIENT_CODE, LinkEnd, TransportLink
 
+pytestmark = pytest.mark.unit
+
 
 class StuckTransport:
     """A transport whose peer reads nothing: sends and the close frame never complete."""

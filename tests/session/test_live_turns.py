@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
+import pytest
 
 from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
 from runtime.orchestrator import Orchestrator
@@ -21,6 +22,8 @@ from session.realtime.effects import LiveAudio, LiveUpdate, StartResponse
 from session.realtime.ids import SequentialIds
 from session.voice.live_request import LiveEntry, LiveRequest
 from tests.session.realtime_harness import assert_valid_server_event, pcm16_b64
+
+pytestmark = pytest.mark.system
 
 RATE = 24_000
 

@@ -14,6 +14,8 @@ from session.voice.driver import RealtimeDriver
 from tests.session.realtime_harness import Harness, pcm16_b64, tone, types
 from web.metrics import conversation_audio_bytes
 
+pytestmark = pytest.mark.unit
+
 
 def error_of(h: Harness, event: dict[str, Any]) -> dict[str, Any]:
     out = h.send(event)

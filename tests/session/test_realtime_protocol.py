@@ -12,6 +12,8 @@ import pytest
 from session.realtime import ClearAudioOutput, PlayAudio
 from tests.session.realtime_harness import Harness, pcm16_b64, silence, tone, types
 
+pytestmark = pytest.mark.unit
+
 
 def error_of(h: Harness, event: dict[str, Any] | str) -> dict[str, Any]:
     out = h.send(event)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import base64
 
 import numpy as np
+import pytest
 
 from session.realtime import CancelResponse, StartResponse, TranscribeInput
 from tests.session.realtime_harness import Harness, collapse, silence, tone, types
+
+pytestmark = pytest.mark.system
 
 RESPONSE_AUDIO_ORDER = [
     "response.output_item.added",

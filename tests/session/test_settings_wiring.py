@@ -5,11 +5,15 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from runtime.capabilities import PipelineCapabilities
 from session.realtime.config import SessionConfig
 from web.cli import build_parser
 from web.session_factory import build_store, core_options
 from web.settings import ServerSettings
+
+pytestmark = pytest.mark.unit
 
 
 def test_audio_retention_flag_reaches_core_options() -> None:

@@ -24,6 +24,8 @@ from tests.sessions.conftest import session_server
 from web.serve import check_bind
 from web.settings import ServerSettings
 
+pytestmark = pytest.mark.system
+
 HTTP_TIMEOUT_S = 1.0
 KEEP_ALIVE_S = 1.0
 API_KEY = "sk-abuse-test"

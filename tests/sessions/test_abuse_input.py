@@ -25,6 +25,8 @@ from tests.live_server import LiveServer
 from tests.sessions.client import Conn, opened, resumed, turn, user_text
 from tests.sessions.conftest import on_server_async, session_server
 
+pytestmark = pytest.mark.system
+
 CONVERSATION_BYTES = 1024 * 1024
 INSTRUCTIONS_BYTES = 64 * 1024
 INPUT_AUDIO_S = 2.0

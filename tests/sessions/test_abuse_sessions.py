@@ -24,6 +24,8 @@ from tests.live_server import LiveServer
 from tests.sessions.client import opened, realtime_url, until, user_text
 from tests.sessions.conftest import on_server_async, session_server
 
+pytestmark = pytest.mark.system
+
 ITEM_TEXT = "w" * (1900 * 1024)  # the 1.9 MB item (one frame under the 2 MiB limit)
 
 

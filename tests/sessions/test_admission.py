@@ -18,6 +18,8 @@ from tests.realtime.wire import ServerEvents
 from tests.sessions.client import opened, realtime_url, resumed, turn, until
 from tests.sessions.conftest import on_server_async, session_server
 
+pytestmark = pytest.mark.system
+
 SLOTS = 2
 
 

@@ -20,6 +20,8 @@ from tests.live_server import LiveServer
 from tests.sessions.conftest import session_server
 from web.cors import OriginPolicy
 
+pytestmark = pytest.mark.system
+
 KEY = "sk-cors"
 APP = "https://app.example.com"
 LOOPBACK_PAGE = "http://127.0.0.1:9"  # another port of this machine: a local dev page

@@ -20,6 +20,8 @@ from tests.realtime.wire import ServerEvents
 from tests.sessions.client import realtime_url, reply_text, resumed, user_text
 from tests.sessions.conftest import session_server
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def server(

@@ -43,6 +43,8 @@ from tests.conftest_redis import RedisServerProcess, _free_port
 from tests.sessions.client import Conn, opened
 from tests.sessions.history_engine import pipeline_file
 
+pytestmark = pytest.mark.system
+
 SEED = int(os.environ.get("OMNI_FUZZ_SEED", "1313"))
 SECONDS = float(os.environ.get("OMNI_FUZZ_SECONDS", "20"))
 SESSIONS = 3

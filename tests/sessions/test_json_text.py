@@ -11,6 +11,8 @@ import pytest
 from session import json_text
 from session.json_guard import INVALID_JSON, INVALID_STRING, JsonRejected, check_value, loads_checked
 
+pytestmark = pytest.mark.unit
+
 
 def test_loads_takes_what_only_the_json_module_takes() -> None:
     assert json_text.loads('{"a": "\\ud800"}') == {"a": "\ud800"}  # a lone surrogate escape

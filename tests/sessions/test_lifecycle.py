@@ -13,6 +13,8 @@ from session.lifecycle import HostedSession, KindSpec, SessionLifecycle
 from session.retention import RetentionPolicy, RetentionTimer
 from session.store.errors import StoreError
 
+pytestmark = pytest.mark.unit
+
 POLICY = RetentionPolicy(idle_ttl_s=600.0, max_lifetime_s=3600.0, disconnect_grace_s=30.0)
 T0 = 1_800_000_000.0
 Session = HostedSession[Any, Any]

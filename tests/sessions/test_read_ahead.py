@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
 from web.uvicorn_guards import READ_AHEAD_BYTES, GuardedWebSocketProtocol
+
+pytestmark = pytest.mark.system
 
 
 class FakeTransport:

@@ -22,6 +22,8 @@ from tests.conftest_redis import _free_port
 from tests.sessions.client import logged, opened, reply_text, resumed, turn
 from tests.sessions.history_engine import pipeline_file
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -27,6 +27,8 @@ from tests.sessions.client import (
 )
 from tests.sessions.conftest import on_server_async, session_server
 
+pytestmark = pytest.mark.system
+
 RESPONSE_MS = 2000  # long enough to drop in the middle and still have a live tail after resume
 
 

@@ -19,6 +19,8 @@ from tests.live_server import LiveServer
 from tests.sessions.client import opened, resumed, turn, until
 from tests.sessions.conftest import session_server
 
+pytestmark = pytest.mark.system
+
 IDLE_S = 1.5
 GRACE_S = 0.4
 LIFETIME_S = 3.0

@@ -22,6 +22,8 @@ from tests.live_server import LiveServer
 from tests.sessions.client import logged, opened, realtime_url, resumed, seq, turn, until
 from tests.sessions.conftest import session_server
 
+pytestmark = pytest.mark.system
+
 
 class DurableRedis:
     """A redis-server on a fixed port with an AOF, so it can be killed and come back whole."""

@@ -15,6 +15,8 @@ from tests.live_server import LiveServer
 from tests.sessions.client import opened, resumed, turn
 from tests.sessions.conftest import session_server
 
+pytestmark = pytest.mark.system
+
 KEY_A, KEY_B = "key-a", "key-b"
 
 

@@ -17,6 +17,8 @@ from session.resume import connection_event, event_position, logged_event_id, re
 from session.store.event_ids import EventRef, parse_event_id, split_events
 from session.voice.turn_gate import TurnGate, TurnRejected
 
+pytestmark = pytest.mark.unit
+
 
 def text_item(text: str) -> dict[str, Any]:
     return {

@@ -17,10 +17,13 @@ import asyncio
 import socket
 from typing import Any
 
+import pytest
 import uvicorn
 from websockets.asyncio.client import connect
 
 from web.uvicorn_guards import SEND_NOWAIT, SET_RECEIVER, GuardedWebSocketProtocol
+
+pytestmark = pytest.mark.system
 
 
 async def serve(app: Any) -> tuple[uvicorn.Server, asyncio.Task[None], int]:

@@ -11,6 +11,8 @@ import redis.asyncio
 
 from session.admission import AdmissionController, Admitted, Queued, Rejected
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture
 async def make(redis_client: redis.asyncio.Redis) -> AsyncIterator[type[AdmissionController]]:

@@ -17,6 +17,8 @@ from session.affinity import (
 )
 from session.store import SessionStore, SessionWriter, StaleEpoch
 
+pytestmark = pytest.mark.system
+
 
 async def test_registry_lease_refresh_and_lapse(redis_client: redis.asyncio.Redis) -> None:
     registry = ReplicaRegistry(redis_client, lease_s=1.0)

@@ -6,10 +6,13 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import redis.asyncio
 
 from session.store import EmbeddedRedis, SessionStore, SessionWriter, redis_connection
 from session.store.embedded import pid_alive
+
+pytestmark = pytest.mark.system
 
 
 async def test_start_ping_stop_leaves_nothing(tmp_path: Path) -> None:

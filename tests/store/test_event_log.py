@@ -10,6 +10,8 @@ import redis.asyncio
 from session.store import ReplayUnavailable, ResumeTokenInvalid, SessionNotFound, SessionStore, SessionWriter
 from session.store.event_ids import parse_event_id
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture
 async def store(redis_client: redis.asyncio.Redis) -> SessionStore:

@@ -12,6 +12,8 @@ import redis.asyncio
 from session.store import ReplayUnavailable, SessionStore, SessionWriter
 from session.store.event_ids import parse_event_id
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture
 async def store(redis_client: redis.asyncio.Redis) -> SessionStore:

@@ -20,6 +20,8 @@ from session.identity import (
 )
 from session.store import ResumeTokenInvalid, SessionNotFound, SessionStore
 
+pytestmark = pytest.mark.system
+
 
 def test_session_ids() -> None:
     ids = {new_session_id() for _ in range(1000)}

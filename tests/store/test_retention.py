@@ -10,6 +10,8 @@ import redis.asyncio
 from session.retention import RetentionPolicy, RetentionTimer, Verdict, expire_session
 from session.store import SessionGone, SessionNotFound, SessionStore, SessionWriter
 
+pytestmark = pytest.mark.system
+
 
 def test_defaults() -> None:
     p = RetentionPolicy()

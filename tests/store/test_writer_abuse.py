@@ -7,10 +7,13 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import pytest
 import redis.asyncio
 
 from session.store import SessionStore, SessionWriter, StoreError, WriterHub
 from session.store.errors import WriteRejected
+
+pytestmark = pytest.mark.system
 
 
 async def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:

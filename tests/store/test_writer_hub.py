@@ -32,6 +32,8 @@ from session.store import (
 from session.store.embedded import find_redis_server
 from session.store.redis_store import MAX_OPS_PER_CALL, BatchOp
 
+pytestmark = pytest.mark.system
+
 
 class CountingStore(SessionStore):
     """The real store, recording which sessions each pipelined write carried."""

@@ -14,6 +14,8 @@ from tests.live_server import LiveServer, live_server
 from tests.session.realtime_harness import assert_valid_server_event
 from web.webrtc import DEMO_KEY_ENV, append_rejection, too_large
 
+pytestmark = pytest.mark.system
+
 API_KEY = "sk-test-webrtc"
 
 

@@ -20,6 +20,8 @@ from tests.session.realtime_harness import assert_valid_server_event
 from tests.speech_audio import SENTENCE, words
 from tests.webrtc.conftest import GRACE_S, TRANSCRIBED, open_peer_connections, webrtc_service
 
+pytestmark = pytest.mark.system
+
 SILENT_RMS = 1e-3
 
 

@@ -20,6 +20,8 @@ from media.tracks import (
 )
 from media.webrtc import OfferError, check_offer, parse_ice_servers
 
+pytestmark = pytest.mark.system
+
 
 class VirtualTime:
     """A monotonic clock that only moves when something sleeps on it."""

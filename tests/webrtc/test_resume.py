@@ -24,6 +24,8 @@ from tests.sessions.client import resumed, seq, until, user_text
 from tests.sessions.conftest import on_server_async, session_server
 from tests.webrtc.conftest import open_peer_connections, webrtc_service
 
+pytestmark = pytest.mark.system
+
 GRACE_S = 8.0  # long enough to look at a detached session before the grace runs out
 
 

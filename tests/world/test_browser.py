@@ -10,7 +10,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
+
 from tests.world.conftest import WorldServer
+
+pytestmark = pytest.mark.browser
 
 CHROMIUM = os.environ.get("OMNIDUPLEX_CHROMIUM", "/usr/bin/chromium")
 LAUNCH_ARGS = [

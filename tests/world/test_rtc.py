@@ -8,9 +8,12 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
 from tests.world.conftest import WorldServer
+
+pytestmark = pytest.mark.system
 
 
 class RtcClient:

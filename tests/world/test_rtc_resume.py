@@ -34,6 +34,8 @@ from tests.world.test_sessions import (
     world_stats,
 )
 
+pytestmark = pytest.mark.system
+
 GRACE_S = 3.0
 CALLS = "/v1/realtime/video/calls"
 

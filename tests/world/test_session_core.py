@@ -30,6 +30,8 @@ from session.world.events import (
 from session.world.keys import HeldKeys
 from session.world.pacing import ChunkPacer
 
+pytestmark = pytest.mark.unit
+
 
 def make_core(**limits: object) -> VideoSessionCore:
     ids = count(1)

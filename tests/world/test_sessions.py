@@ -24,6 +24,8 @@ from tests.conftest_redis import RedisServerProcess, start_tcp_redis
 from tests.live_server import LiveServer, live_server
 from tests.world.conftest import VideoClient
 
+pytestmark = pytest.mark.system
+
 T = TypeVar("T")
 
 KEY, OTHER_KEY = "sk-world-a", "sk-world-b"

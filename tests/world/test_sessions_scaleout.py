@@ -20,6 +20,8 @@ from websockets.exceptions import InvalidStatus
 from tests.conftest_redis import RedisServerProcess
 from tests.scaleout.cluster import Proc, replica_id_of, start_replica, wait_ready
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def replicas(

@@ -7,10 +7,13 @@ import json
 import os
 import time
 
+import pytest
 from websockets.exceptions import ConnectionClosed
 
 from session.world.core import Phase
 from tests.world.conftest import WorldServer, open_client
+
+pytestmark = pytest.mark.system
 
 
 def rss_bytes() -> int:

@@ -7,9 +7,12 @@ import io
 from typing import Any
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from tests.world.conftest import Chunk, VideoClient, WorldServer, open_client
+
+pytestmark = pytest.mark.system
 
 
 async def stream(

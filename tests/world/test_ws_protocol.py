@@ -12,6 +12,8 @@ from PIL import Image
 from tests.timing import slack
 from tests.world.conftest import WorldServer, open_client
 
+pytestmark = pytest.mark.system
+
 
 def jpeg_frames(data: bytes, lengths: list[int]) -> list[np.ndarray]:
     frames, offset = [], 0
