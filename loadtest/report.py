@@ -228,8 +228,9 @@ SERVER_GLOSSARY = """- **server TTFA**: the server's own histogram, response sta
 - **conversation audio**: audio the server holds in open sessions' conversations (peak): the
   newest items' audio, PCM16, at most `--audio-retention-s` (default 10 s) per conversation;
   older items keep their transcripts.
-- **held audio**: the audio deltas the server keeps for a resume on it (peak; their event JSON,
-  Redis does not keep them): at most `--audio-replay-max-bytes` (6 MiB) per session, none older
+- **held audio**: the audio deltas the server keeps for a resume on it (peak; their PCM and
+  each response's JSON around it once, Redis does not keep them; before 2026-12-06 their event
+  JSON): at most `--audio-replay-max-bytes` (6 MiB) per session, none older
   than 55 s while connected.
 - **loop lag**: how late a 100 ms timer fires on the server's event loop.
 - **host CPU**: every process on the host, in % of one core (the host has `cpus` × 100 %),

@@ -193,8 +193,9 @@ class ServerMetrics:
         )
         self.held_audio_bytes = Gauge(
             f"{PREFIX}_held_audio_bytes",
-            "Audio deltas of open sessions this process keeps for a resume here (their event "
-            "JSON; Redis does not keep them), at most --audio-replay-max-bytes per session.",
+            "Audio deltas of open sessions this process keeps for a resume here (their PCM, and "
+            "the JSON around it once per response; Redis does not keep them), at most "
+            "--audio-replay-max-bytes per session.",
             registry=r,
         )
         self.conversation_audio_spooled_bytes = Gauge(

@@ -27,7 +27,9 @@ No Redis call per input audio frame: those never reach the writer. Activity with
 (:meth:`mark_activity`) refreshes the TTLs at most every ``touch_interval_s``.
 
 Held events: the store's ``held_event_types`` (audio deltas) are stamped and sent like any
-other but kept here, not queued for Redis: the newest ``held_max_bytes`` of JSON (6 MiB), and
+other but kept here (:class:`~session.store.held_events.HeldEvents`: the PCM bytes, the JSON
+around them once per response, rebuilt byte for byte on a replay), not queued for Redis: the
+newest ``held_max_bytes`` of them (6 MiB), and
 while the session is connected none older than ``held_window_s`` (55 s: how long a dead
 connection can go unnoticed, the 20 s ping interval plus its 20 s timeout plus the 15 s a full
 send buffer may wait); once it is detached (:meth:`set_state`), none made more than that
@@ -70,10 +72,10 @@ from session.store.errors import (
 from session.store.event_ids import (
     StampedEvent,
     format_event_id,
-    format_held_event_id,
     parse_event_id,
     session_tag,
 )
+from session.store.held_events import HeldEvents
 from session.store.redis_store import MAX_OPS_PER_CALL, BatchOp, SessionBatch, SessionRecord, SessionStore
 
 log = logging.getLogger(__name__)
@@ -144,27 +146,17 @@ class SessionWriter:
         self._log_sizes: deque[int] = deque()
         self._log_first = 0
         self._log_bytes = 0
-        # Events kept in this process, not logged (``store.held_event_types``): their compact
-        # JSON, the logged seq each follows and when it was made, oldest first; the first is the
-        # ``_held_first``-th (contiguous). Parallel deques of str / int / float: no tuple per
-        # event for the collector to track (see ``_log_sizes``).
+        # Events kept in this process, not logged (``store.held_event_types``).
         self._held_types: frozenset[str] = frozenset(getattr(store, "held_event_types", ()) or ())
-        self._held_max_bytes = int(getattr(store, "held_max_bytes", 0) or 0)
-        self._held_window_s = float(getattr(store, "held_window_s", 0.0) or 0.0)
-        self._held_wires: deque[str] = deque()
-        self._held_seqs: deque[int] = deque()
-        self._held_times: deque[float] = deque()
-        self._held_first = 1
-        self._held_next = 1
-        self._held_bytes = 0
-        self._held_dropped = (0, 0)  # the position of the newest one dropped (past the bound)
-        self._detached_at: float | None = None  # held events from window_s before it on stay
+        self._held = HeldEvents(
+            max_bytes=int(getattr(store, "held_max_bytes", 0) or 0),
+            window_s=float(getattr(store, "held_window_s", 0.0) or 0.0),
+        )
         # The logged seq this writer began after: held events after it are this writer's; an
         # earlier process's (restart, failover) are not here. Until this writer logged an event
         # of its own, a held one is logged instead, so positions never repeat an earlier one's.
         self._origin = record.event_seq
         self._logged_own = False
-        self.held_dropped = 0
         self._touch_interval = touch_interval_s or max(1.0, store.policy.idle_ttl_s / 4)
         self._on_fatal = on_fatal
         self._pending: deque[BatchOp] = deque()
@@ -217,37 +209,21 @@ class SessionWriter:
         return stamped
 
     def _hold(self, event: Mapping[str, Any]) -> dict[str, Any]:
-        """Keep the event in this process only: bounded by bytes and by age, oldest out first."""
-        n = self._held_next
-        self._held_next += 1
-        seq = self._next_seq - 1  # the logged event it follows
-        stamped = StampedEvent(event)
-        stamped["event_id"] = format_held_event_id(self._tag, self.epoch, seq, n)
-        stamped.wire = wire = json_text.dumps(stamped)
-        now = time.monotonic()
-        if not self._held_wires:
-            self._held_first = n
-        self._held_wires.append(wire)
-        self._held_seqs.append(seq)
-        self._held_times.append(now)
-        self._held_bytes += len(wire)
-        oldest = (now if self._detached_at is None else self._detached_at) - self._held_window_s
-        while len(self._held_wires) > 1 and (
-            (self._held_max_bytes and self._held_bytes > self._held_max_bytes)
-            or (self._held_window_s and self._held_times[0] < oldest)
-        ):
-            self._held_bytes -= len(self._held_wires.popleft())
-            self._held_times.popleft()
-            self._held_dropped = (self._held_seqs.popleft(), self._held_first)
-            self._held_first += 1
-            self.held_dropped += 1
+        """Keep the event in this process only (see :class:`HeldEvents` for its bounds)."""
+        stamped = self._held.hold(event, tag=self._tag, epoch=self.epoch, seq=self._next_seq - 1)
         self.mark_activity()  # not logged, but the session is active: keep its keys alive
         return stamped
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of event JSON kept in this process (audio deltas) for a resume here."""
-        return self._held_bytes
+        """Bytes kept in this process for a resume here: the held audio deltas' PCM, and the
+        JSON around it once per response (:attr:`HeldEvents.nbytes`)."""
+        return self._held.nbytes
+
+    @property
+    def held_dropped(self) -> int:
+        """Held events that left past a bound (bytes or age)."""
+        return self._held.dropped
 
     def _account_log(self, seq: int, size: int) -> None:
         """The stream holds at most ``log_max_bytes`` of events: past it, queue a trim of the
@@ -294,10 +270,7 @@ class SessionWriter:
         """The session's state (``active``, ``detached``, ``parked``...). While ``detached``,
         held events are kept from ``held_window_s`` before the connection went on, for the
         resume to replay (see the module doc)."""
-        if state != "detached":
-            self._detached_at = None
-        elif self._detached_at is None:
-            self._detached_at = time.monotonic()
+        self._held.set_detached(state == "detached")
         self._queue(("m", "state", state, ""), urgent=True)
 
     def set_config(self, config: Mapping[str, Any]) -> None:
@@ -385,29 +358,17 @@ class SessionWriter:
         ``ReplayUnavailable("unknown_event_id")`` for a held id this writer never made."""
         ref = parse_event_id(last_event_id) if last_event_id else None
         after = ref.position if ref is not None else (0, 0)
-        if ref is not None and ref.held and ref.seq > self._origin and ref.held >= self._held_next:
+        if ref is not None and ref.held and ref.seq > self._origin and ref.held >= self._held.next:
             raise ReplayUnavailable(self.session_id, last_event_id, "unknown_event_id")
         await self.flush()
         logged = await self.store.events_after(self.session_id, last_event_id)
         # Held events up to the last logged one read: a later logged event was appended after
         # the flush, so it and the held ones after it reach the client live (see serve_resume).
         through = _logged_seq(logged[-1]) if logged else after[0]
-        events: list[dict[str, Any]] = []
-        i = 0
-        n = self._held_first
-        for wire, seq in zip(self._held_wires, self._held_seqs, strict=True):
-            if seq > through:
-                break
-            if (seq, n) > after:
-                while i < len(logged) and _logged_seq(logged[i]) <= seq:
-                    events.append(logged[i])
-                    i += 1
-                events.append(_held_event(wire))
-            n += 1
-        events.extend(logged[i:])
+        events = self._held.merge(logged, after, through, _logged_seq)
         if self._origin and after[0] <= self._origin:
             held = "not_kept"
-        elif self._held_dropped > after:
+        elif self._held.dropped_position > after:
             held = "trimmed"
         else:
             held = "complete"
@@ -528,12 +489,6 @@ class SessionWriter:
 def _logged_seq(event: Mapping[str, Any]) -> int:
     ref = parse_event_id(str(event.get("event_id", "")))
     return ref.seq if ref is not None else 0
-
-
-def _held_event(wire: str) -> StampedEvent:
-    event = StampedEvent(json_text.loads(wire))
-    event.wire = wire
-    return event
 
 
 class WriterHub:

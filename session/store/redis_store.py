@@ -244,8 +244,8 @@ class SessionStore:
         # writer trims the oldest entries, ``t`` ops): 4,096 events of 1.9 MB would be 8 GB.
         self.log_max_bytes = log_max_bytes
         # Events of these types are not written here: each session's writer keeps them in its
-        # process, at most ``held_max_bytes`` of JSON and, while connected, ``held_window_s``
-        # old, and a resume on that process replays them (see ``SessionWriter``).
+        # process (``HeldEvents``: their PCM), at most ``held_max_bytes`` and, while connected,
+        # ``held_window_s`` old, and a resume on that process replays them (see ``SessionWriter``).
         self.held_event_types = held_event_types
         self.held_max_bytes = held_max_bytes
         self.held_window_s = held_window_s

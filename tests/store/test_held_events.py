@@ -4,6 +4,7 @@ process, not in Redis; a resume there gets them back in place, a resume elsewher
 from __future__ import annotations
 
 import asyncio
+import base64
 from typing import Any
 
 import pytest
@@ -48,6 +49,15 @@ def stream(writer: SessionWriter, n: int, *, size: int = 8) -> list[dict[str, An
     return sent
 
 
+def held_size(events: list[dict[str, Any]]) -> int:
+    """What holding these deltas (one response's, one shape) counts: their PCM, and once the
+    JSON text around it less the event id's position."""
+    first = events[0]
+    position = str(first["event_id"]).rpartition("_")[2]
+    shape = len(first.wire) - len(first["delta"]) - len(position)  # type: ignore[attr-defined]
+    return shape + sum(len(base64.b64decode(e["delta"])) for e in events)
+
+
 def positions(events: list[dict[str, Any]]) -> list[tuple[int, int]]:
     refs = [parse_event_id(str(e["event_id"])) for e in events]
     assert all(r is not None for r in refs)
@@ -64,7 +74,9 @@ async def test_audio_deltas_are_not_logged_and_replay_puts_them_back_in_order(st
     assert logged == [e for e in sent if e["type"] != "response.output_audio.delta"]
     # Redis' seqs stay contiguous: the deltas take no seq of their own.
     assert [p for p, _ in positions(logged)] == list(range(1, len(logged) + 1))
-    assert writer.held_bytes == sum(len(e.wire) for e in sent if e["type"] == "response.output_audio.delta")
+    # Held as PCM (3/4 of the base64) and the JSON around it once, not as each event's text.
+    held = [e for e in sent if e["type"] == "response.output_audio.delta"]
+    assert writer.held_bytes == held_size(held) < sum(len(e.wire) for e in held)
 
     whole = await writer.replay(None)
     assert whole.held == "complete" and whole.events == sent
@@ -78,9 +90,9 @@ async def test_audio_deltas_are_not_logged_and_replay_puts_them_back_in_order(st
 async def test_the_held_bound_drops_the_oldest_and_a_replay_across_them_says_trimmed(
     redis_client: redis.asyncio.Redis,
 ) -> None:
-    writer = await writer_on(redis_client, held_max_bytes=2_000)
+    writer = await writer_on(redis_client, held_max_bytes=1_000)
     sent = stream(writer, 60, size=40)
-    assert writer.held_bytes <= 2_000 and writer.held_dropped > 0
+    assert writer.held_bytes <= 1_000 and writer.held_dropped > 0
     held = [e for e in sent if e["type"] == "response.output_audio.delta"]
     kept = held[writer.held_dropped :]
     # From before the dropped ones: every logged event, the kept deltas, and "trimmed".
@@ -99,7 +111,7 @@ async def test_held_events_older_than_the_window_are_dropped(
     first = stream(writer, 4)
     await asyncio.sleep(0.1)
     second = writer.append(audio(99))
-    assert writer.held_dropped == 4 and writer.held_bytes == len(second.wire)  # type: ignore[attr-defined]
+    assert writer.held_dropped == 4 and writer.held_bytes == held_size([second])
     replay = await writer.replay(str(first[0]["event_id"]))
     assert replay.held == "trimmed" and replay.events == [
         e for e in first[1:] if "audio." not in e["type"]
@@ -123,7 +135,7 @@ async def test_a_detached_session_keeps_what_it_held_when_the_connection_went(
     writer.set_state("active")  # the resume replayed them
     await asyncio.sleep(0.3)
     later = writer.append(audio(51))
-    assert writer.held_dropped == 3 and writer.held_bytes == len(later.wire)  # type: ignore[attr-defined]
+    assert writer.held_dropped == 3 and writer.held_bytes == held_size([later])
 
 
 async def test_a_restored_writer_replays_every_logged_event_and_says_the_audio_is_not_kept(
