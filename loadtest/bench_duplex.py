@@ -30,7 +30,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -95,7 +95,7 @@ async def run(sessions: int, seconds: float, threads: int) -> dict[str, Any]:
     # frame, which is what the in → out pairing below counts on.
     options = {**stage.options, "stream_silence": True, "threads": threads, "idle_grace_ms": 60_000,
                "max_sessions": max(sessions, int(stage.options.get("max_sessions", 64)))}
-    spec = replace(spec, stages=(replace(stage, options=options), *spec.stages[1:]))
+    spec = spec.with_stage(stage.engine, options=options)
     log = StepLog()
     orch = Orchestrator.from_spec(spec)
     orch.metrics.add_hook(log)

@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -168,14 +168,14 @@ def pipeline_spec(args: argparse.Namespace) -> PipelineSpec:
     spec = load_pipeline(PIPELINE)
     if args.max_ahead is not None:
         edges = tuple(
-            replace(e, max_ahead=args.max_ahead or None) if e.key == "thinker->talker" else e
+            e.model_copy(update={"max_ahead": args.max_ahead or None}) if e.key == "thinker->talker" else e
             for e in spec.edges
         )
-        spec = replace(spec, edges=edges)
+        spec = spec.model_copy(update={"edges": edges})
     if args.num_threads is not None:
         threads = {"num_threads": args.num_threads}
-        stages = tuple(replace(s, options={**s.options, **threads}) for s in spec.stages)
-        spec = replace(spec, stages=stages)
+        stages = tuple(s.model_copy(update={"options": {**s.options, **threads}}) for s in spec.stages)
+        spec = spec.model_copy(update={"stages": stages})
     return spec
 
 

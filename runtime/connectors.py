@@ -117,18 +117,3 @@ class InProcessConnector(Connector):
     def close(self) -> None:
         with self._lock:
             self._store.clear()
-
-
-def make_connectors(kinds: set[str]) -> dict[str, Connector]:
-    """One connector per kind used by a pipeline (shared by its edges and worker processes)."""
-    connectors: dict[str, Connector] = {}
-    for kind in sorted(kinds):
-        if kind == "inproc":
-            connectors[kind] = InProcessConnector()
-        elif kind == "shm":
-            from runtime.shm import SharedMemoryConnector
-
-            connectors[kind] = SharedMemoryConnector()
-        else:
-            raise ValueError(f"unknown connector {kind!r}")
-    return connectors

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from runtime.capabilities import PipelineCapabilities
-from runtime.connectors import Connector, Handle, make_connectors
+from runtime.connector_registry import make_connectors
+from runtime.connectors import Connector, Handle
 from runtime.edges import AsyncChunker, Chunk, FullCollector, make_collector
 from runtime.engine import EngineRequest
 from runtime.metrics import RuntimeMetrics

@@ -1,23 +1,25 @@
-"""Pipeline specs: YAML in, validated (by pydantic models of the YAML) frozen dataclasses out.
+"""Pipeline specs: YAML in, validated frozen pydantic models out (one set of types).
 
-Every validation error is a :class:`PipelineSpecError` whose message names the file, the
-field (``stages[1].budget.max_batch``) and the reason, so a bad YAML never starts anything.
+The spec types are the YAML's own shapes: pydantic checks the fields (``extra="forbid"``, strict
+integers with bounds, literal choices, non-empty names), and the checks that span fields (an
+edge's ``max_ahead`` against its chunk sizes, process workers on shm edges, references between
+stages, the topology) are model validators. Every validation error is a
+:class:`PipelineSpecError` whose message names the file, the field
+(``stages[1].budget.max_batch``) and the reason, so a bad YAML never starts anything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
-    PlainValidator,
+    Strict,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -27,11 +29,17 @@ from pydantic_core import PydanticCustomError
 
 EdgeMode = Literal["async_chunk", "full"]
 WorkerKind = Literal["thread", "process"]
+ConnectorKind = Literal["inproc", "shm"]
+EntryName = Literal["live", "transcribe"]
 
-EDGE_MODES: tuple[str, ...] = ("async_chunk", "full")
-CONNECTORS: tuple[str, ...] = ("inproc", "shm")
-WORKER_KINDS: tuple[str, ...] = ("thread", "process")
+EDGE_MODES: tuple[str, ...] = get_args(EdgeMode)
+CONNECTORS: tuple[str, ...] = get_args(ConnectorKind)
+WORKER_KINDS: tuple[str, ...] = get_args(WorkerKind)
 PIPELINES_DIR = Path(__file__).with_name("pipelines")
+
+Count = Annotated[int, Strict(), Field(ge=0)]
+Positive = Annotated[int, Strict(), Field(ge=1)]
+Name = Annotated[str, Strict(), Field(min_length=1)]
 
 
 class PipelineSpecError(ValueError):
@@ -45,68 +53,154 @@ class PipelineSpecError(ValueError):
         super().__init__(f"{where}: {reason}")
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkPolicy:
+class _Spec(BaseModel):
+    """A YAML mapping: only the declared keys; ``None`` (and for some keys any empty value)
+    stands for an absent key, so the default applies."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    absent_if_none: ClassVar[frozenset[str]] = frozenset()
+    absent_if_empty: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _absent_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # pydantic's own model_type error names it
+        return {
+            key: value
+            for key, value in data.items()
+            if not (value is None and key in cls.absent_if_none)
+            and not (not value and key in cls.absent_if_empty)
+        }
+
+
+class ChunkPolicy(_Spec):
     """async_chunk hand-over policy: first chunk size, steady chunk size, left context."""
 
-    first: int = 1
-    steady: int = 1
-    left_context: int = 0
+    first: Positive = 1
+    steady: Positive = 1
+    left_context: Count = 0
 
 
-@dataclass(frozen=True, slots=True)
-class BudgetSpec:
-    max_concurrency: int = 16  # live requests per replica
-    max_batch: int = 1  # requests per engine.step call
+class BudgetSpec(_Spec):
+    max_concurrency: Positive = 16  # live requests per replica
+    max_batch: Positive = 1  # requests per engine.step call
     worker: WorkerKind = "thread"
-    workers: int = 1  # concurrent step calls per replica (thread workers only)
-    device: str = "cpu"
-    kv_bytes: int = 256 * 1024 * 1024  # per-replica session KV retention budget (runtime.kv)
+    workers: Positive = 1  # concurrent step calls per replica (thread workers only)
+    device: Name = "cpu"
+    kv_bytes: Count = 256 * 1024 * 1024  # per-replica session KV retention budget (runtime.kv)
     # Once woken with work, wait this long for more before stepping (0: step at once). For
     # stages whose steps are tiny and frequent (a VAD frame per session every 32 ms), so that
     # one step serves many sessions instead of one thread hand-off per frame.
-    gather_ms: int = 0
+    gather_ms: Count = 0
+
+    @model_validator(mode="after")
+    def _one_step_per_process(self) -> BudgetSpec:
+        if self.worker == "process" and self.workers != 1:
+            raise _fail("a process worker runs one step at a time (use replicas)", "workers")
+        return self
 
 
-@dataclass(frozen=True, slots=True)
-class StageSpec:
-    name: str
-    engine: str
-    options: Mapping[str, Any] = field(default_factory=dict)
-    budget: BudgetSpec = field(default_factory=BudgetSpec)
-    replicas: int = 1
+class StageSpec(_Spec):
+    absent_if_none = frozenset({"name", "engine"})
+    absent_if_empty = frozenset({"options", "budget"})
+
+    name: Name
+    engine: Name
+    options: Mapping[str, Any] = Field(default_factory=dict)
+    budget: BudgetSpec = Field(default_factory=BudgetSpec)
+    replicas: Positive = 1
+
+    @field_validator("engine")
+    @classmethod
+    def _registered(cls, engine: str, info: ValidationInfo) -> str:
+        engines: set[str] | None = (info.context or {}).get("engines")
+        if engines is not None and engine not in engines and ":" not in engine:  # module:QualName: at start
+            known = ", ".join(sorted(engines)) or "none"
+            raise _fail(f"unknown engine {engine!r} (registered: {known})")
+        return engine
 
 
-@dataclass(frozen=True, slots=True)
-class EdgeSpec:
-    source: str  # YAML `from`
-    target: str  # YAML `to`
+class EdgeSpec(_Spec):
+    absent_if_none = frozenset({"from", "to", "max_ahead"})
+    absent_if_empty = frozenset({"chunk"})
+
+    source: Name = Field(alias="from")
+    target: Name = Field(alias="to")
     mode: EdgeMode = "async_chunk"
-    connector: str = "inproc"
-    chunk: ChunkPolicy = field(default_factory=ChunkPolicy)
+    connector: ConnectorKind = "inproc"
+    chunk: ChunkPolicy = Field(default_factory=ChunkPolicy)
     # Flow credits (async_chunk only): the upstream stage is stepped for a request only while
     # fewer than ``max_ahead`` of the items it put on this edge have not yet been taken in by a
     # downstream step. None: no credit limit (only the orchestrator's inbox_limit applies).
-    max_ahead: int | None = None
+    max_ahead: Positive | None = None
 
     @property
     def key(self) -> str:
         return f"{self.source}->{self.target}"
 
+    @model_validator(mode="after")
+    def _max_ahead_fits(self) -> EdgeSpec:
+        if self.max_ahead is None:
+            return self
+        if self.mode != "async_chunk":
+            reason = "only for mode async_chunk (a full edge hands over nothing before the end)"
+            raise _fail(reason, "max_ahead")
+        chunk = self.chunk
+        if self.max_ahead < max(chunk.first, chunk.steady):
+            raise _fail(
+                f"must be >= the chunk sizes (first {chunk.first}, steady {chunk.steady}), "
+                f"got {self.max_ahead}: the upstream stage could never complete a chunk",
+                "max_ahead",
+            )
+        return self
 
-@dataclass(frozen=True, slots=True)
-class PipelineSpec:
-    name: str
-    entry: str
-    stages: tuple[StageSpec, ...]
+
+class PipelineSpec(_Spec):
+    absent_if_none = frozenset({"name", "stages", "entry", "max_concurrency"})
+    absent_if_empty = frozenset({"edges", "entries"})
+
+    name: Name
+    entry: Name = ""  # default: the first stage (filled in by validation)
+    stages: tuple[StageSpec, ...] = Field(min_length=1)
     edges: tuple[EdgeSpec, ...] = ()
-    max_concurrency: int | None = None  # pipeline admission limit; default: tightest stage
-    source: str = "<memory>"
+    max_concurrency: Positive | None = None  # pipeline admission limit; default: tightest stage
+    source: str = "<memory>"  # the loader's, never the YAML's
     # Named extra entries (YAML `entries: {live: vad, transcribe: transcribe}`): a request
     # submitted with `entry=<stage>` runs only the stages reachable from that stage. `live` is
     # where a voice session opens its live request; `transcribe` transcribes one audio item.
-    entries: Mapping[str, str] = field(default_factory=dict)
-    input_rate: int = 16000  # sample rate of the AudioInput a session appends to a live request
+    entries: Mapping[EntryName, Name] = Field(default_factory=dict)
+    input_rate: Annotated[int, Strict(), Field(ge=8000)] = 16000  # AudioInput rate a session appends
+
+    @model_validator(mode="after")
+    def _references(self) -> PipelineSpec:
+        names = [s.name for s in self.stages]
+        for i, stage_name in enumerate(names):
+            if stage_name in names[:i]:
+                raise _fail(f"duplicate stage name {stage_name!r}", f"stages[{i}].name")
+        stages = ", ".join(names)
+        if not self.entry:
+            self.__dict__["entry"] = names[0]
+        if self.entry not in names:
+            raise _fail(f"unknown stage {self.entry!r} (stages: {stages})", "entry")
+        by_name = {s.name: s for s in self.stages}
+        for i, edge in enumerate(self.edges):
+            for key, end in (("from", edge.source), ("to", edge.target)):
+                if end not in by_name:
+                    raise _fail(f"unknown stage {end!r} (stages: {stages})", f"edges[{i}].{key}")
+            if edge.source == edge.target:
+                raise _fail(f"cycle: edge from {edge.source!r} to itself", f"edges[{i}]")
+            for end in (edge.source, edge.target):
+                if by_name[end].budget.worker == "process" and edge.connector != "shm":
+                    raise _fail(
+                        f"stage {end!r} runs in a worker process, so its edges need connector: shm",
+                        f"edges[{i}].connector",
+                    )
+        for key, stage_name in self.entries.items():
+            if stage_name not in names:
+                raise _fail(f"unknown stage {stage_name!r} (stages: {stages})", f"entries.{key}")
+        _check_topology([self.entry, *self.entries.values()], names, self.edges)
+        return self
 
     def stage(self, name: str) -> StageSpec:
         for stage in self.stages:
@@ -151,17 +245,18 @@ class PipelineSpec:
         if not any(stage.engine == engine for stage in self.stages):
             raise ValueError(f"pipeline {self.name!r} has no stage with engine {engine!r}")
         stages = tuple(
-            replace(
-                stage,
-                engine=new_engine or stage.engine,
-                options={**stage.options, **(options or {})},
-                budget=replace(stage.budget, **(budget or {})),
+            stage.model_copy(
+                update={
+                    "engine": new_engine or stage.engine,
+                    "options": {**stage.options, **(options or {})},
+                    "budget": stage.budget.model_copy(update=dict(budget or {})),
+                }
             )
             if stage.engine == engine
             else stage
             for stage in self.stages
         )
-        return replace(self, stages=stages)
+        return self.model_copy(update={"stages": stages})
 
     def with_edge_modes(self, edge_modes: Mapping[str, str] | None) -> PipelineSpec:
         """This pipeline with some edges' modes overridden (``{"talker->code2wav": "full"}``);
@@ -178,16 +273,17 @@ class PipelineSpec:
             if mode not in EDGE_MODES:
                 raise ValueError(f"edge_modes[{key!r}]: mode must be one of {', '.join(EDGE_MODES)}")
         edges = tuple(
-            replace(
-                e,
-                mode=edge_modes[e.key],  # type: ignore[arg-type]
-                max_ahead=e.max_ahead if edge_modes[e.key] == "async_chunk" else None,
+            e.model_copy(
+                update={
+                    "mode": edge_modes[e.key],
+                    "max_ahead": e.max_ahead if edge_modes[e.key] == "async_chunk" else None,
+                }
             )
             if e.key in edge_modes
             else e
             for e in self.edges
         )
-        return replace(self, edges=edges)
+        return self.model_copy(update={"edges": edges})
 
 
 def available_pipelines() -> list[str]:
@@ -232,17 +328,19 @@ def parse_pipeline(
         from runtime.registry import available_engines
 
         known_engines = available_engines()
+    if isinstance(data, dict) and "source" in data:  # set by the loader, never by the YAML
+        raise PipelineSpecError(source, "source", f"unknown field (expected one of {_allowed(PipelineSpec)})")
     try:
-        raw = _PipelineYaml.model_validate(data, context={"engines": set(known_engines)})
+        spec = PipelineSpec.model_validate(data, context={"engines": set(known_engines)})
     except ValidationError as exc:
         raise _spec_error(source, exc) from None
-    return raw.to_spec(source)
+    return spec.model_copy(update={"source": source})
 
 
-# ----------------------------------------------------------------------------- YAML shapes
-# pydantic models of the YAML as written; each check raises a ``pipeline_spec`` error whose
-# context holds the reason (and, for a check made on the enclosing mapping, the field below it),
-# which :func:`_spec_error` turns into one PipelineSpecError naming the path.
+# ----------------------------------------------------------------------------- errors
+# A check that spans fields raises a ``pipeline_spec`` error whose context holds the reason (and,
+# for a check made on the enclosing mapping, the field below it); pydantic's own errors are put
+# in the same words. :func:`_spec_error` turns the first into one PipelineSpecError naming the path.
 
 _SPEC_ERROR = "pipeline_spec"
 
@@ -254,254 +352,89 @@ def _fail(reason: str, below: str = "") -> PydanticCustomError:
 def _spec_error(source: str, exc: ValidationError) -> PipelineSpecError:
     """The first error pydantic found (fields are checked in declaration order)."""
     error = exc.errors(include_url=False)[0]
+    loc = [part for part in error["loc"] if part != "[key]"]
     path = ""
-    for part in error["loc"]:
+    for part in loc:
         path = f"{path}[{part}]" if isinstance(part, int) else _join(path, str(part))
     ctx = error.get("ctx") or {}
-    if error["type"] == _SPEC_ERROR:
+    kind, value = error["type"], error.get("input")
+    if kind == _SPEC_ERROR:
         below = str(ctx.get("below", ""))
         if below:
             path = _join(path, below)
         reason = str(ctx["reason"])
-    elif error["type"] == "missing":
+    elif kind == "missing":
         reason = "missing required field"
-    else:  # not reached by the shapes below; pydantic's own words then
+    elif kind == "extra_forbidden":
+        reason = f"unknown field (expected one of {_allowed(_model_at(loc[:-1]))})"
+    elif kind == "literal_error" and "[key]" in error["loc"]:  # entries: {live: ..., transcribe: ...}
+        reason = f"unknown field (expected one of {', '.join(get_args(EntryName))})"
+    elif kind in ("int_type", "int_parsing", "int_from_float"):
+        reason = f"expected an integer, got {value!r}"
+    elif kind == "greater_than_equal":
+        reason = f"must be >= {ctx['ge']}, got {value}"
+    elif kind in ("string_type", "string_too_short"):
+        reason = f"expected a non-empty string, got {value!r}"
+    elif kind == "literal_error":
+        reason = f"must be one of {', '.join(_choices(loc))}, got {value!r}"
+    elif kind in ("model_type", "model_attributes_type", "dict_type", "mapping_type"):
+        reason = f"expected a mapping, got {type(value).__name__}"
+    elif kind in ("tuple_type", "too_short") and loc[-1:] == ["stages"]:
+        reason = "expected a non-empty list of stages"
+    elif kind == "tuple_type" and loc[-1:] == ["edges"]:
+        reason = "expected a list of edges"
+    else:  # pydantic's own words
         reason = error["msg"]
     return PipelineSpecError(source, path or "<top>", reason)
 
 
-def _integer(minimum: int) -> PlainValidator:
-    def check(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _fail(f"expected an integer >= {minimum}, got {value!r}")
-        if value < minimum:
-            raise _fail(f"must be >= {minimum}, got {value}")
-        return value
-
-    return PlainValidator(check)
-
-
-def _string(value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise _fail(f"expected a non-empty string, got {value!r}")
-    return value
+def _model_of(annotation: Any) -> type[_Spec] | None:
+    """The spec model in a field's annotation (``tuple[StageSpec, ...]``, ``BudgetSpec | None``)."""
+    if isinstance(annotation, type) and issubclass(annotation, _Spec):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
 
 
-def _choice(choices: tuple[str, ...]) -> PlainValidator:
-    def check(value: Any) -> str:
-        if value not in choices:
-            raise _fail(f"must be one of {', '.join(choices)}, got {value!r}")
-        return str(value)
-
-    return PlainValidator(check)
-
-
-def _mapping(value: Any) -> dict[Any, Any]:
-    if not isinstance(value, dict):
-        raise _fail("expected a mapping")
-    return dict(value)
+def _model_at(loc: list[Any]) -> type[_Spec]:
+    """The model whose fields sit at ``loc`` (a path of field aliases and list indices)."""
+    model: type[_Spec] = PipelineSpec
+    for part in loc:
+        if isinstance(part, str):
+            info = _field(model, part)
+            inner = _model_of(info.annotation) if info is not None else None
+            if inner is None:
+                break
+            model = inner
+    return model
 
 
-_Count = Annotated[int, _integer(0)]
-_Positive = Annotated[int, _integer(1)]
-_Name = Annotated[str, PlainValidator(_string)]
+def _field(model: type[_Spec], alias: str) -> Any:
+    return next((i for n, i in model.model_fields.items() if (i.alias or n) == alias), None)
 
 
-class _Shape(BaseModel):
-    """A YAML mapping: only the declared keys; ``None`` (and for some keys any empty value)
-    stands for an absent key, so the default applies."""
-
-    model_config = ConfigDict(frozen=True)
-    absent_if_none: ClassVar[frozenset[str]] = frozenset()
-    absent_if_empty: ClassVar[frozenset[str]] = frozenset()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_keys(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            raise _fail(f"expected a mapping, got {type(data).__name__}")
-        allowed = [info.alias or name for name, info in cls.model_fields.items()]
-        for key in data:
-            if key not in allowed:
-                raise _fail(f"unknown field (expected one of {', '.join(allowed)})", str(key))
-        return {
-            key: value
-            for key, value in data.items()
-            if not (value is None and key in cls.absent_if_none)
-            and not (not value and key in cls.absent_if_empty)
-        }
+def _allowed(model: type[_Spec] | None) -> str:
+    if model is None:
+        return ""
+    if model is PipelineSpec:
+        return ", ".join(i.alias or n for n, i in model.model_fields.items() if n != "source")
+    return ", ".join(i.alias or n for n, i in model.model_fields.items())
 
 
-class _ChunkYaml(_Shape):
-    first: _Positive = 1
-    steady: _Positive = 1
-    left_context: _Count = 0
-
-    def to_spec(self) -> ChunkPolicy:
-        return ChunkPolicy(self.first, self.steady, self.left_context)
-
-
-_BUDGET = BudgetSpec()
+def _choices(loc: list[Any]) -> tuple[str, ...]:
+    """The literal choices of the field at ``loc``."""
+    info = _field(_model_at(loc[:-1]), str(loc[-1])) if loc else None
+    annotation = info.annotation if info is not None else None
+    while annotation is not None and get_origin(annotation) is not Literal:
+        args = get_args(annotation)
+        annotation = args[0] if args else None
+    return get_args(annotation) if annotation is not None else ()
 
 
-class _BudgetYaml(_Shape):
-    max_concurrency: _Positive = _BUDGET.max_concurrency
-    max_batch: _Positive = _BUDGET.max_batch
-    worker: Annotated[WorkerKind, _choice(WORKER_KINDS)] = _BUDGET.worker
-    workers: _Positive = _BUDGET.workers
-    device: _Name = _BUDGET.device
-    kv_bytes: _Count = _BUDGET.kv_bytes
-    gather_ms: _Count = _BUDGET.gather_ms
-
-    @model_validator(mode="after")
-    def _one_step_per_process(self) -> _BudgetYaml:
-        if self.worker == "process" and self.workers != 1:
-            raise _fail("a process worker runs one step at a time (use replicas)", "workers")
-        return self
-
-    def to_spec(self) -> BudgetSpec:
-        return BudgetSpec(
-            self.max_concurrency,
-            self.max_batch,
-            self.worker,
-            self.workers,
-            self.device,
-            self.kv_bytes,
-            self.gather_ms,
-        )
-
-
-class _StageYaml(_Shape):
-    absent_if_none = frozenset({"name", "engine"})
-    absent_if_empty = frozenset({"options", "budget"})
-
-    name: _Name
-    engine: _Name
-    options: Annotated[dict[Any, Any], PlainValidator(_mapping)] = Field(default_factory=dict)
-    budget: _BudgetYaml = Field(default_factory=_BudgetYaml)
-    replicas: _Positive = 1
-
-    @field_validator("engine")
-    @classmethod
-    def _registered(cls, engine: str, info: ValidationInfo) -> str:
-        engines: set[str] = (info.context or {}).get("engines", set())
-        if engine not in engines and ":" not in engine:  # module:QualName: checked at start
-            known = ", ".join(sorted(engines)) or "none"
-            raise _fail(f"unknown engine {engine!r} (registered: {known})")
-        return engine
-
-    def to_spec(self) -> StageSpec:
-        return StageSpec(self.name, self.engine, dict(self.options), self.budget.to_spec(), self.replicas)
-
-
-class _EdgeYaml(_Shape):
-    absent_if_none = frozenset({"from", "to", "max_ahead"})
-    absent_if_empty = frozenset({"chunk"})
-
-    source: _Name = Field(alias="from")
-    target: _Name = Field(alias="to")
-    mode: Annotated[EdgeMode, _choice(EDGE_MODES)] = "async_chunk"
-    connector: Annotated[str, _choice(CONNECTORS)] = "inproc"
-    chunk: _ChunkYaml = Field(default_factory=_ChunkYaml)
-    max_ahead: Annotated[int | None, _integer(1)] = None
-
-    @model_validator(mode="after")
-    def _max_ahead_fits(self) -> _EdgeYaml:
-        if self.max_ahead is None:
-            return self
-        if self.mode != "async_chunk":
-            reason = "only for mode async_chunk (a full edge hands over nothing before the end)"
-            raise _fail(reason, "max_ahead")
-        chunk = self.chunk
-        if self.max_ahead < max(chunk.first, chunk.steady):
-            raise _fail(
-                f"must be >= the chunk sizes (first {chunk.first}, steady {chunk.steady}), "
-                f"got {self.max_ahead}: the upstream stage could never complete a chunk",
-                "max_ahead",
-            )
-        return self
-
-    def to_spec(self) -> EdgeSpec:
-        chunk = self.chunk.to_spec()
-        return EdgeSpec(self.source, self.target, self.mode, self.connector, chunk, self.max_ahead)
-
-
-class _EntriesYaml(_Shape):
-    live: Annotated[str | None, PlainValidator(_string)] = None
-    transcribe: Annotated[str | None, PlainValidator(_string)] = None
-
-    def named(self) -> dict[str, str]:
-        return {key: stage for key, stage in (("live", self.live), ("transcribe", self.transcribe)) if stage}
-
-
-def _stage_list(value: Any) -> Any:
-    if not isinstance(value, list) or not value:
-        raise _fail("expected a non-empty list of stages")
-    return value
-
-
-def _edge_list(value: Any) -> Any:
-    if not isinstance(value, list):
-        raise _fail("expected a list of edges")
-    return value
-
-
-class _PipelineYaml(_Shape):
-    absent_if_none = frozenset({"name", "stages", "entry", "max_concurrency"})
-    absent_if_empty = frozenset({"edges", "entries"})
-
-    name: _Name
-    entry: _Name | None = None  # default: the first stage
-    stages: Annotated[list[_StageYaml], BeforeValidator(_stage_list)]
-    edges: Annotated[list[_EdgeYaml], BeforeValidator(_edge_list)] = Field(default_factory=list)
-    max_concurrency: Annotated[int | None, _integer(1)] = None
-    entries: _EntriesYaml = Field(default_factory=_EntriesYaml)
-    input_rate: Annotated[int, _integer(8000)] = 16000
-
-    @model_validator(mode="after")
-    def _references(self) -> _PipelineYaml:
-        names = [s.name for s in self.stages]
-        for i, stage_name in enumerate(names):
-            if stage_name in names[:i]:
-                raise _fail(f"duplicate stage name {stage_name!r}", f"stages[{i}].name")
-        stages = ", ".join(names)
-        entry = self.entry or names[0]
-        if entry not in names:
-            raise _fail(f"unknown stage {entry!r} (stages: {stages})", "entry")
-        by_name = {s.name: s for s in self.stages}
-        for i, edge in enumerate(self.edges):
-            for key, end in (("from", edge.source), ("to", edge.target)):
-                if end not in by_name:
-                    raise _fail(f"unknown stage {end!r} (stages: {stages})", f"edges[{i}].{key}")
-            if edge.source == edge.target:
-                raise _fail(f"cycle: edge from {edge.source!r} to itself", f"edges[{i}]")
-            for end in (edge.source, edge.target):
-                if by_name[end].budget.worker == "process" and edge.connector != "shm":
-                    raise _fail(
-                        f"stage {end!r} runs in a worker process, so its edges need connector: shm",
-                        f"edges[{i}].connector",
-                    )
-        entries = self.entries.named()
-        for key, stage_name in entries.items():
-            if stage_name not in names:
-                raise _fail(f"unknown stage {stage_name!r} (stages: {stages})", f"entries.{key}")
-        _check_topology([entry, *entries.values()], names, [e.to_spec() for e in self.edges])
-        return self
-
-    def to_spec(self, source: str) -> PipelineSpec:
-        return PipelineSpec(
-            name=self.name,
-            entry=self.entry or self.stages[0].name,
-            stages=tuple(s.to_spec() for s in self.stages),
-            edges=tuple(e.to_spec() for e in self.edges),
-            max_concurrency=self.max_concurrency,
-            source=source,
-            entries=self.entries.named(),
-            input_rate=self.input_rate,
-        )
-
-
-def _check_topology(entries: list[str], names: list[str], edges: list[EdgeSpec]) -> None:
+def _check_topology(entries: list[str], names: list[str], edges: tuple[EdgeSpec, ...]) -> None:
     seen: set[str] = set()
     for i, edge in enumerate(edges):
         if edge.key in seen:

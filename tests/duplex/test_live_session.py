@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -162,7 +161,7 @@ async def test_a_full_model_is_retried_with_backoff_not_in_a_loop(monkeypatch: A
     monkeypatch.setattr(live_request, "REOPEN_DELAY_S", 0.05)
     spec = load_pipeline("duplex-tiny")
     stage = spec.stages[0]
-    spec = replace(spec, stages=(replace(stage, options={**stage.options, "max_sessions": 1}),))
+    spec = spec.with_stage(stage.engine, options={"max_sessions": 1})
     orch = Orchestrator.from_spec(spec)
     await orch.start()
     events: list[dict[str, Any]] = []

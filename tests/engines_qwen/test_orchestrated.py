@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -67,8 +67,10 @@ TAPS = {"thinker": ("test.qwen_tap_thinker", TapThinker), "talker": ("test.qwen_
 
 def tapped_spec() -> PipelineSpec:
     spec = load_pipeline("qwen3-omni-tiny")
-    stages = tuple(replace(s, engine=TAPS[s.name][0]) if s.name in TAPS else s for s in spec.stages)
-    return replace(spec, stages=stages)
+    stages = tuple(
+        s.model_copy(update={"engine": TAPS[s.name][0]}) if s.name in TAPS else s for s in spec.stages
+    )
+    return spec.model_copy(update={"stages": stages})
 
 
 @dataclass

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.connectors import ConnectorError, InProcessConnector, make_connectors
+from runtime.connector_registry import make_connectors
+from runtime.connectors import ConnectorError, InProcessConnector
 from runtime.payloads import AudioChunk, CodecCodes, Conditioning, HiddenStates, KVBlocks, TextDelta
 from runtime.shm import SHM_DIR, SharedMemoryConnector, sweep_segments
 
