@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+import pybase64
+
 from session import json_text
 from session.store.event_ids import StampedEvent, format_held_event_id
 
@@ -46,25 +48,33 @@ class _Shape(NamedTuple):
         return f"{self.head}{position}{self.mid}{payload}{self.tail}"
 
 
+_DELTA_KEY = '"delta":"'
+_ID_KEY = '"event_id":"'
+
+
 def _cut(wire: str, delta: str, event_id: str, position: str) -> _Shape | None:
     """The shape of ``wire`` around its ``delta`` value and the ``position`` that ends its
-    event id, or None when either is not found exactly once where expected."""
-    d = wire.find(f'"delta":"{delta}"')
-    e = wire.find(f'"event_id":"{event_id}"')
+    event id, or None when either is not where its key is. Exact by construction: the two
+    spans hold ``delta`` and ``position``, and the shape is the text around them."""
+    d = wire.rfind(_DELTA_KEY)  # the last key in the core's events: found at once
+    e = wire.find(_ID_KEY)
     if d < 0 or e < 0:
         return None
-    d_start = d + len('"delta":"')
+    d_start = d + len(_DELTA_KEY)
     d_end = d_start + len(delta)
-    p_end = e + len('"event_id":"') + len(event_id)
+    p_end = e + len(_ID_KEY) + len(event_id)
     p_start = p_end - len(position)
+    if not (
+        wire.startswith(delta, d_start)
+        and wire.startswith(f'{event_id}"', p_end - len(event_id))
+        and wire.startswith('"', d_end)
+    ):
+        return None  # a key inside another value, or escaped text: keep the text itself
     if d_end <= p_start:
-        shape = _Shape(wire[:d_start], wire[d_end:p_start], wire[p_end:], True)
-    elif p_end <= d_start:
-        shape = _Shape(wire[:p_start], wire[p_end:d_start], wire[d_end:], False)
-    else:
-        return None
-    # By construction the text is the same; checked, because a replay must be what was sent.
-    return shape if shape.text(delta, position) == wire else None
+        return _Shape(wire[:d_start], wire[d_end:p_start], wire[p_end:], True)
+    if p_end <= d_start:
+        return _Shape(wire[:p_start], wire[p_end:d_start], wire[d_end:], False)
+    return None
 
 
 def _pcm(delta: Any) -> bytes | None:
@@ -72,10 +82,10 @@ def _pcm(delta: Any) -> bytes | None:
     if not isinstance(delta, str) or not delta or not delta.isascii():
         return None
     try:
-        data = binascii.a2b_base64(delta, strict_mode=True)
+        data = pybase64.b64decode(delta, validate=True)
     except (binascii.Error, ValueError):
         return None
-    return data if binascii.b2a_base64(data, newline=False) == delta.encode("ascii") else None
+    return data if pybase64.b64encode(data) == delta.encode("ascii") else None
 
 
 class HeldEvents:
@@ -192,7 +202,7 @@ def _rebuilt(payload: bytes | str, shape: _Shape | None, seq: int, n: int) -> St
         wire = payload
     else:
         assert isinstance(payload, bytes)
-        wire = shape.text(binascii.b2a_base64(payload, newline=False).decode("ascii"), f"{seq}.{n}")
+        wire = shape.text(pybase64.b64encode(payload).decode("ascii"), f"{seq}.{n}")
     event = StampedEvent(json_text.loads(wire))
     event.wire = wire
     return event
