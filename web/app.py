@@ -176,6 +176,7 @@ def create_app(settings: ServerSettings) -> Starlette:
         started = time.monotonic()
         async with server_context(settings) as ctx:
             app.state.ctx = ctx
+            app.state.body_timeout_s = settings.http_timeout_s  # web/bodies.py
             app.state.started = started
             app.state.webrtc = webrtc
             # World sessions share the voice sessions' store, admission slots and binding.

@@ -41,10 +41,9 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
 
 
 def body_timeout_s(request: Request) -> float:
-    """The server's ``http_timeout_s`` (web/settings.py) when the app has one, else 10 s."""
-    ctx = getattr(request.app.state, "ctx", None)
-    settings = getattr(ctx, "settings", None)
-    return float(getattr(settings, "http_timeout_s", BODY_TIMEOUT_S))
+    """The app's ``body_timeout_s`` (the session server sets its ``http_timeout_s``,
+    web/settings.py), else 10 s."""
+    return float(getattr(request.app.state, "body_timeout_s", BODY_TIMEOUT_S))
 
 
 async def read_body(request: Request, limit: int, *, timeout_s: float | None = None) -> bytes:

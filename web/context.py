@@ -12,6 +12,7 @@ import contextlib
 import gc
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,12 @@ from runtime.orchestrator import Orchestrator
 from runtime.spec import PipelineSpec, load_pipeline
 from session.identity import ApiKeyMap, EphemeralKeys
 from session.realtime.audio_store import SpoolAudioStore
+from session.store.embedded import redis_connection
+from session.voice.driver import RealtimeDriver
+from session.voice.hosting import SessionHost
+from session.voice.turn_gate import TurnGate
 from web.metrics import ServerMetrics, loop_lag_watcher
+from web.session_factory import CoreFactory, DriverFactory, build_host
 from web.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -95,31 +101,31 @@ def pipeline_spec(settings: ServerSettings) -> PipelineSpec:
 
 @dataclass(slots=True)
 class ServerContext:
+    """The composition root: every part a route or transport reaches, typed, built once by
+    :func:`server_context`."""
+
     settings: ServerSettings
     api_keys: ApiKeyMap
     spec: PipelineSpec
     orchestrator: Orchestrator
     redis: Redis
     ephemeral: EphemeralKeys
-    capabilities: PipelineCapabilities = field(default_factory=PipelineCapabilities)
-    sessions: dict[str, Any] = field(default_factory=dict)  # session id → live driver
-    metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    ready: bool = False
-    host: Any = None  # session.voice.hosting.SessionHost: the realtime WebSocket sessions (resume, retention)
-    turn_gate: Any = None  # session.voice.turn_gate.TurnGate: generating responses per replica
+    capabilities: PipelineCapabilities
+    metrics: ServerMetrics
+    turn_gate: TurnGate  # generating responses per replica
+    host: SessionHost  # the realtime sessions, WebSocket and WebRTC (resume, retention)
+    sessions: dict[str, RealtimeDriver] = field(default_factory=dict)  # session id → live driver
     audio_spool: SpoolAudioStore | None = None  # conversations' spilled audio (None: kept in memory)
+    ready: bool = False
 
     @property
     def open_mode(self) -> bool:
         return len(self.api_keys) == 0
 
-    @property
-    def pipeline_transcribes_input(self) -> bool:
-        return self.capabilities.response_transcribes_input
 
 
 @contextlib.asynccontextmanager
-async def audio_spool(settings: ServerSettings) -> Any:
+async def audio_spool(settings: ServerSettings) -> AsyncIterator[SpoolAudioStore | None]:
     """This process's spool for conversation audio under the data dir (stale ones of dead
     processes removed first), removed on exit; None when `audio_spool` is off."""
     if not settings.audio_spool:
@@ -133,10 +139,8 @@ async def audio_spool(settings: ServerSettings) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def server_context(settings: ServerSettings) -> Any:
+async def server_context(settings: ServerSettings) -> AsyncIterator[ServerContext]:
     """Start everything a server needs; stop it all on exit."""
-    from session.store.embedded import redis_connection
-
     api_keys = ApiKeyMap.parse(settings.api_keys) if settings.api_keys else ApiKeyMap()
     spec = pipeline_spec(settings)
     async with (
@@ -145,6 +149,16 @@ async def server_context(settings: ServerSettings) -> Any:
     ):
         orchestrator = Orchestrator.from_spec(spec)
         await orchestrator.start()
+        capabilities = orchestrator.capabilities()
+        metrics = ServerMetrics()
+        turn_gate = TurnGate(
+            settings.max_generating or orchestrator.capacity,
+            queue_limit=settings.turn_queue_max,
+            wait_s=settings.turn_queue_s,
+        )
+        drivers = DriverFactory(CoreFactory(settings, capabilities, spool), orchestrator, metrics, turn_gate)
+        sessions: dict[str, RealtimeDriver] = {}
+        replica_id = settings.replica_id or f"standalone-{uuid.uuid4().hex[:12]}"
         ctx = ServerContext(
             settings=settings,
             api_keys=api_keys,
@@ -152,22 +166,17 @@ async def server_context(settings: ServerSettings) -> Any:
             orchestrator=orchestrator,
             redis=redis,
             ephemeral=EphemeralKeys(redis),
-            capabilities=orchestrator.capabilities(),
+            capabilities=capabilities,
+            metrics=metrics,
+            turn_gate=turn_gate,
+            host=build_host(drivers, redis, sessions, replica_id),
+            sessions=sessions,
             audio_spool=spool,
         )
-        ctx.metrics.bind_runtime(orchestrator.metrics)
-        ctx.metrics.bind_sessions(lambda: ctx.sessions.values())
+        metrics.bind_runtime(orchestrator.metrics)
+        metrics.bind_sessions(sessions.values)
         if spool is not None:
-            ctx.metrics.bind_audio_spool(lambda: spool.spooled_bytes)
-        from session.voice.turn_gate import TurnGate
-        from web.session_factory import build_host
-
-        ctx.turn_gate = TurnGate(
-            settings.max_generating or orchestrator.capacity,
-            queue_limit=settings.turn_queue_max,
-            wait_s=settings.turn_queue_s,
-        )
-        ctx.host = build_host(ctx, settings.replica_id or f"standalone-{uuid.uuid4().hex[:12]}")
+            metrics.bind_audio_spool(lambda: spool.spooled_bytes)
         await ctx.host.start()
         # Everything loaded so far (modules, torch, models) lives as long as the process. Out
         # of the cyclic GC's sight, full collections stop scanning it: under load they had

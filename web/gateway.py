@@ -31,13 +31,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 import uvicorn
-from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from starlette.applications import Starlette
@@ -46,16 +43,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
-from session.affinity import ReplicaInfo, ReplicaRegistry, SessionBinding
-from session.identity import ApiKeyMap, EphemeralKeys, api_key_from_request, authenticate
+from session.affinity import ReplicaInfo
+from session.identity import ApiKeyMap
 from session.store.embedded import redis_connection
 from session.store.errors import StoreError
 from session.store.redis_store import redis_errors
 from web.auth import is_loopback_host
 from web.bodies import MAX_FORWARDED_BODY_BYTES, BodyRefused, read_body
 from web.cors import CorsMiddleware, origin_policy
-from web.gateway_http import HttpForwarder, ReplicaHttpUnreachable, to_response
-from web.gateway_routing import NoReplicaAvailable, Router
+from web.gateway_http import ReplicaHttpUnreachable, to_response
+from web.gateway_routing import NoReplicaAvailable
+from web.gateway_state import Gateway, GatewaySettings
 from web.gateway_ws import RealtimeRelayEndpoint, robot_error, world_error
 from web.replica import admin_denial, registry_json
 from web.uvicorn_guards import install
@@ -64,60 +62,6 @@ log = logging.getLogger("omniduplex.gateway")
 
 CALL_TTL_S = 2 * 3600  # a call outlives no session (max lifetime 60 min by default)
 RETRIES = 3  # replicas tried per request before giving up
-
-
-@dataclass(frozen=True, slots=True)
-class GatewaySettings:
-    redis_url: str
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_keys: str = ""  # when set, the gateway also refuses unauthenticated requests itself
-    admin_key: str | None = None
-    insecure: bool = False
-    cors_origins: str | None = None  # browser origins allowed (web/cors.py); None: loopback when open
-    connect_timeout_s: float = 2.0  # replica WebSocket handshake / HTTP connect
-    lapse_wait_s: float = 6.0  # an unreachable owner: wait this long for its lease to lapse
-    max_message_bytes: int = 2 * 1024 * 1024
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> GatewaySettings:
-        return cls(
-            redis_url=args.redis_url,
-            host=args.host,
-            port=args.port,
-            api_keys=args.api_keys or os.environ.get("OMNIDUPLEX_API_KEYS", ""),
-            admin_key=getattr(args, "admin_key", None) or os.environ.get("OMNIDUPLEX_ADMIN_KEY"),
-            insecure=bool(args.insecure),
-            cors_origins=getattr(args, "cors_origins", None),
-        )
-
-
-class Gateway:
-    """The gateway's collaborators (all stateless apart from connection pools)."""
-
-    def __init__(self, settings: GatewaySettings, redis: Redis) -> None:
-        self.settings = settings
-        self.redis = redis
-        self.registry = ReplicaRegistry(redis)
-        self.binding = SessionBinding(redis)
-        self.router = Router(self.registry, self.binding)
-        self.http = HttpForwarder(connect_timeout_s=settings.connect_timeout_s)
-        self.api_keys = ApiKeyMap.parse(settings.api_keys) if settings.api_keys else ApiKeyMap()
-        self.ephemeral = EphemeralKeys(redis)
-
-    async def close(self) -> None:
-        await self.http.close()
-
-    async def authorized(self, authorization: str | None, subprotocols: list[str]) -> bool:
-        """With API keys configured, the gateway refuses strangers before touching a replica."""
-        if len(self.api_keys) == 0:
-            return True
-        key = api_key_from_request(authorization, subprotocols)
-        return await authenticate(key, self.api_keys, self.ephemeral) is not None
-
-    @staticmethod
-    def call_key(call_id: str) -> str:
-        return f"omni:gw:call:{call_id}"
 
 
 def error_response(status: int, code: str, message: str, *, retry_after_s: float | None = None) -> Response:

@@ -23,7 +23,7 @@ import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.responses import Response
 from starlette.websockets import WebSocket
@@ -42,9 +42,7 @@ from web.gateway_relay import (
     ws_url,
 )
 from web.gateway_routing import NoReplicaAvailable, Route
-
-if TYPE_CHECKING:
-    from web.gateway import Gateway
+from web.gateway_state import Gateway
 
 log = logging.getLogger("omniduplex.gateway")
 

@@ -47,10 +47,9 @@ from session.store.event_ids import event_text
 from session.voice.hosting import AdmissionRefused, SessionElsewhere, SessionHost
 from web.context import ServerContext
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
-from web.session_factory import build_driver
 from web.uvicorn_guards import SEND_NOWAIT, SET_RECEIVER
 
-__all__ = ["build_driver", "error_body", "initial_config", "realtime_endpoint"]
+__all__ = ["error_body", "initial_config", "realtime_endpoint"]
 
 log = logging.getLogger(__name__)
 

@@ -126,9 +126,7 @@ class WebRtcService:
         if principal is None:
             ctx.metrics.admission("invalid_api_key")
             return _unauthorized()
-        host: SessionHost | None = ctx.host
-        if host is None:
-            return error_body(503, "not_ready", "The server is not ready yet.", retry_after_s=1)
+        host: SessionHost = ctx.host
         offer = await _read_offer(request)
         if isinstance(offer, Response):
             return offer
@@ -298,7 +296,7 @@ class WebRtcService:
         known = self.call_sessions.get(call_id)
         if known is not None and not await ctx.ephemeral.may_access(principal, known[1]):
             known = None  # an ek_ key hangs up only calls of the sessions it opened
-        if known is None or (known[0] != principal.tenant and not ctx.open_mode) or ctx.host is None:
+        if known is None or (known[0] != principal.tenant and not ctx.open_mode):
             return error_body(404, "call_not_found", "No such call.")
         tenant, session_id = known
         try:

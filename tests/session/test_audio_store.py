@@ -13,8 +13,6 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import pytest
@@ -31,7 +29,7 @@ from session.realtime.config import SessionConfig
 from session.realtime.conversation import Content, Conversation, Item
 from web.cli import build_parser
 from web.context import audio_spool
-from web.session_factory import core_options
+from web.session_factory import CoreFactory
 from web.settings import ServerSettings
 
 pytestmark = pytest.mark.system
@@ -229,13 +227,8 @@ def test_the_spool_flag_reaches_core_options(tmp_path: Path) -> None:
 
     async def spools(settings: ServerSettings) -> tuple[SpoolAudioStore | None, bool]:
         async with audio_spool(settings) as spool:
-            ctx: Any = SimpleNamespace(
-                settings=settings,
-                pipeline_transcribes_input=False,
-                capabilities=PipelineCapabilities(),
-                audio_spool=spool,
-            )
-            assert core_options(ctx, SessionConfig(), "sess_x").audio_store is spool
+            cores = CoreFactory(settings, PipelineCapabilities(), spool)
+            assert cores.core_options(SessionConfig(), "sess_x").audio_store is spool
             return spool, spool is not None and spool.directory.is_dir()
 
     on = ServerSettings(data_dir=str(tmp_path))

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
 from runtime.capabilities import PipelineCapabilities
 from session.realtime.config import SessionConfig
 from web.cli import build_parser
-from web.session_factory import build_store, core_options
+from web.session_factory import CoreFactory, build_store
 from web.settings import ServerSettings
 
 pytestmark = pytest.mark.unit
@@ -20,10 +19,7 @@ def test_audio_retention_flag_reaches_core_options() -> None:
     args = build_parser().parse_args(["serve", "--audio-retention-s", "2.5"])
     settings = ServerSettings.from_args(args)
     assert settings.audio_retention_s == 2.5
-    ctx: Any = SimpleNamespace(
-        settings=settings, pipeline_transcribes_input=False, capabilities=PipelineCapabilities()
-    )
-    options = core_options(ctx, SessionConfig(), "sess_x")
+    options = CoreFactory(settings, PipelineCapabilities()).core_options(SessionConfig(), "sess_x")
     assert options.audio_retention_s == 2.5
 
 
