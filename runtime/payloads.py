@@ -158,6 +158,16 @@ class ResponseDone(Payload):
 
 
 @dataclass(slots=True)
+class Delegate(Payload):
+    """The live model hands work off (GPT-Live delegation): a session on the duplex-native
+    protocol passes it to its delegation target (the client, or the pipeline's text model) and
+    the answer comes back to the model as `Conditioning`. `task`: what it asks, in its words
+    (may be empty: the task is then whatever the conversation says)."""
+
+    task: str = ""
+
+
+@dataclass(slots=True)
 class TurnControl(Payload):
     """Turn control appended to a live request (`append_input`), in order with its audio.
 

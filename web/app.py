@@ -24,6 +24,7 @@ from session.world.runtimes import OrchestratorPool
 from web.bodies import BodyRefused, read_json_body
 from web.context import ServerContext, server_context
 from web.cors import CorsMiddleware, origin_policy
+from web.live_ws import LiveService
 from web.realtime_ws import error_body, realtime_endpoint
 from web.replica import ReplicaGate, replica_membership, replica_routes
 from web.robot import RobotService, openpi_port, robot_api_key
@@ -164,6 +165,7 @@ def robot_metadata(pipeline: str) -> dict[str, Any] | None:
 def create_app(settings: ServerSettings) -> Starlette:
     webrtc = WebRtcService(settings)
     pool = OrchestratorPool()
+    live = LiveService()  # GPT-Live sessions, when the pipeline takes its own turns
     robot = RobotService(pool, robot_metadata(settings.robot_pipeline), pipeline=settings.robot_pipeline)
     video = VideoService(
         pool,
@@ -192,6 +194,10 @@ def create_app(settings: ServerSettings) -> Starlette:
             robot.identify = robot_identify(ctx)
             ctx.metrics.bind_robots(lambda: len(robots.sessions))
             await robots.start()
+            live_host = app.state.live = live.build_host(ctx)  # None: the pipeline refuses them
+            if live_host is not None:
+                ctx.metrics.bind_live(lambda: len(live_host.sessions))
+                await live_host.start()
             try:
 
                 def load() -> int:  # live voice and world sessions
@@ -207,6 +213,8 @@ def create_app(settings: ServerSettings) -> Starlette:
                     async with bare:  # `--openpi-port N`: openpi's root path on its own port
                         yield
             finally:
+                if live_host is not None:
+                    await live_host.close()  # every live session ends: its model context is here
                 await webrtc.close()
                 await robots.close()  # parked: context in Redis, resumable after a restart
                 await world.close()  # every world ends: cancelled, slot released, record deleted
@@ -223,7 +231,9 @@ def create_app(settings: ServerSettings) -> Starlette:
     middleware.insert(0, Middleware(CorsMiddleware, policy=policy))
     # The video routes come first: they include a static mount for /world.
     return Starlette(
-        routes=video.routes() + routes() + robot.routes() + webrtc.routes() + replica_routes(),
+        routes=[
+            *video.routes(), *routes(), *robot.routes(), *live.routes(), *webrtc.routes(), *replica_routes()
+        ],
         middleware=middleware,
         lifespan=lifespan,
     )

@@ -230,6 +230,12 @@ class ServerMetrics:
             buckets=BATCH_BUCKETS,
             registry=r,
         )
+        self.live_frame_seconds = Histogram(
+            f"{PREFIX}_live_frame_seconds",
+            "GPT-Live sessions: a client event's handling on the event loop (decode, checks, queue).",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self.loop_lag = Histogram(
             f"{PREFIX}_event_loop_lag_seconds",
             "How late a periodic event-loop timer fires (a busy loop delays every session).",
@@ -246,10 +252,12 @@ class ServerMetrics:
         self._voice_sessions: Callable[[], int] = lambda: 0
         self._world_sessions: Callable[[], int] = lambda: 0
         self._robot_sessions: Callable[[], int] = lambda: 0
+        self._live_sessions: Callable[[], int] = lambda: 0
         self.active_sessions.set_function(lambda: float(sum(self.session_counts().values())))
         self.active_sessions_by_kind.labels(kind="voice").set_function(lambda: float(self._voice_sessions()))
         self.active_sessions_by_kind.labels(kind="world").set_function(lambda: float(self._world_sessions()))
         self.active_sessions_by_kind.labels(kind="robot").set_function(lambda: float(self._robot_sessions()))
+        self.active_sessions_by_kind.labels(kind="live").set_function(lambda: float(self._live_sessions()))
         self._gc_started: float | None = None
         self._runtime_bound = False
         self._ttfa = self.time_to_first_audio
@@ -285,12 +293,17 @@ class ServerMetrics:
         """Live robot policy sessions (detached ones too), read at scrape time."""
         self._robot_sessions = count
 
+    def bind_live(self, count: Callable[[], int]) -> None:
+        """Live GPT-Live sessions (detached ones too), read at scrape time."""
+        self._live_sessions = count
+
     def session_counts(self) -> dict[str, int]:
         """Live sessions by kind: what ``/readyz`` reports and a replica's load counts."""
         return {
             "voice": self._voice_sessions(),
             "world": self._world_sessions(),
             "robot": self._robot_sessions(),
+            "live": self._live_sessions(),
         }
 
     # --- RobotObserver (session/robot/driver.py) -------------------------------------------------
@@ -304,6 +317,11 @@ class ServerMetrics:
 
     def robot_error(self, code: str) -> None:
         self.errors.labels(code=code).inc()
+
+    # --- LiveObserver (session/live/driver.py) ----------------------------------------------------
+
+    def live_frame(self, seconds: float) -> None:
+        self.live_frame_seconds.observe(seconds)
 
     # --- DriverObserver --------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from session.identity import Principal, api_key_from_request, authenticate, is_session_id
+from session.live.hosting import LiveHost
 from session.robot.hosting import RobotHost
 from session.store.errors import SessionNotFound, StoreUnavailable
 from session.voice.hosting import SessionHost
@@ -35,7 +36,7 @@ def _not_found() -> JSONResponse:
 
 async def session_endpoint(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
-    host: SessionHost | WorldHost | RobotHost = ctx.host
+    host: SessionHost | WorldHost | RobotHost | LiveHost = ctx.host
     try:
         principal = await _principal(request)
     except StoreUnavailable:
@@ -49,6 +50,9 @@ async def session_endpoint(request: Request) -> Response:
     robot = getattr(request.app.state, "robot", None)  # session.robot.hosting.RobotHost
     if robot is not None and robot.live(principal.tenant, session_id) is not None:
         host = robot  # likewise a robot session
+    live = getattr(request.app.state, "live", None)  # session.live.hosting.LiveHost
+    if live is not None and live.live(principal.tenant, session_id) is not None:
+        host = live  # and a GPT-Live session
     try:
         if not is_session_id(session_id):
             raise SessionNotFound(session_id)
