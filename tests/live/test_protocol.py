@@ -35,15 +35,30 @@ async def test_every_client_event_is_answered(server: LiveServer) -> None:
             ({"type": "session.input_audio.mute", "event_id": "m1"}, "session.input_audio.muted"),
             ({"type": "session.input_audio.unmute", "event_id": "u1"}, "session.input_audio.unmuted"),
             (
-                {"type": "session.instructions.append", "event_id": "i1", "delegation_id": None, "content": "Be brief."},
+                {
+                    "type": "session.instructions.append",
+                    "event_id": "i1",
+                    "delegation_id": None,
+                    "content": "Be brief.",
+                },
                 "session.instructions.appended",
             ),
             (
-                {"type": "session.thinking.append", "event_id": "t1", "delegation_id": None, "content": "It rains."},
+                {
+                    "type": "session.thinking.append",
+                    "event_id": "t1",
+                    "delegation_id": None,
+                    "content": "It rains.",
+                },
                 "session.thinking.appended",
             ),
             (
-                {"type": "session.commentary.append", "event_id": "c1", "delegation_id": None, "content": "Say hi."},
+                {
+                    "type": "session.commentary.append",
+                    "event_id": "c1",
+                    "delegation_id": None,
+                    "content": "Say hi.",
+                },
                 "session.commentary.appended",
             ),
             (
@@ -93,24 +108,33 @@ async def test_refusals_after_the_start_keep_the_session(server: LiveServer) -> 
         error = await refused({"type": "session.dance", "event_id": "e1"}, "unknown_event")
         assert error["error"]["client_event_id"] == "e1"
         await refused("{not json", "invalid_json")
-        await refused({"type": "session.input_audio.append", "audio": "x" * (300 * 1024)}, "message_too_large")
+        await refused(
+            {"type": "session.input_audio.append", "audio": "x" * (300 * 1024)}, "message_too_large"
+        )
         await refused({"type": "session.input_audio.append", "audio": pcm_b64(3.0)}, "input_audio_too_large")
         await refused({"type": "session.input_audio.append", "audio": "!!!!"}, "invalid_audio")
-        await refused({"type": "session.input_audio.append", "audio": "AA=="}, "invalid_audio")  # one byte: not PCM16
+        await refused(
+            {"type": "session.input_audio.append", "audio": "AA=="}, "invalid_audio"
+        )  # one byte: not PCM16
         await refused({"type": "session.input_audio.append"}, "missing_required_parameter")
         error = await refused(start_event(), "session_already_started")
         assert error["error"]["client_event_id"] == "evt_start"
         await refused(
-            {"type": "session.update", "session": {"delegation": {"type": "responses"}}}, "delegation_immutable"
+            {"type": "session.update", "session": {"delegation": {"type": "responses"}}},
+            "delegation_immutable",
         )
         await refused({"type": "session.update", "session": {"voice": "cedar"}}, "unknown_parameter")
         await refused(
-            {"type": "session.commentary.append", "delegation_id": "dlg_nope", "content": "x"}, "unknown_delegation"
+            {"type": "session.commentary.append", "delegation_id": "dlg_nope", "content": "x"},
+            "unknown_delegation",
         )
         await refused(
-            {"type": "session.instructions.append", "delegation_id": None, "content": "x" * 5000}, "text_too_large"
+            {"type": "session.instructions.append", "delegation_id": None, "content": "x" * 5000},
+            "text_too_large",
         )
-        await refused({"type": "session.thinking.append", "delegation_id": None}, "missing_required_parameter")
+        await refused(
+            {"type": "session.thinking.append", "delegation_id": None}, "missing_required_parameter"
+        )
         await refused({"type": "response.create"}, "invalid_value")  # nothing queued to deliver
         await refused({"type": "session.input_audio.mute", "muted": True}, "unknown_parameter")
         # still served
@@ -130,7 +154,10 @@ async def test_refusals_after_the_start_keep_the_session(server: LiveServer) -> 
         (json.dumps({"type": "session.input_audio.mute"}), "session_not_started"),
         (json.dumps({"type": "session.begin"}), "unknown_event"),
         (json.dumps(start_event(audio={"format": {"type": "audio/pcmu"}})), "unsupported_audio_format"),
-        (json.dumps(start_event(audio={"format": {"type": "audio/pcm", "rate": 16000}})), "unsupported_audio_format"),
+        (
+            json.dumps(start_event(audio={"format": {"type": "audio/pcm", "rate": 16000}})),
+            "unsupported_audio_format",
+        ),
         (json.dumps(start_event(model="gpt-4o-realtime")), "model_not_found"),
         (json.dumps(start_event(delegation={"type": "responses"})), "delegation_unavailable"),
         (json.dumps(start_event(temperature=0.5)), "unknown_parameter"),

@@ -60,7 +60,11 @@ class LiveClient:
                 event = await self.event(within_s)
                 if event["type"] == kind:
                     return event
-                passing = {"session.output_audio.delta", "session.output_transcript.delta", "session.usage.updated"}
+                passing = {
+                    "session.output_audio.delta",
+                    "session.output_transcript.delta",
+                    "session.usage.updated",
+                }
                 if not (skip_audio and event["type"] in passing):
                     raise AssertionError(f"expected {kind}, got {event}")
 
@@ -81,7 +85,11 @@ class LiveClient:
 
 
 async def connect(
-    server: LiveServer, key: str | None = "sk-live-a", *, query: str = "", headers: dict[str, str] | None = None
+    server: LiveServer,
+    key: str | None = "sk-live-a",
+    *,
+    query: str = "",
+    headers: dict[str, str] | None = None,
 ) -> LiveClient:
     extra = dict(headers or {})
     if key is not None:
