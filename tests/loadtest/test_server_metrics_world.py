@@ -25,19 +25,21 @@ def test_active_sessions_count_voice_and_world() -> None:
     first = scrape(metrics, 0.0)
     assert first.value("omniduplex_active_sessions") == 2
     by_kind = first.by_label("omniduplex_active_sessions_by_kind", "kind")
-    assert by_kind == {"voice": 2, "world": 0, "robot": 0}
-    assert metrics.session_counts() == {"voice": 2, "world": 0, "robot": 0}
+    assert by_kind == {"voice": 2, "world": 0, "robot": 0, "live": 0}
+    assert metrics.session_counts() == {"voice": 2, "world": 0, "robot": 0, "live": 0}
 
     worlds[0] = 3
     voice.pop()
+    metrics.bind_live(lambda: 2)  # GPT-Live sessions count in the total too
     second = scrape(metrics, 1.0)
-    assert second.value("omniduplex_active_sessions") == 4  # read at scrape time
+    assert second.value("omniduplex_active_sessions") == 6  # read at scrape time
+    assert second.value("omniduplex_active_sessions_by_kind", kind="live") == 2
     assert second.value("omniduplex_active_sessions_by_kind", kind="world") == 3
     assert second.value("omniduplex_active_sessions_by_kind", kind="voice") == 1
 
     summary = server_summary([first, second], 0.0)
-    assert summary["peak_active_sessions"] == 4
-    assert summary["peak_active_sessions_by_kind"] == {"voice": 2, "world": 3, "robot": 0}
+    assert summary["peak_active_sessions"] == 6
+    assert summary["peak_active_sessions_by_kind"] == {"voice": 2, "world": 3, "robot": 0, "live": 2}
     # the per-session CPU cost integrates the total: a world-only level is no longer empty
     worlds_only = ServerMetrics()
     worlds_only.bind_worlds(lambda: 5)
@@ -49,4 +51,4 @@ def test_unbound_metrics_count_no_session() -> None:
     metrics = ServerMetrics()
     text = metrics.render().decode()
     assert "omniduplex_active_sessions 0.0" in text  # the unlabelled line readers grep for
-    assert metrics.session_counts() == {"voice": 0, "world": 0, "robot": 0}
+    assert metrics.session_counts() == {"voice": 0, "world": 0, "robot": 0, "live": 0}
