@@ -32,7 +32,7 @@ import contextlib
 import enum
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -140,7 +140,7 @@ class TransportLink:
         self._queued_bytes = 0
         self._wake = asyncio.Event()
         self._released = asyncio.Event()
-        self._preamble: list[dict[str, Any]] = []
+        self._preamble: Iterable[dict[str, Any]] = ()
         self._skip: Callable[[dict[str, Any]], bool] | None = None
         self._closing: tuple[int, str] | None = None  # close after the outbox drains
         self._ended = asyncio.Event()
@@ -205,12 +205,13 @@ class TransportLink:
 
     def release(
         self,
-        preamble: list[dict[str, Any]],
+        preamble: Iterable[dict[str, Any]],
         *,
         skip: Callable[[dict[str, Any]], bool] | None = None,
         drop_queued: bool = False,
     ) -> None:
-        """Start sending a held link: `preamble` first, then the queue minus its leading
+        """Start sending a held link: `preamble` first (iterated as it is sent: a replay may
+        make its events on the way, one at a time), then the queue minus its leading
         events for which `skip` is true (those the replay already had), or none of the queue
         with `drop_queued` (a snapshot taken now supersedes them)."""
         if drop_queued:
@@ -257,7 +258,7 @@ class TransportLink:
         try:
             for event in self._preamble:
                 await send(event)
-            self._preamble = []
+            self._preamble = ()
             skip = self._skip
             while True:
                 while self._queue:

@@ -186,9 +186,10 @@ class SessionWriter:
 
     # --- hot path (sync, no I/O) --------------------------------------------------------------
 
-    def append(self, event: Mapping[str, Any]) -> dict[str, Any]:
+    def append(self, event: Mapping[str, Any], logged: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Stamp ``event_id``, queue the event (or keep it here: a held type), return the
-        stamped copy to send to the client."""
+        stamped copy to send to the client. ``logged``: what to log in its place under the
+        same id (a reference a replay resolves, e.g. session/voice/retrieved.py)."""
         if self._logged_own and event.get("type") in self._held_types:
             return self._hold(event)
         self._logged_own = True
@@ -198,11 +199,14 @@ class SessionWriter:
         stamped["event_id"] = format_event_id(self._tag, self.epoch, seq)
         if self.fatal is None:
             stamped.wire = json_text.dumps(stamped)  # logged, and sent as is
+            text = stamped.wire
+            if logged is not None:
+                text = json_text.dumps({**logged, "event_id": stamped["event_id"]})
             self._pending_events += 1
-            self._pending_bytes += len(stamped.wire)
-            op = ("e", str(seq), stamped["event_id"], stamped.wire)
+            self._pending_bytes += len(text)
+            op = ("e", str(seq), stamped["event_id"], text)
             self._queue(op, urgent=self._pending_events >= self._max_batch)
-            self._account_log(seq, len(stamped.wire))
+            self._account_log(seq, len(text))
             while self._pending_bytes > self._max_pending_bytes and self._pending_events > 1:
                 if not self._drop_oldest_event():
                     break

@@ -57,6 +57,7 @@ from session.realtime.effects import (
 from session.store.aio import cancel_and_wait
 from session.voice.ahead import ResponseAhead, with_transcript
 from session.voice.live_request import LiveEntry, LiveRequest
+from session.voice.retrieved import logged_form
 from session.voice.turn_gate import TurnGate, TurnRejected
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,9 @@ class SessionLog(Protocol):
     """Where a session's client-visible events and durable state go (the store's
     ``SessionWriter``). Every method is synchronous and does no I/O: the log batches."""
 
-    def append(self, event: Mapping[str, Any]) -> dict[str, Any]:
-        """Log one server event; returns the copy to send (the log owns `event_id`)."""
+    def append(self, event: Mapping[str, Any], logged: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Log one server event (or `logged` in its place); returns the copy to send (the log
+        owns `event_id`)."""
         ...
 
     def put_item(self, item: Mapping[str, Any], previous_item_id: str | None = None) -> None: ...
@@ -344,7 +346,7 @@ class RealtimeDriver:
         if out.events:
             link = self.link
             for event in out.events:
-                sent = log.append(event) if log is not None else event
+                sent = log.append(event, logged_form(event)) if log is not None else event
                 if sent["type"] == "error":
                     code = str(sent.get("error", {}).get("code"))
                     self.stats.errors[code] = self.stats.errors.get(code, 0) + 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from session.realtime.core import RealtimeSessionCore
 from session.realtime.records import config_from_record
 from session.resume import connection_event, event_position, logged_event_id, replayed_through
 from session.store.errors import ReplayUnavailable, ResumeTokenInvalid, SessionNotFound, StoreError
+from session.voice.retrieved import rebuilt
 
 if TYPE_CHECKING:
     from session.voice.hosting import HostedSession, SessionHost
@@ -177,7 +179,10 @@ class VoiceResume:
             audio_replay=replay.held,
         )
         last = events[-1]["event_id"] if events else last_event_id
-        link.release([resumed, *events, *self._migration_notice(hs, last)], skip=replayed_through(through))
+        # Retrieves were logged as references: rebuilt from the conversation as they are sent.
+        replayed = rebuilt(events, hs.driver.core)
+        preamble = itertools.chain([resumed], replayed, self._migration_notice(hs, last))
+        link.release(preamble, skip=replayed_through(through))
 
     def _migration_notice(self, hs: HostedSession, after: str | None) -> list[dict[str, Any]]:
         """Scale-out failover: `omni.session.migrated` once, after the first resume's replay."""
