@@ -5,6 +5,7 @@
     python -m loadtest capacity --server-args "--pipeline voice-cascade" --slo "ttfa_p95_ms<=1500,..."
     python -m loadtest report docs/loadtest/null-ws.json     # redraw Markdown and plots
     python -m loadtest run --scenario robot --sessions 1,8,32  # robots at 10/50 Hz, batched vs not
+    python -m loadtest run --scenario live --sessions 1,4,8    # GPT-Live sessions on duplex-tiny
 
 Exit status: 0 when every objective given with ``--slo`` held (``run``, ``compare``), 1 when one
 failed, 2 for bad arguments.
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.commands import comparison, find_capacity, run_levels, server_target, speech_bank
+from loadtest.live import add_live_args, run_live_scenario
 from loadtest.results import dumps, load, new_results, write_outputs
 from loadtest.robot import add_robot_args, run_robot_scenario
 from loadtest.server_process import ConfigSpec, Target
@@ -67,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     _server(run)
     add_workload_args(run)
     add_robot_args(run)
+    add_live_args(run)
     _common(run)
     cmp = sub.add_parser("compare", help="two server configurations in turn, same workload, ratios")
     cmp.add_argument(
@@ -111,6 +114,8 @@ def _run_async(coro: Coroutine[Any, Any, int]) -> int:
 async def _cmd_run(args: argparse.Namespace, results: dict[str, Any]) -> int:
     if args.scenario == "robot":  # its own runner: robot control loops, two server configs
         return await run_robot_scenario(args, results, _log)
+    if args.scenario == "live":  # its own runner: GPT-Live sessions streaming in real time
+        return await run_live_scenario(args, results, _log)
     workload = workload_from_args(args)
     objectives = parse_slo(args.slo)
     bank = speech_bank(workload, args.piper_cache)
@@ -204,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, NotImplementedError) as exc:
         print(f"loadtest: {exc}", file=sys.stderr)
         return 2
-    if getattr(args, "scenario", None) == "robot":  # its report is written by loadtest.robot
+    if getattr(args, "scenario", None) in ("robot", "live"):  # reports written by their modules
         args.out.mkdir(parents=True, exist_ok=True)
         json_path = args.out / f"{name}.json"
         json_path.write_text(dumps(results))

@@ -90,6 +90,8 @@ class CallInfo:
 class RealtimeCallClient:
     """One call. `async with RealtimeCallClient(url) as client:` connects (offer → answer)."""
 
+    path = "/v1/realtime/calls"  # where the offer goes (a GPT-Live call: LiveCallClient)
+
     def __init__(
         self,
         http_url: str,
@@ -159,7 +161,7 @@ class RealtimeCallClient:
             headers["X-Omni-Resume-Token"] = resume[1]
             if resume[2] is not None:
                 params["last_event_id"] = resume[2]
-        url = f"{self.http_url}/v1/realtime/calls"
+        url = f"{self.http_url}{self.path}"
         async with httpx.AsyncClient(timeout=30.0) as http:
             if self.session is None:
                 headers["Content-Type"] = "application/sdp"

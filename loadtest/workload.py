@@ -13,7 +13,7 @@ from typing import Any, Literal
 SpeechSource = Literal["piper", "tone"]
 TurnDetection = Literal["server_vad", "manual"]
 
-SCENARIOS = ("voice-ws", "voice-webrtc", "world", "robot")
+SCENARIOS = ("voice-ws", "voice-webrtc", "world", "robot", "live")
 
 
 @dataclass(frozen=True, slots=True)

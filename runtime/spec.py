@@ -30,7 +30,9 @@ from pydantic_core import PydanticCustomError
 EdgeMode = Literal["async_chunk", "full"]
 WorkerKind = Literal["thread", "process"]
 ConnectorKind = Literal["inproc", "shm"]
-EntryName = Literal["live", "transcribe"]
+# live: a voice session's live request; transcribe: one audio item; responses: the text model a
+# GPT-Live session's `responses` delegation runs on (session/live/delegation.py)
+EntryName = Literal["live", "transcribe", "responses"]
 
 EDGE_MODES: tuple[str, ...] = get_args(EdgeMode)
 CONNECTORS: tuple[str, ...] = get_args(ConnectorKind)

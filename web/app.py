@@ -213,6 +213,7 @@ def create_app(settings: ServerSettings) -> Starlette:
                     async with bare:  # `--openpi-port N`: openpi's root path on its own port
                         yield
             finally:
+                await live.close()  # its WebRTC calls
                 if live_host is not None:
                     await live_host.close()  # every live session ends: its model context is here
                 await webrtc.close()

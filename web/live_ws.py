@@ -24,16 +24,21 @@ import asyncio
 import logging
 from typing import Any
 
-from starlette.routing import BaseRoute, WebSocketRoute
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from media.webrtc import OfferError, parse_ice_servers
 from session.identity import RESUME_HEADER, Principal, is_session_id, resume_token_from_request
 from session.live.core import LiveCoreOptions, LiveSessionCore
+from session.live.delegation import ResponsesRunner
 from session.live.driver import LiveDriver, LiveEntryPoint
-from session.live.events import LiveLimits
+from session.live.events import DelegationTarget, LiveLimits
 from session.live.hosting import AdmissionRefused, LiveHost, LiveSession, SessionElsewhere
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from web.context import ServerContext
+from web.live_call import LiveCall, answer_offer, new_call_id, read_offer
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.realtime_ws import WebSocketTransport, offered_subprotocols, principal_for
 from web.video import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STARTING, STORE_DOWN, UNAUTHORIZED, Denial
@@ -55,10 +60,13 @@ def unsupported(pipeline: str) -> Denial:
 class LiveService:
     """GPT-Live sessions of this process: the host (set in the lifespan) and the endpoints."""
 
-    def __init__(self, limits: LiveLimits | None = None) -> None:
+    def __init__(self, limits: LiveLimits | None = None, *, connect_timeout_s: float = 30.0) -> None:
         self.limits = limits or LiveLimits()
+        self.connect_timeout_s = connect_timeout_s
         self.host: LiveHost | None = None
         self.ctx: ServerContext | None = None
+        self.calls: dict[str, LiveCall] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # --- the session layer -------------------------------------------------------------------
 
@@ -70,12 +78,18 @@ class LiveService:
         if caps.live_entry is None or not caps.live_responses:
             return None
         live = LiveEntryPoint(caps.live_entry, caps.input_rate)
+        # `responses` delegation runs on the pipeline's text model: the stage its `responses`
+        # entry names (e.g. speech.responder); without one, sessions may only delegate to the client.
+        text_entry = ctx.spec.entries.get("responses")
+        runner = ResponsesRunner(ctx.orchestrator, text_entry, model=ctx.spec.name) if text_entry else None
+        targets: frozenset[DelegationTarget] = frozenset({"client", "responses"} if runner else {"client"})
 
         def new_driver(session_id: str, expires_at: int, resume: dict[str, Any] | None) -> LiveDriver:
             options = LiveCoreOptions(
                 session_id=session_id,
                 pipeline=ctx.spec.name,
                 expires_at=expires_at,
+                delegations=targets,
                 limits=self.limits,
                 resume=resume,
             )
@@ -84,6 +98,7 @@ class LiveService:
                 ctx.orchestrator,
                 live,
                 outbox_max_bytes=ctx.settings.outbox_max_bytes,
+                delegations=runner,
                 observer=ctx.metrics,
             )
 
@@ -91,46 +106,64 @@ class LiveService:
         return self.host
 
     def routes(self) -> list[BaseRoute]:
-        return [WebSocketRoute(LIVE_PATH, self.endpoint, name="live_sessions")]
+        return [
+            WebSocketRoute(LIVE_PATH, self.endpoint, name="live_sessions"),
+            Route(LIVE_PATH, self.create_call, methods=["POST"], name="live_calls"),
+        ]
+
+    async def close(self) -> None:
+        """Shutdown: end every call (before the host ends their sessions)."""
+        for call in list(self.calls.values()):
+            await call.link.close("server shutting down")
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # --- one connection ----------------------------------------------------------------------
 
-    async def endpoint(self, websocket: WebSocket) -> None:
+    async def _session_for(
+        self, conn: WebSocket | Request, subprotocols: list[str], kind: str
+    ) -> tuple[LiveHost, LiveSession, str | None] | Denial:
+        """Who is calling, and their new or resumed session; or why not (before any upgrade)."""
         ctx = self.ctx
         if ctx is None:
-            await websocket.send_denial_response(STARTING.response())
-            return
+            return STARTING
         host = self.host
         if host is None:
-            ctx.metrics.admission("live_sessions_unsupported")
-            await websocket.send_denial_response(unsupported(ctx.spec.name).response())
-            return
-        subprotocols = offered_subprotocols(websocket)
+            return unsupported(ctx.spec.name)
         try:
-            principal = await principal_for(ctx, websocket.headers, subprotocols)
+            principal = await principal_for(ctx, conn.headers, subprotocols)
         except StoreUnavailable:
-            await websocket.send_denial_response(STORE_DOWN.response())
-            return
+            return STORE_DOWN
         if principal is None:
-            ctx.metrics.admission("invalid_api_key")
-            await websocket.send_denial_response(UNAUTHORIZED.response())
-            return
-        announce = wants_extensions(websocket.query_params, websocket.headers)
+            return UNAUTHORIZED
+        announce = wants_extensions(conn.query_params, conn.headers)
         opened: tuple[LiveSession, str | None] | Denial
-        if websocket.query_params.get("session_id") is not None:
-            opened = await self._resume(host, websocket, principal, subprotocols)
+        if conn.query_params.get("session_id") is not None:
+            opened = await self._resume(host, conn, principal, subprotocols)
         else:
-            opened = await self._open(host, principal, announce)
+            opened = await self._open(host, principal, announce, kind)
         if isinstance(opened, Denial):
-            ctx.metrics.admission(opened.code)
-            await websocket.send_denial_response(opened.response())
-            return
+            return opened
         s, token = opened
         if principal.ephemeral_key is not None:  # an ek_ key may later GET/DELETE what it opened
             try:
                 await ctx.ephemeral.bind_session(principal, s.session_id)
             except Exception:
                 log.debug("live session %s: ephemeral binding not stored", s.session_id)
+        return host, s, token
+
+    async def endpoint(self, websocket: WebSocket) -> None:
+        got = await self._session_for(websocket, offered_subprotocols(websocket), "websocket")
+        if isinstance(got, Denial):
+            if self.ctx is not None:
+                self.ctx.metrics.admission(got.code)
+            await websocket.send_denial_response(got.response())
+            return
+        host, s, token = got
         transport = WebSocketTransport(websocket)
         try:
             headers = resume_headers(s.session_id, token) if token is not None else None
@@ -144,7 +177,7 @@ class LiveService:
             await asyncio.shield(host.connection_ended(s, transport, code))
 
     async def _open(
-        self, host: LiveHost, principal: Principal, announce: bool
+        self, host: LiveHost, principal: Principal, announce: bool, kind: str
     ) -> tuple[LiveSession, str] | Denial:
         try:
             session_id = await host.admit(principal.tenant)
@@ -154,9 +187,7 @@ class LiveService:
         except StoreUnavailable:
             return STORE_DOWN
         try:
-            s, token = await host.create(
-                session_id, principal.tenant, transport_kind="websocket", announce=announce
-            )
+            s, token = await host.create(session_id, principal.tenant, transport_kind=kind, announce=announce)
         except (StoreUnavailable, SessionElsewhere):
             await host.forfeit(session_id)
             return STORE_DOWN
@@ -168,10 +199,10 @@ class LiveService:
         return s, token
 
     async def _resume(
-        self, host: LiveHost, websocket: WebSocket, principal: Principal, subprotocols: list[str]
+        self, host: LiveHost, conn: WebSocket | Request, principal: Principal, subprotocols: list[str]
     ) -> tuple[LiveSession, None] | Denial:
-        session_id = websocket.query_params.get("session_id", "")
-        token = resume_token_from_request(websocket.headers.get(RESUME_HEADER), subprotocols)
+        session_id = conn.query_params.get("session_id", "")
+        token = resume_token_from_request(conn.headers.get(RESUME_HEADER), subprotocols)
         try:
             if not token:
                 raise ResumeTokenInvalid(session_id)
@@ -186,3 +217,58 @@ class LiveService:
             return ELSEWHERE
         except StoreUnavailable:
             return STORE_DOWN
+
+    # --- WebRTC (POST /v1/live/sessions with an SDP offer) ------------------------------------
+
+    async def create_call(self, request: Request) -> Response:
+        """A new session's call, or (``?session_id=…``, token in ``X-Omni-Resume-Token``) a call
+        that resumes one. Refusals come before any peer connection exists."""
+        offer = await read_offer(request)
+        if isinstance(offer, Response):
+            return offer
+        got = await self._session_for(request, [], "webrtc")
+        if isinstance(got, Denial):
+            if self.ctx is not None:
+                self.ctx.metrics.admission(got.code)
+            return got.response()
+        host, s, token = got
+        assert self.ctx is not None
+        ice = parse_ice_servers(self.ctx.settings.stun, self.ctx.settings.turn)
+        try:
+            link, answer = await answer_offer(offer, ice)
+        except BaseException as exc:
+            if token is not None:  # nobody holds its token yet: the new session ends
+                await host.connection_ended(s, None, None)
+            if isinstance(exc, OfferError):
+                return Denial(400, "invalid_offer", str(exc)).response()
+            raise
+        call = LiveCall(
+            new_call_id(), link, connect_timeout_s=self.connect_timeout_s, new_session=token is not None
+        )
+        call.bind(s.driver)
+        self.calls[call.call_id] = call
+        task = asyncio.create_task(
+            self._serve_call(host, s, call, token), name=f"{call.call_id}:{s.session_id}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        headers = {"Location": f"{LIVE_PATH}/{call.call_id}"}
+        if token is not None:
+            headers.update(resume_headers(s.session_id, token))
+        return Response(answer, status_code=201, media_type="application/sdp", headers=headers)
+
+    async def _serve_call(self, host: LiveHost, s: LiveSession, call: LiveCall, token: str | None) -> None:
+        try:
+            if await call.watch_connect():
+                attached = await (
+                    host.open(s, call) if token is not None else host.resume(s, call, kind="webrtc")
+                )
+                link = s.driver.link
+                if attached and link is not None:
+                    await link.wait()
+        except Exception:
+            log.exception("live call %s: serving session %s failed", call.call_id, s.session_id)
+        finally:
+            self.calls.pop(call.call_id, None)
+            await asyncio.shield(host.connection_ended(s, call, call.info.disconnect_code))
+            await call.link.close("call ended")

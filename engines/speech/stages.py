@@ -189,11 +189,13 @@ class ResponderEngine(Engine):
         state: ResponderState = item.state
         state.user_text.extend(_texts(item.chunks))
         if state.deltas is None:
-            if not item.upstream_finished:
+            # A request that enters here (a GPT-Live `responses` delegation) brings its text as
+            # `respond_to`: it has no upstream stage to wait for.
+            entered = state.params.get("respond_to")
+            if not item.upstream_finished and entered is None:
                 return StepOutput(wait_for_input=True)
-            turn = Turn.from_params(
-                " ".join(t.strip() for t in state.user_text if t.strip()), state.params, self.max_tokens
-            )
+            heard = " ".join(t.strip() for t in state.user_text if t.strip())
+            turn = Turn.from_params(heard or str(entered or ""), state.params, self.max_tokens)
             state.deltas = _loaded(self._responder, self).respond(turn)
         out = StepOutput()
         for _ in range(self.deltas_per_step):

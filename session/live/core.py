@@ -331,7 +331,12 @@ class LiveSessionCore:
             raise LiveProtocolError(
                 ev.INVALID_AUDIO, f"The audio is not base64 PCM16: {exc}.", param="audio"
             ) from None
-        if not samples.size:
+        return self.push_audio(samples)
+
+    def push_audio(self, samples: np.ndarray) -> list[Effect]:
+        """Input audio (float32, 24 kHz) of an append, or of a WebRTC call's track (which
+        streams from the connect on: what comes before ``session.started`` is dropped)."""
+        if self.phase is not Phase.LIVE or not samples.size:
             return []
         before = self.usage_s
         self.input_samples += samples.size

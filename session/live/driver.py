@@ -146,6 +146,11 @@ class LiveDriver:
         if self.observer is not None:
             self.observer.live_frame(self.clock() - began)
 
+    def feed_audio(self, samples: np.ndarray) -> None:
+        """Microphone audio of a WebRTC call's track (float32, 24 kHz)."""
+        self.last_activity = self.clock()
+        self.apply(self.core.push_audio(samples))
+
     def apply(self, effects: list[Effect]) -> None:
         """Carry out the core's effects, in order."""
         for effect in effects:
@@ -195,7 +200,13 @@ class LiveDriver:
             self.delegations.run(self, effect), name=f"{self.core.session_id}:delegation"
         )
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._delegation_done)
+
+    def _delegation_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("live session %s: a delegation failed", self.core.session_id, exc_info=task.exception())
+            self.apply(self.core.live_error("server_error", "The delegation could not be run."))
 
     def _close(self, effect: Close) -> None:
         self.closed.set()

@@ -187,13 +187,13 @@ class LiveHost:
 
     # --- connections end ---------------------------------------------------------------------
 
-    async def connection_ended(self, s: LiveSession, transport: Transport, code: int | None) -> None:
+    async def connection_ended(self, s: LiveSession, transport: Transport | None, code: int | None) -> None:
         """``transport`` ended (``code``: the client's close code, None: we closed it): a
         session that was closed (``session.close``, a refused start) or cleanly left (1000),
         or never started, ends; any other loss detaches it for the grace."""
         async with s.lock:
-            if s.ending or s.connection is not transport:
-                return  # already ending, or replaced by a resume
+            if s.ending or (s.opened and s.connection is not transport):
+                return  # already ending, or replaced by a resume (one never opened ends here)
             s.connection = None
             driver = s.driver
             if driver.closed.is_set():
