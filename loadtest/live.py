@@ -92,7 +92,9 @@ async def _session(
     ]
     sent_at: list[float] = []  # wall time each append was sent
     try:
-        async with connect(target.ws_url + PATH, additional_headers=headers, max_size=None) as ws:
+        async with connect(
+            "ws" + target.base_url.removeprefix("http") + PATH, additional_headers=headers, max_size=None
+        ) as ws:
             start = {
                 "type": "session.start",
                 "session": {"model": "gpt-live-1", "delegation": {"type": "client"}},
