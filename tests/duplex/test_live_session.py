@@ -14,7 +14,7 @@ from runtime.spec import load_pipeline
 from session.realtime.core import CoreOptions, RealtimeSessionCore
 from session.realtime.effects import CoreOutput, LiveAudio, StartResponse
 from session.realtime.ids import SequentialIds
-from session.realtime.user_input import LIVE_COMMIT_MAX_MS
+from session.realtime.turn_live import LIVE_COMMIT_MAX_MS
 from session.voice.live_request import LiveEntry, LiveRequest
 from tests.session.realtime_harness import assert_valid_server_event, pcm16_b64
 

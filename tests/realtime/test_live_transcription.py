@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from session.realtime import LiveControl, PrepareTranscript
-from session.realtime.user_input import remaining_words
+from session.realtime.transcripts import remaining_words
 from tests.session.realtime_harness import Harness, silence, tone, types
 
 pytestmark = pytest.mark.unit

@@ -23,8 +23,8 @@ def test_track_audio_past_the_budget_is_dropped_with_one_error() -> None:
         h.take(h.core.feed_input_audio(second, 48000, h.now))
     (error,) = errors(h)
     assert error["code"] == "input_audio_buffer_too_large"
-    assert h.core._input.buffered_ms < 2100  # the rest was dropped, not buffered
+    assert h.core.user.input.buffered_ms < 2100  # the rest was dropped, not buffered
     h.send({"type": "input_audio_buffer.commit"})
     assert [e for e in h.events if e["type"] == "input_audio_buffer.committed"]
     h.take(h.core.feed_input_audio(second, 48000, h.now))  # room again: no new error
-    assert len(errors(h)) == 1 and h.core._input.buffered_ms >= 900
+    assert len(errors(h)) == 1 and h.core.user.input.buffered_ms >= 900
