@@ -32,7 +32,6 @@ class _Store:
     held_event_types = HELD_EVENT_TYPES
     log_max_bytes = 16 * 2**20
     stream_maxlen = 0
-    writer_hub = None
 
     def __init__(self, held_max_bytes: int, held_window_s: float) -> None:
         self.held_max_bytes = held_max_bytes

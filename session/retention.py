@@ -19,11 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from session.store.redis_store import SessionStore
-
+from typing import Protocol
 
 # A session's keys expire with its lifetime (or idle TTL), so a TTL refresh may find them gone
 # a moment before the host's own check ends the session: a record gone this close to the
@@ -114,6 +110,12 @@ class RetentionTimer:
         return self.policy.key_ttl_ms(now, self.expires_at)
 
 
-async def expire_session(store: SessionStore, session_id: str) -> bool:
+class SessionDeleter(Protocol):
+    """A store that deletes a session's keys (:class:`session.store.SessionStore`)."""
+
+    async def delete_session(self, session_id: str) -> bool: ...
+
+
+async def expire_session(store: SessionDeleter, session_id: str) -> bool:
     """Delete every key of a session now (expired or ended). True if anything was deleted."""
     return await store.delete_session(session_id)

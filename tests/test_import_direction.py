@@ -78,3 +78,72 @@ def test_the_import_checker_sees_edges() -> None:
 def test_no_forbidden_import_edge() -> None:
     found = _violations()
     assert not found, "forbidden imports:\n" + "\n".join(found)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the modules of ours it imports (any import statement: TYPE_CHECKING ones and
+    imports inside functions count); ``from package import name`` counts as an import of
+    ``package.name`` when that is a module, else of ``package``."""
+    paths = {_module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+
+    def owner(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        edges: set[str] = set()
+        for _line, target, names in _imports(path):
+            for candidate in [f"{target}.{n}" for n in names] or [target]:
+                found = owner(candidate)
+                if found is not None and found != module and not module.startswith(found + "."):
+                    edges.add(found)
+        graph[module] = edges
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert "session.realtime.core" in _module_graph()["session.voice.driver"]
+
+
+def test_no_import_circle_between_production_modules() -> None:
+    circles = _circles(_module_graph())
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)

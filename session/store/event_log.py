@@ -55,6 +55,7 @@ import itertools
 import logging
 import math
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -504,7 +505,9 @@ class WriterHub:
     """
 
     def __init__(self, store: SessionStore, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.store = store
+        # Weak: the registry (`for_store`) is keyed by the store; its writers hold it while
+        # the hub has work, so a store no one holds goes, and its hub with it.
+        self._store = weakref.ref(store)
         self.clock = clock
         self._writers: dict[SessionWriter, None] = {}  # insertion-ordered set
         # When each writer is due, earliest first: (due, tiebreak, writer). Lazy: a writer
@@ -520,12 +523,27 @@ class WriterHub:
         self.round_trips = 0
         self.failures = 0
 
+    @property
+    def store(self) -> SessionStore:
+        store = self._store()
+        if store is None:  # not reached while a writer (which holds its store) is registered
+            raise RuntimeError("the writer hub's store is gone")
+        return store
+
     @classmethod
     def for_store(cls, store: SessionStore) -> WriterHub:
-        """The store's hub in this process, made on first use (kept on the store)."""
-        if store.writer_hub is None:
-            store.writer_hub = cls(store)
-        return store.writer_hub
+        """The store's hub in this process, made on first use (the store does not hold it)."""
+        hub = _HUBS.get(store)
+        if hub is None:
+            hub = _HUBS[store] = cls(store)
+        return hub
+
+    @classmethod
+    async def close_for(cls, store: SessionStore) -> None:
+        """Close the store's hub in this process, if it has one (its last host is closing)."""
+        hub = _HUBS.pop(store, None)
+        if hub is not None:
+            await hub.aclose()
 
     @property
     def writers(self) -> int:
@@ -748,3 +766,8 @@ class WriterHub:
                 w._retry_at - self.clock(),
                 result,
             )
+
+
+
+# Each store's hub in this process (`WriterHub.for_store`); weak: a store that goes goes with it.
+_HUBS: weakref.WeakKeyDictionary[SessionStore, WriterHub] = weakref.WeakKeyDictionary()

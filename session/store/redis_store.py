@@ -32,7 +32,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -53,9 +53,6 @@ from session.store.errors import (
 )
 from session.store.event_ids import parse_event_id, session_tag, split_events
 from session.store.keys import DEFAULT_PREFIX, SessionKeys, session_keys
-
-if TYPE_CHECKING:
-    from session.store.event_log import WriterHub
 
 # (op, a, b, c): ("e", seq, event_id, event_json) | ("i", item_id, item_json, after) |
 # ("d", item_id, "", "") | ("m", field, value, "") | ("t", min_seq, "", "") — ``after``: "" append,
@@ -254,8 +251,6 @@ class SessionStore:
         self._create = redis.register_script(_CREATE_LUA)
         self._apply = redis.register_script(_APPLY_LUA)
         self._replay_script = redis.register_script(_REPLAY_LUA)
-        # The process's flusher of this store's writers (``WriterHub.for_store`` makes it).
-        self.writer_hub: WriterHub | None = None
 
     def keys(self, session_id: str) -> SessionKeys:
         return session_keys(session_id, self.prefix)

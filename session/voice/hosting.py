@@ -60,14 +60,13 @@ from session.lifecycle import (
     SessionElsewhere,
     SessionLifecycle,
 )
-from session.lifecycle import HostedSession as LiveSession
 from session.link import LinkEnd, Transport, TransportLink
 from session.realtime.config import SessionConfig
 from session.realtime.core import CoreOptions, RealtimeSessionCore
 from session.realtime.records import config_record
 from session.resume import connection_event
 from session.retention import RetentionPolicy
-from session.store import SessionRecord, SessionStore
+from session.store import SessionRecord, SessionStore, WriterHub
 from session.store.errors import (
     SessionGone,
     StaleEpoch,
@@ -76,6 +75,7 @@ from session.store.errors import (
     WriteRejected,
 )
 from session.voice.driver import RealtimeDriver, SessionLog
+from session.voice.hosted import HostedSession
 from session.voice.hosting_resume import VoiceResume
 
 log = logging.getLogger(__name__)
@@ -124,19 +124,6 @@ class HostSettings:
         p = self.policy
         shortest = min(p.idle_ttl_s, p.max_lifetime_s, p.disconnect_grace_s or p.idle_ttl_s)
         return min(1.0, max(0.05, shortest / 10))
-
-
-@dataclass(eq=False, slots=True)
-class HostedSession(LiveSession[RealtimeDriver, Transport]):
-    """A voice session live in this process. Its connection is its driver's link (the base's
-    ``connection`` stays None): the driver attaches and detaches transports itself."""
-
-    orphans: tuple[bool, str | None] = (False, None)  # restored: (end them?, lost replica)
-    migrated_from: str | None = None  # scale-out failover: the lost owner, told at the next resume
-
-    @property
-    def connected(self) -> bool:
-        return self.driver.link is not None
 
 
 class SessionHost:
@@ -254,8 +241,9 @@ class SessionHost:
             )
         await self.life.stop()
         await self.admission.close()
-        if self.store.writer_hub is not None:  # the last host to close (worlds end before it)
-            await self.store.writer_hub.aclose()  # a writer whose end failed would keep it retrying
+        # The last host to close (worlds end before it): a writer whose end failed would keep
+        # the store's hub retrying.
+        await WriterHub.close_for(self.store)
 
     # --- open --------------------------------------------------------------------------------
 
@@ -265,14 +253,14 @@ class SessionHost:
         """A new session (admission already granted): its Redis record, writer and driver.
         Returns it with its resume token (shown once; `resume_token` when the caller drew it
         already). Raises `StoreUnavailable`."""
-        core = RealtimeSessionCore(self._options(config, session_id))
+        core = RealtimeSessionCore(self.restored_options(config, session_id))
         stored = config_record(
             config, session_id=session_id, expires_at=0, conversation_id=core.conversation_id
         )
         record, token = await self.store.create_session(
             tenant, stored, session_id=session_id, resume_token=resume_token
         )
-        hs = await self._host(record, core, epoch=await self.bind_new(session_id))
+        hs = await self.host_session(record, core, epoch=await self.bind_new(session_id))
         hs.token_digest = secret_digest(token)
         self.counts["opened"] += 1
         return hs, token
@@ -300,11 +288,11 @@ class SessionHost:
                         expires_at=int(hs.record.expires_at),
                     )
                 )
-        return await self._watch(hs, link)
+        return await self.watch(hs, link)
 
     # --- connections end ---------------------------------------------------------------------
 
-    async def _watch(self, hs: HostedSession, link: TransportLink) -> LinkEnd:
+    async def watch(self, hs: HostedSession, link: TransportLink) -> LinkEnd:
         """Wait for the connection to end, then detach, park or end the session."""
         end = await link.wait()
         async with hs.lock:
@@ -434,17 +422,21 @@ class SessionHost:
 
     # --- construction ------------------------------------------------------------------------
 
-    def _options(self, config: SessionConfig, session_id: str) -> CoreOptions:
+    def restored_options(self, config: SessionConfig, session_id: str) -> CoreOptions:
+        """A session's core options with its own config and the store's lifetime."""
         # The core's own expiry is the store's maximum lifetime, so both end it together.
         options = self._core_options(config, session_id)
         return replace(
             options, config=config, session_id=session_id, max_duration_s=self.policy.max_lifetime_s
         )
 
-    def _default_model(self, session_id: str) -> str:
+    def default_model(self, session_id: str) -> str:
         return self._core_options(SessionConfig(), session_id).config.model
 
-    async def _host(self, record: SessionRecord, core: RealtimeSessionCore, *, epoch: int) -> HostedSession:
+    async def host_session(
+        self, record: SessionRecord, core: RealtimeSessionCore, *, epoch: int
+    ) -> HostedSession:
+        """Host `core` under `record`: its writer, driver and timer, added to the live sessions."""
         writer = await self.life.new_writer(record, epoch)
         driver = self._new_driver(core, writer)
         driver.on_close = self.life.wake.set

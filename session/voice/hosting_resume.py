@@ -17,26 +17,54 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from typing import Any, Protocol
 
+from session.affinity import Binding
 from session.identity import resume_token_matches, secret_digest
+from session.lifecycle import SessionLifecycle
 from session.link import LinkEnd, Transport, TransportLink
-from session.realtime.core import RealtimeSessionCore
+from session.realtime.config import SessionConfig
+from session.realtime.core import CoreOptions, RealtimeSessionCore
 from session.realtime.records import config_from_record
 from session.resume import connection_event, event_position, logged_event_id, replayed_through
+from session.store import SessionRecord, SessionStore
 from session.store.errors import ReplayUnavailable, ResumeTokenInvalid, SessionNotFound, StoreError
+from session.voice.hosted import HostedSession
 from session.voice.retrieved import rebuilt
 
-if TYPE_CHECKING:
-    from session.voice.hosting import HostedSession, SessionHost
-
 log = logging.getLogger("session.voice.hosting")
+
+
+class ResumeHost(Protocol):
+    """What the resume part needs of its host (:class:`~session.voice.hosting.SessionHost`)."""
+
+    store: SessionStore
+    life: SessionLifecycle[HostedSession]
+    counts: Counter[str]
+
+    @property
+    def replica_id(self) -> str: ...
+
+    def live(self, tenant: str, session_id: str) -> HostedSession | None: ...
+
+    async def take_binding(self, session_id: str) -> Binding: ...
+
+    def restored_options(self, config: SessionConfig, session_id: str) -> CoreOptions: ...
+
+    def default_model(self, session_id: str) -> str: ...
+
+    async def host_session(
+        self, record: SessionRecord, core: RealtimeSessionCore, *, epoch: int
+    ) -> HostedSession: ...
+
+    async def watch(self, hs: HostedSession, link: TransportLink) -> LinkEnd: ...
 
 
 class VoiceResume:
     """The resume half of a voice :class:`~session.voice.hosting.SessionHost`, composed by it."""
 
-    def __init__(self, host: SessionHost) -> None:
+    def __init__(self, host: ResumeHost) -> None:
         self.host = host
         self.restoring: dict[str, asyncio.Task[HostedSession]] = {}  # rebuilds in flight
 
@@ -98,10 +126,10 @@ class VoiceResume:
         snapshot = await self.host.store.load_snapshot(tenant, session_id)
         bound = await self.host.take_binding(session_id)
         record = snapshot.record
-        config = config_from_record(record.config, default_model=self.host._default_model(session_id))
+        config = config_from_record(record.config, default_model=self.host.default_model(session_id))
         now = self.host.life.clock()
         core = RealtimeSessionCore.restore(
-            self.host._options(config, session_id),
+            self.host.restored_options(config, session_id),
             snapshot.items,
             conversation_id=record.config.get("conversation_id"),
             now=now,
@@ -109,7 +137,7 @@ class VoiceResume:
             expires_at=record.expires_at,
             open_response=record.open_response,
         )
-        hs = await self.host._host(record, core, epoch=bound.epoch)
+        hs = await self.host.host_session(record, core, epoch=bound.epoch)
         hs.migrated_from = bound.previous_replica  # set when it moved here from a lost replica
         hs.driver.start()
         # The dead process's in-flight response is ended once a connection is attached, after
@@ -143,7 +171,7 @@ class VoiceResume:
                 log.warning("session %s: resume failed: %s", hs.session_id, exc)
                 link.finish(LinkEnd.CLOSED, 1013, "session store unavailable; resume again")
             self.host.counts["resumed"] += 1
-        return await self.host._watch(hs, link)
+        return await self.host.watch(hs, link)
 
     async def _replay(self, hs: HostedSession, link: TransportLink, last_event_id: str | None) -> None:
         after = logged_event_id(last_event_id)
