@@ -9,18 +9,27 @@ ends with 408 at ``timeout_s``.
 
 Every JSON body is then parsed by :func:`session.json_guard.loads_checked` (depth, Unicode):
 ``invalid_json`` / ``invalid_value`` as 400, never a 500.
+
+A client that goes away while its body is read (starlette's ``ClientDisconnect``) is not an
+error: one INFO line (method, path, bytes received) and :class:`BodyRefused` with a 499
+``client_disconnected`` answer, which every caller already returns as the refusal it is (the
+server drops it: nobody is there to read it). It escaped before, as "Exception in ASGI
+application" with a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Final
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.types import Message
 
 from session.json_guard import JsonRejected, loads_checked
+
+log = logging.getLogger(__name__)
 
 MAX_JSON_BODY_BYTES: Final = 1024 * 1024  # client_secrets and other JSON bodies
 MAX_FORWARDED_BODY_BYTES: Final = MAX_JSON_BODY_BYTES  # what a gateway or sibling worker relays
@@ -66,6 +75,17 @@ async def read_body(request: Request, limit: int, *, timeout_s: float | None = N
     except TimeoutError:
         raise BodyRefused(
             _error(408, "request_timeout", "The request body did not arrive in time.")
+        ) from None
+    except ClientDisconnect:
+        log.info(
+            "%s %s: the client went away during its body (%d of %s bytes received)",
+            request.method,
+            request.url.path,
+            size,
+            length if length is not None else "?",
+        )
+        raise BodyRefused(
+            _error(499, "client_disconnected", "The client went away before its body was read.")
         ) from None
     return b"".join(chunks)
 

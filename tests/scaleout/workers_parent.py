@@ -27,7 +27,7 @@ class WorkerView:
     pid: int
 
 
-def start_parent(tmp_path: Path, workers: int = 2) -> Child:
+def start_parent(tmp_path: Path, workers: int = 2, *, log_level: str = "warning") -> Child:
     """The parent of ``serve --workers N`` (history-echo engine, embedded redis-server, short leases)."""
     port = free_port()
     pipeline = pipeline_file(tmp_path / "pipeline", delay_ms=30, audio_ms=300)
@@ -50,7 +50,7 @@ def start_parent(tmp_path: Path, workers: int = 2) -> Child:
         "--replica-refresh-s",
         "0.3",
         "--log-level",
-        "warning",
+        log_level,
     ]
     parent = spawn("workers", args, tmp_path / "logs", port, drop_env=("OMNIDUPLEX_API_KEYS",))
     try:
