@@ -54,7 +54,7 @@ from web.cors import CorsMiddleware, origin_policy
 from web.gateway_http import ReplicaHttpUnreachable, to_response
 from web.gateway_routing import NoReplicaAvailable
 from web.gateway_state import Gateway, GatewaySettings
-from web.gateway_ws import RealtimeRelayEndpoint, robot_error, world_error
+from web.gateway_ws import RealtimeRelayEndpoint, live_error, robot_error, world_error
 from web.replica import admin_denial, registry_json
 from web.uvicorn_guards import install
 
@@ -303,6 +303,9 @@ def routes() -> list[BaseRoute]:
         WebSocketRoute("/v1/realtime/video", RealtimeRelayEndpoint(world_error)),
         # Robot policy sessions: routed alike (frames relayed as they come, binary included).
         WebSocketRoute("/v1/realtime/robot/openpi", RealtimeRelayEndpoint(robot_error)),
+        # GPT-Live sessions (duplex pipelines): relayed like /v1/realtime; calls like voice calls.
+        WebSocketRoute("/v1/live/sessions", RealtimeRelayEndpoint(live_error)),
+        Route("/v1/live/sessions", create_call, methods=["POST"]),
     ]
 
 

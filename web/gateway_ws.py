@@ -182,6 +182,12 @@ def world_error(code: str, message: str) -> dict[str, Any]:
     return WorldErrorEvent(code=code, message=message).to_dict()
 
 
+def live_error(code: str, message: str) -> dict[str, Any]:
+    """A GPT-Live ``error`` event (session/live/events.py)."""
+    body = {"type": "server_error", "code": code, "message": message, "param": None, "client_event_id": None}
+    return {"type": "error", "error": body}
+
+
 def robot_error(code: str, message: str) -> dict[str, Any]:
     """A robot session's error (vLLM-Omni's map; an openpi client sees the text frame as one)."""
     return {"type": "error", "code": code, "message": message}

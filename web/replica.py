@@ -306,8 +306,10 @@ def membership_of(scope: Scope) -> ReplicaMembership | None:
 
 
 # voice, world, robot
-SESSION_SOCKETS = frozenset({"/v1/realtime", "/v1/realtime/video", "/v1/realtime/robot/openpi"})
-SESSION_CALLS = frozenset({"/v1/realtime/calls", "/v1/realtime/video/calls"})
+SESSION_SOCKETS = frozenset(
+    {"/v1/realtime", "/v1/realtime/video", "/v1/realtime/robot/openpi", "/v1/live/sessions"}
+)
+SESSION_CALLS = frozenset({"/v1/realtime/calls", "/v1/realtime/video/calls", "/v1/live/sessions"})
 
 
 def opens_new_session(scope: Scope) -> bool:

@@ -58,7 +58,8 @@ log = logging.getLogger("omniduplex.workers")
 FORWARDED = b"x-omniduplex-worker-forwarded"
 SESSION_PATH = re.compile(r"/v1/sessions/([^/]+)")
 HANGUP_PATH = re.compile(r"/v1/realtime/calls/([^/]+)/hangup")
-CALL_PATHS = ("/v1/realtime/calls", "/v1/realtime/video/calls")  # POST ?session_id=: a resume
+# POST ?session_id=: a resume
+CALL_PATHS = ("/v1/realtime/calls", "/v1/realtime/video/calls", "/v1/live/sessions")
 VIDEO_CALL_PATH = re.compile(r"/v1/realtime/video/calls/([^/]+)")
 OPEN_TIMEOUT_S = 5.0
 

@@ -2,6 +2,7 @@
 // latency. Transport: WebRTC (rtc.js) when available, else the WebSocket fallback (ws.js).
 // `window.demo` mirrors what the page shows, for people poking at it and for the browser test.
 
+import { connectLive } from "./live.js";
 import { connectWebRTC } from "./rtc.js";
 import { connectWebSocket } from "./ws.js";
 
@@ -10,9 +11,11 @@ const METER_MS = 20;
 const MIC_VOICE_RMS = 0.015; // the mic is "voiced" above this (after echo cancellation)
 const ANSWER_RMS = 0.005; // the answer is audible above this
 const FALLBACK_AUDIO_MS = 1500; // no onset seen on the answer meter: use the started event
+const LIVE_PAUSE_MS = 800; // GPT-Live: a pause this long on the model's timeline ends its message
 
 const demo = {
   state: "idle",
+  protocol: "realtime", // or "live": GPT-Live on a duplex pipeline (live.js)
   transport: null,
   userTranscripts: [],
   assistantTranscripts: [],
@@ -31,6 +34,7 @@ let turn = null; // the turn awaiting its first audio
 let lastVoiceAt = 0;
 let speechStartedAt = 0;
 const bubbles = new Map();
+const live = { count: 0, output: null, input: null }; // GPT-Live: the message each side is in
 
 // --- view ------------------------------------------------------------------------------------
 
@@ -93,10 +97,37 @@ function recordLatency(at, how) {
 
 // --- events ----------------------------------------------------------------------------------
 
+// GPT-Live has no items: a side's transcript deltas form one message until a pause on the
+// model's timeline (start_ms past the last end_ms), as LiveKit's plugin groups them.
+function liveTranscript(event, role, key, transcripts) {
+  let current = live[key];
+  if (!current || event.start_ms - current.end > LIVE_PAUSE_MS) {
+    if (current) setText(current.id, role, current.text, { final: true });
+    current = live[key] = { id: `live_${live.count++}`, text: "", end: 0, index: transcripts.length };
+    transcripts.push("");
+  }
+  current.text += event.delta;
+  current.end = event.end_ms;
+  transcripts[current.index] = current.text;
+  setText(current.id, role, event.delta, { append: true });
+}
+
 function onEvent(event) {
   const now = performance.now();
   demo.events.push([Math.round(now), event.type]);
   switch (event.type) {
+    case "session.started":
+      if (demo.state === "connecting") setState("listening");
+      break;
+    case "session.output_transcript.delta":
+      liveTranscript(event, "assistant", "output", demo.assistantTranscripts);
+      break;
+    case "session.input_transcript.delta":
+      liveTranscript(event, "user", "input", demo.userTranscripts);
+      break;
+    case "session.closed":
+      setState("idle");
+      break;
     case "session.created":
     case "session.updated": {
       const td = event.session?.audio?.input?.turn_detection;
@@ -258,7 +289,11 @@ async function connect() {
       },
     };
     const choice = new URLSearchParams(window.location.search).get("transport") ?? $("transport").value;
-    if (choice !== "websocket") {
+    demo.protocol = $("protocol").value;
+    if (demo.protocol === "live") {
+      demo.transport = "webrtc"; // GPT-Live in the browser: WebRTC only
+      call.transport = await connectLive(options);
+    } else if (choice !== "websocket") {
       try {
         demo.transport = "webrtc";
         call.transport = await connectWebRTC(options);
@@ -272,8 +307,10 @@ async function connect() {
       $("remote-audio").srcObject = null;
       call.transport = await connectWebSocket(options);
     }
-    $("transport-used").textContent = demo.transport;
+    $("transport-used").textContent = demo.protocol === "live" ? "webrtc (GPT-Live)" : demo.transport;
     call.timer = startMeters();
+    $("hangup").disabled = false;
+    if (demo.protocol === "live") return; // session.start is sent; nothing to configure
     call.transport.send({
       type: "session.update",
       session: {
@@ -297,6 +334,7 @@ async function hangup() {
   const current = call;
   call = null;
   turn = null;
+  live.output = live.input = null;
   $("hangup").disabled = true;
   $("connect").disabled = false;
   setState("idle");
@@ -311,4 +349,5 @@ $("connect").addEventListener("click", connect);
 $("hangup").addEventListener("click", hangup);
 const params = new URLSearchParams(window.location.search);
 if (params.get("transport")) $("transport").value = params.get("transport");
+if (params.get("protocol")) $("protocol").value = params.get("protocol");
 if (params.get("key")) $("key").value = params.get("key");
