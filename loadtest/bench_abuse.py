@@ -7,6 +7,9 @@ at a time, with the server's default limits:
 
 * ``retrieve``: one 1.9 MB text item and 100 ``conversation.item.retrieve`` (5.5 KB sent),
   client not reading (the issue measured +360 MB server, +570 MB Redis before the byte bounds);
+* ``retrieve-read`` / ``retrieve-40``: the item retrieved 40 times by a client that reads every
+  reply / that reads nothing (issue 33: +239 MB and +165 MB server + Redis RSS while each reply
+  was logged in full; now the log keeps a reference);
 * ``items``: 60 text items of 1.9 MB (+512 MB before the conversation budget);
 * ``audio``: 58 minutes of push-to-talk audio sent as fast as possible, never committed
   (+102 MB before the input budget);
@@ -85,11 +88,12 @@ class Rig:
                 await asyncio.sleep(0.3)
         raise SystemExit("the server did not start")
 
-    async def memory(self) -> tuple[float, float]:
-        """(server RSS, Redis used_memory) in MB."""
+    async def memory(self) -> tuple[float, float, float]:
+        """(server RSS, Redis used_memory, Redis RSS) in MB."""
         rss = psutil.Process(self.server.pid).memory_info().rss / MB
         used = int((await self.client.info("memory"))["used_memory"]) / MB
-        return rss, used
+        redis_rss = psutil.Process(self.redis.pid).memory_info().rss / MB
+        return rss, used, redis_rss
 
     async def sessions(self) -> int:
         async with httpx.AsyncClient() as http:
@@ -150,6 +154,60 @@ async def retrieve(rig: Rig) -> str:
     await asyncio.sleep(20)  # the outbox budget (16 MiB) or the send deadline (15 s) ends it
     ws.transport.abort()
     return "one 1.9 MB item, 100 retrieves, client not reading"
+
+
+async def _big_item_session(rig: Rig, *, silent: bool) -> ClientConnection:
+    ws = await connect(rig, silent=silent)
+    await ws.send(text_item(BIG_TEXT, "item_big"))
+    await drain_until(ws, "conversation.item.done")
+    await asyncio.sleep(1.0)  # the item's own record and events written: not the retrieves' cost
+    return ws
+
+
+async def _retrieves_read(rig: Rig, *, burst: bool) -> str:
+    """40 retrieves of the item, read as they come: all sent at once (``burst``), or each
+    sent once the previous reply was read."""
+    ws = await _big_item_session(rig, silent=False)
+    frame = json.dumps({"type": "conversation.item.retrieve", "item_id": "item_big"})
+    rounds, per_round = (1, 40) if burst else (40, 1)
+    got = 0
+    outcome = "no refusal"
+    try:
+        for _ in range(rounds):
+            for _ in range(per_round):
+                await ws.send(frame)
+            wanted = got + per_round
+            while got < wanted:
+                event = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                got += event["type"] == "conversation.item.retrieved"
+    except websockets.ConnectionClosed as closed:
+        outcome = f"closed {closed.rcvd.code if closed.rcvd else 'without a close frame'}"
+    await asyncio.sleep(2.0)  # the hub flushes its log meanwhile
+    await ws.close()
+    return f"{got} received, {outcome}"
+
+
+async def retrieve_read(rig: Rig) -> str:
+    """Issue 33: 40 retrieves by a client that reads each reply before it asks again."""
+    outcome = await _retrieves_read(rig, burst=False)
+    return f"one 1.9 MB item, 40 retrieves one by one, client reading ({outcome})"
+
+
+async def retrieve_burst(rig: Rig) -> str:
+    """40 retrieves sent at once by a client that reads as fast as it can."""
+    outcome = await _retrieves_read(rig, burst=True)
+    return f"one 1.9 MB item, 40 retrieves at once, client reading ({outcome})"
+
+
+async def retrieve_silent(rig: Rig) -> str:
+    """Issue 33: 40 retrieves by a client that reads nothing after the item."""
+    ws = await _big_item_session(rig, silent=True)
+    frame = json.dumps({"type": "conversation.item.retrieve", "item_id": "item_big"})
+    for _ in range(40):
+        await ws.send(frame)
+    await asyncio.sleep(20)  # the outbox budget (16 MiB) or the send deadline (15 s) ends it
+    ws.transport.abort()
+    return "one 1.9 MB item, 40 retrieves, client not reading"
 
 
 async def items(rig: Rig) -> str:
@@ -219,6 +277,9 @@ async def idle(rig: Rig) -> str:
 
 PATTERNS: dict[str, Callable[[Rig], Awaitable[str]]] = {
     "retrieve": retrieve,
+    "retrieve-read": retrieve_read,
+    "retrieve-burst": retrieve_burst,
+    "retrieve-40": retrieve_silent,
     "items": items,
     "audio": audio,
     "silent": silent,
@@ -229,12 +290,14 @@ PATTERNS: dict[str, Callable[[Rig], Awaitable[str]]] = {
 async def measure(rig: Rig, name: str, grace_s: float) -> dict[str, object]:
     before = await rig.memory()
     peak = list(before)
+    peak_rss = [before[0] + before[2]]  # server + Redis RSS, at the same sample
     done = asyncio.Event()
 
     async def sample() -> None:
         while not done.is_set():
             now = await rig.memory()
-            peak[0], peak[1] = max(peak[0], now[0]), max(peak[1], now[1])
+            peak[0], peak[1], peak[2] = max(peak[0], now[0]), max(peak[1], now[1]), max(peak[2], now[2])
+            peak_rss[0] = max(peak_rss[0], now[0] + now[2])
             await asyncio.sleep(0.1)
 
     sampler = asyncio.create_task(sample())
@@ -261,6 +324,8 @@ async def measure(rig: Rig, name: str, grace_s: float) -> dict[str, object]:
         "server_peak_mb": round(peak[0] - before[0], 1),
         "redis_peak_mb": round(peak[1] - before[1], 1),
         "total_peak_mb": round(peak[0] - before[0] + peak[1] - before[1], 1),
+        "redis_rss_peak_mb": round(peak[2] - before[2], 1),
+        "total_rss_peak_mb": round(peak_rss[0] - before[0] - before[2], 1),
         "redis_parked_mb": round(parked[1] - before[1], 1),
         "server_after_mb": round(after[0] - before[0], 1),
         "redis_after_mb": round(after[1] - before[1], 1),
@@ -296,15 +361,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = asyncio.run(main_async(names, args.grace_s))
     print()
     print(
-        "| pattern | server peak | Redis peak | total peak | Redis parked | server after end "
-        "| Redis after end |"
+        "| pattern | server RSS peak | Redis used peak | Redis RSS peak | server + Redis RSS peak "
+        "| Redis parked | server after end | Redis after end |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['what']} | +{r['server_peak_mb']} MB | +{r['redis_peak_mb']} MB "
-            f"| +{r['total_peak_mb']} MB | {r['redis_parked_mb']:+} MB | {r['server_after_mb']:+} MB "
-            f"| {r['redis_after_mb']:+} MB |"
+            f"| +{r['redis_rss_peak_mb']} MB | **+{r['total_rss_peak_mb']} MB** "
+            f"| {r['redis_parked_mb']:+} MB | {r['server_after_mb']:+} MB | {r['redis_after_mb']:+} MB |"
         )
     return 0
 
