@@ -23,19 +23,20 @@ from types import SimpleNamespace
 from typing import Any
 
 from session.store import SessionWriter
+from session.store.log_budget import WriterLimits
 from session.store.redis_store import HELD_EVENT_TYPES, SessionRecord
 
 
 class _Store:
     """What ``SessionWriter`` reads off its store when it only appends (no flush, no hub)."""
 
-    held_event_types = HELD_EVENT_TYPES
-    log_max_bytes = 16 * 2**20
-    stream_maxlen = 0
-
     def __init__(self, held_max_bytes: int, held_window_s: float) -> None:
-        self.held_max_bytes = held_max_bytes
-        self.held_window_s = held_window_s
+        self.writer_limits = WriterLimits(
+            log_max_bytes=16 * 2**20,
+            held_event_types=HELD_EVENT_TYPES,
+            held_max_bytes=held_max_bytes,
+            held_window_s=held_window_s,
+        )
         self.policy = SimpleNamespace(idle_ttl_s=600.0)
         self.first: dict[str, dict[str, Any]] = {}  # each session's one logged event
 

@@ -147,3 +147,15 @@ def test_the_circle_finder_finds_a_circle() -> None:
 def test_no_import_circle_between_production_modules() -> None:
     circles = _circles(_module_graph())
     assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_no_production_module_over_600_lines() -> None:
+    """Small modules (docs/CONTRACTS.md): split by responsibility before one grows past 600."""
+    sizes = {
+        str(path.relative_to(ROOT)): len(path.read_text(encoding="utf-8").splitlines())
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+    }
+    assert len(sizes) > 100  # the walk saw the packages
+    large = sorted(f"{where}: {lines}" for where, lines in sizes.items() if lines > 600)
+    assert not large, "modules over 600 lines:\n" + "\n".join(large)

@@ -21,7 +21,8 @@ from session.realtime.config import SessionConfig
 from session.realtime.core import CoreOptions, RealtimeSessionCore
 from session.retention import RetentionPolicy
 from session.store import SessionStore
-from session.voice.driver import DriverOptions, RealtimeDriver, SessionLog
+from session.voice.driver import DriverOptions, RealtimeDriver
+from session.voice.driver_hooks import SessionLog
 from session.voice.hosting import HostSettings, SessionHost
 from session.voice.live_request import LiveEntry
 from session.voice.turn_gate import TurnGate

@@ -14,8 +14,9 @@ from session.store.errors import (
     StoreError,
     StoreUnavailable,
 )
-from session.store.event_log import SessionWriter, WriterHub
+from session.store.event_log import SessionWriter
 from session.store.redis_store import SessionBatch, SessionRecord, SessionSnapshot, SessionStore
+from session.store.writer_hub import WriterHub
 
 __all__ = [
     "EmbeddedRedis",

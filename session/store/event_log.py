@@ -2,11 +2,11 @@
 
 Hot path: :meth:`SessionWriter.append` is synchronous and does no I/O. It stamps the event's
 ``event_id`` (see :mod:`session.store.event_ids`), queues it and returns the stamped copy for
-the driver to send at once. A started writer is flushed by its store's :class:`WriterHub`, one
-per store per process: one task that writes every due writer's ops with
-:meth:`SessionStore.apply_batches`, i.e. **one pipelined round trip per tick for all the
-sessions of the process** (an EVALSHA each inside it), not one per session. A writer is due,
-whichever comes first:
+the driver to send at once. A started writer is flushed by its store's
+:class:`~session.store.writer_hub.WriterHub`, one per store per process: one task that
+writes every due writer's ops with :meth:`SessionStore.apply_batches`, i.e. **one pipelined
+round trip per tick for all the sessions of the process** (an EVALSHA each inside it), not one
+per session. A writer is due, whichever comes first:
 
 * ``flush_interval_s`` (default 100 ms) after its first unflushed event: audio deltas at
   25/s cost ~2.5 events per write per session, and one tick carries every writer that is due,
@@ -50,24 +50,19 @@ stale epoch or a vanished session is fatal for that writer alone: it stops and c
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import math
-import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from session import json_text
-from session.store.aio import cancel_and_wait, wait_event
 from session.store.errors import (
     ReplayUnavailable,
     SessionGone,
     StaleEpoch,
     StoreError,
-    StoreUnavailable,
     WriteRejected,
 )
 from session.store.event_ids import (
@@ -77,12 +72,12 @@ from session.store.event_ids import (
     session_tag,
 )
 from session.store.held_events import HeldEvents
-from session.store.redis_store import MAX_OPS_PER_CALL, BatchOp, SessionBatch, SessionRecord, SessionStore
+from session.store.log_budget import LogBudget
+from session.store.redis_store import MAX_OPS_PER_CALL, BatchOp, SessionRecord, SessionStore
+from session.store.writer_hub import MAX_BACKOFF_S, MIN_BACKOFF_S, WriterHub
 
 log = logging.getLogger(__name__)
 
-MIN_BACKOFF_S = 0.05
-MAX_BACKOFF_S = 2.0
 
 
 class _Taken(NamedTuple):
@@ -132,27 +127,18 @@ class SessionWriter:
         self._tag = session_tag(record.session_id)
         self._next_seq = record.event_seq + 1
         self.durable_seq = record.event_seq
-        self._interval = flush_interval_s
+        self.interval = flush_interval_s
         self._max_batch = max_batch_events
         self._max_pending = max_pending
         # Bytes, not only counts: queued event JSON while Redis is down, and the stream's
         # own budget (entries past it are trimmed, oldest first, with a ``t`` op).
         self._max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0
-        self._log_max_bytes = int(getattr(store, "log_max_bytes", 0) or 0)
-        self._log_maxlen = int(getattr(store, "stream_maxlen", 0) or 0)
-        # Bytes of each event in the stream, oldest first, from seq ``_log_first`` on (seqs are
-        # contiguous). Plain ints, not (seq, size) tuples: a tuple per event was the largest
-        # source of young GC-tracked objects, i.e. of the collections that stop the loop.
-        self._log_sizes: deque[int] = deque()
-        self._log_first = 0
-        self._log_bytes = 0
+        limits = store.writer_limits
+        self._log = LogBudget(limits.log_max_bytes, limits.stream_maxlen)
         # Events kept in this process, not logged (``store.held_event_types``).
-        self._held_types: frozenset[str] = frozenset(getattr(store, "held_event_types", ()) or ())
-        self._held = HeldEvents(
-            max_bytes=int(getattr(store, "held_max_bytes", 0) or 0),
-            window_s=float(getattr(store, "held_window_s", 0.0) or 0.0),
-        )
+        self._held_types = limits.held_event_types
+        self._held = HeldEvents(max_bytes=limits.held_max_bytes, window_s=limits.held_window_s)
         # The logged seq this writer began after: held events after it are this writer's; an
         # earlier process's (restart, failover) are not here. Until this writer logged an event
         # of its own, a held one is logged instead, so positions never repeat an earlier one's.
@@ -169,12 +155,12 @@ class SessionWriter:
         self._due: float | None = None  # flush_interval_s after the first unflushed op
         self._urgent = False  # a state change or a full batch: the hub's next tick, now
         self._last_write = 0.0
-        self._retry_at = 0.0  # after an error reply for this session alone
+        self.retry_at = 0.0  # after an error reply for this session alone
         self._backoff = MIN_BACKOFF_S
         # One flush at a time, by the hub or by flush(): ``_flushing`` marks the one in flight
         # (the hub skips such a writer this tick), ``_lock`` queues direct flush() callers.
         self._lock = asyncio.Lock()
-        self._flushing = False
+        self.flushing = False
         self._flush_done = asyncio.Event()
         self._flush_done.set()
         self._taken: _Taken | None = None
@@ -207,7 +193,9 @@ class SessionWriter:
             self._pending_bytes += len(text)
             op = ("e", str(seq), stamped["event_id"], text)
             self._queue(op, urgent=self._pending_events >= self._max_batch)
-            self._account_log(seq, len(text))
+            trim_to = self._log.add(seq, len(text))
+            if trim_to:  # past the stream's byte budget: the oldest go
+                self._queue(("t", str(trim_to), "", ""))
             while self._pending_bytes > self._max_pending_bytes and self._pending_events > 1:
                 if not self._drop_oldest_event():
                     break
@@ -229,27 +217,6 @@ class SessionWriter:
     def held_dropped(self) -> int:
         """Held events that left past a bound (bytes or age)."""
         return self._held.dropped
-
-    def _account_log(self, seq: int, size: int) -> None:
-        """The stream holds at most ``log_max_bytes`` of events: past it, queue a trim of the
-        oldest (a resume from before them gets the snapshot, ``trimmed``). Entries a previous
-        process wrote (a restored session) are not counted; the first trim (``MINID``) removes
-        them with the rest, and until then they are bounded by that process's own budget."""
-        sizes = self._log_sizes
-        if not sizes:
-            self._log_first = seq
-        sizes.append(size)
-        self._log_bytes += size
-        while self._log_maxlen and len(sizes) > self._log_maxlen:  # gone by MAXLEN already
-            self._log_bytes -= sizes.popleft()
-            self._log_first += 1
-        trim_to = 0
-        while self._log_max_bytes and self._log_bytes > self._log_max_bytes and len(sizes) > 1:
-            self._log_bytes -= sizes.popleft()
-            self._log_first += 1
-            trim_to = self._log_first
-        if trim_to:
-            self._queue(("t", str(trim_to), "", ""))
 
     def mark_activity(self) -> None:
         """Client activity with no logged event (e.g. audio in); keeps the TTL fresh."""
@@ -291,7 +258,7 @@ class SessionWriter:
         if self.fatal is not None:
             return
         self._pending.append(op)
-        if len(self._pending) > self._max_pending and not self._flushing:
+        if len(self._pending) > self._max_pending and not self.flushing:
             self._drop_oldest_event()
         hub = self._hub
         if urgent and not self._urgent:
@@ -299,11 +266,11 @@ class SessionWriter:
             if hub is not None:
                 hub.wake(self)
         if self._due is None and hub is not None:
-            self._due = hub.clock() + self._interval
+            self._due = hub.clock() + self.interval
             hub.schedule(self, self._due)
 
     def _drop_oldest_event(self) -> bool:
-        if self._flushing:  # the ops in flight are positions in _pending: leave them be
+        if self.flushing:  # the ops in flight are positions in _pending: leave them be
             return False
         for i, op in enumerate(self._pending):
             if op[0] == "e":
@@ -323,11 +290,11 @@ class SessionWriter:
     async def flush(self) -> int:
         """Write everything queued so far (after a hub write in flight); returns the ops written."""
         async with self._lock:
-            while self._flushing:  # the hub has our ops in its pipeline: let it answer first
+            while self.flushing:  # the hub has our ops in its pipeline: let it answer first
                 await self._flush_done.wait()
             if self.fatal is not None:
                 raise self.fatal
-            ops = self._take()
+            ops = self.take()
             if ops is None:
                 return 0
             try:
@@ -336,24 +303,24 @@ class SessionWriter:
                 )
             except (StaleEpoch, SessionGone) as exc:
                 registered = self._hub is not None and self._hub.holds(self)  # not once close() began
-                self._settle_fatal(exc)
+                self.settle_fatal(exc)
                 if registered:  # callers of flush() may swallow the error: the session must still end
-                    self._report_fatal(exc)
+                    self.report_fatal(exc)
                 raise
             except StoreError:
-                self._settle_failed(retry_later=False)
+                self.settle_failed(retry_later=False)
                 raise
             except Exception as exc:  # not Redis: these ops can never be written (see WriteRejected)
                 rejected = WriteRejected(self.session_id, exc)
                 registered = self._hub is not None and self._hub.holds(self)
-                self._settle_fatal(rejected)
+                self.settle_fatal(rejected)
                 if registered:
-                    self._report_fatal(rejected)
+                    self.report_fatal(rejected)
                 raise rejected from exc
             except BaseException:
-                self._settle_failed(retry_later=False)
+                self.settle_failed(retry_later=False)
                 raise
-            self._settle_ok(seq, round_trips=max(1, -(-len(ops) // MAX_OPS_PER_CALL)))
+            self.settle_ok(seq, round_trips=max(1, -(-len(ops) // MAX_OPS_PER_CALL)))
             return len(ops)
 
     async def replay(self, last_event_id: str | None) -> Replay:
@@ -405,9 +372,9 @@ class SessionWriter:
 
     # --- the flush protocol, shared by flush() and the hub -----------------------------------
 
-    def _flush_due(self) -> float | None:
+    def flush_due(self) -> float | None:
         """When the hub must write this writer next; ``None``: nothing to write, or not now."""
-        if self.fatal is not None or self._flushing:
+        if self.fatal is not None or self.flushing:
             return None
         if self._pending:
             due = -math.inf if self._urgent or self._due is None else self._due
@@ -415,9 +382,9 @@ class SessionWriter:
             due = self._last_write + self._touch_interval
         else:
             return None
-        return max(due, self._retry_at)
+        return max(due, self.retry_at)
 
-    def _take(self, limit: int | None = None) -> list[BatchOp] | None:
+    def take(self, limit: int | None = None) -> list[BatchOp] | None:
         """Start a flush: the ops to write (possibly none: a TTL touch), or None if idle.
         `limit`: at most that many (the rest is due at once, for the next flush)."""
         if not self._pending and not self._activity:
@@ -426,11 +393,11 @@ class SessionWriter:
         ops = list(self._pending) if limit is None else list(itertools.islice(self._pending, limit))
         self._taken = _Taken(ops, self._urgent, self._due, self._activity)
         self._urgent, self._due, self._activity = False, None, False
-        self._flushing = True
+        self.flushing = True
         self._flush_done.clear()
         return ops
 
-    def _settle_ok(self, durable_seq: int, *, round_trips: int) -> None:
+    def settle_ok(self, durable_seq: int, *, round_trips: int) -> None:
         taken = self._end_flight()
         for _ in range(len(taken.ops)):
             op = self._pending.popleft()
@@ -440,12 +407,12 @@ class SessionWriter:
         self.durable_seq = durable_seq
         self.flushes += 1
         self.round_trips += round_trips
-        self._backoff, self._retry_at = MIN_BACKOFF_S, 0.0
+        self._backoff, self.retry_at = MIN_BACKOFF_S, 0.0
         if self._hub is not None:
             self._last_write = self._hub.clock()
         self._wake_hub_if_dirty()
 
-    def _settle_failed(self, *, retry_later: bool) -> None:
+    def settle_failed(self, *, retry_later: bool) -> None:
         """Put the flush back: its ops are still queued; the due time and flags come back."""
         taken = self._end_flight()
         self._urgent = self._urgent or taken.urgent
@@ -458,11 +425,11 @@ class SessionWriter:
             if self._pending and self._due is None:
                 self._due = now
             if retry_later:  # an error reply for this session alone: back off this writer
-                self._retry_at = now + self._backoff
+                self.retry_at = now + self._backoff
                 self._backoff = min(MAX_BACKOFF_S, self._backoff * 2)
         self._wake_hub_if_dirty()
 
-    def _settle_fatal(self, exc: StoreError) -> None:
+    def settle_fatal(self, exc: StoreError) -> None:
         self._end_flight()
         self.fatal = exc
         self._pending.clear()
@@ -474,7 +441,7 @@ class SessionWriter:
     def _end_flight(self) -> _Taken:
         taken, self._taken = self._taken, None
         assert taken is not None, "settled a flush that was not taken"
-        self._flushing = False
+        self.flushing = False
         self._flush_done.set()
         return taken
 
@@ -482,7 +449,7 @@ class SessionWriter:
         if self._hub is not None and (self._pending or self._activity):
             self._hub.wake(self)  # it may have skipped us while we were in flight
 
-    def _report_fatal(self, exc: StoreError) -> None:
+    def report_fatal(self, exc: StoreError) -> None:
         log.warning("session %s: writer stopped: %s", self.session_id, exc)
         if self._on_fatal is not None:
             try:
@@ -494,280 +461,3 @@ class SessionWriter:
 def _logged_seq(event: Mapping[str, Any]) -> int:
     ref = parse_event_id(str(event.get("event_id", "")))
     return ref.seq if ref is not None else 0
-
-
-class WriterHub:
-    """Flushes every started writer of one store in one process, one pipeline per tick.
-
-    Its task runs while at least one writer is registered: :meth:`register` starts it, the
-    last :meth:`unregister` stops it (and waits for it), :meth:`aclose` stops it at shutdown.
-    ``round_trips`` counts its :meth:`SessionStore.apply_batches` calls that got answers.
-    """
-
-    def __init__(self, store: SessionStore, *, clock: Callable[[], float] = time.monotonic) -> None:
-        # Weak: the registry (`for_store`) is keyed by the store; its writers hold it while
-        # the hub has work, so a store no one holds goes, and its hub with it.
-        self._store = weakref.ref(store)
-        self.clock = clock
-        self._writers: dict[SessionWriter, None] = {}  # insertion-ordered set
-        # When each writer is due, earliest first: (due, tiebreak, writer). Lazy: a writer
-        # pushes a new entry whenever its due time may have moved earlier, and an entry whose
-        # writer is now due later (or not at all, or gone) is corrected when it reaches the top.
-        # So a tick costs the writers it looks at, not every writer of the process.
-        self._heap: list[tuple[float, int, SessionWriter]] = []
-        self._tiebreak = itertools.count()
-        self._longest_interval = 0.0  # of the writers registered so far: how far along looks
-        self._task: asyncio.Task[None] | None = None
-        self._wake: asyncio.Event | None = None
-        self._target = -math.inf  # when the sleeping task looks next; -inf: not asleep
-        self.round_trips = 0
-        self.failures = 0
-
-    @property
-    def store(self) -> SessionStore:
-        store = self._store()
-        if store is None:  # not reached while a writer (which holds its store) is registered
-            raise RuntimeError("the writer hub's store is gone")
-        return store
-
-    @classmethod
-    def for_store(cls, store: SessionStore) -> WriterHub:
-        """The store's hub in this process, made on first use (the store does not hold it)."""
-        hub = _HUBS.get(store)
-        if hub is None:
-            hub = _HUBS[store] = cls(store)
-        return hub
-
-    @classmethod
-    async def close_for(cls, store: SessionStore) -> None:
-        """Close the store's hub in this process, if it has one (its last host is closing)."""
-        hub = _HUBS.pop(store, None)
-        if hub is not None:
-            await hub.aclose()
-
-    @property
-    def writers(self) -> int:
-        return len(self._writers)
-
-    def holds(self, writer: SessionWriter) -> bool:
-        return writer in self._writers
-
-    # --- registration ------------------------------------------------------------------------
-
-    def register(self, writer: SessionWriter) -> None:
-        self._writers[writer] = None
-        self._longest_interval = max(self._longest_interval, writer._interval)
-        if self._task is None or self._task.done():
-            self._start_task()
-        self.wake(writer)
-
-    def discard(self, writer: SessionWriter) -> None:
-        """Stop flushing ``writer`` (a task with nothing left to flush then ends by itself)."""
-        if writer in self._writers:
-            del self._writers[writer]
-            self.wake()
-
-    async def unregister(self, writer: SessionWriter) -> None:
-        """Stop flushing ``writer``; the last one out waits for the hub's task to end."""
-        self.discard(writer)
-        if not self._writers:
-            await self.aclose()
-            if self._writers and self._task is None:  # one registered while the task stopped
-                self._start_task()
-
-    async def aclose(self) -> None:
-        """Stop the task now (shutdown); a write in flight goes back to its writers' queues.
-
-        Writers still registered are flushed again once a writer registers (or by their own
-        ``flush()``/``close()``).
-        """
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
-
-    def _start_task(self) -> None:
-        self._wake = asyncio.Event()  # bound to the loop the task runs on
-        self._task = asyncio.create_task(self._run(), name=f"writer-hub:{self.store.prefix}")
-
-    # --- signals from writers (sync, cheap) -----------------------------------------------------
-
-    def wake(self, writer: SessionWriter | None = None) -> None:
-        """``writer`` may be due earlier than the hub knows (a state change, a full batch, back
-        from a flush): look at it. Without one: look again (a writer left)."""
-        if writer is None:
-            if self._wake is not None:
-                self._wake.set()
-        elif (due := writer._flush_due()) is not None:
-            self.schedule(writer, due)
-
-    def schedule(self, writer: SessionWriter, due: float) -> None:
-        """``writer`` needs a write at ``due``: wake only if that is before the current target."""
-        heap = self._heap
-        if len(heap) > 4 * len(self._writers) + 64:
-            self._compact()
-        heapq.heappush(heap, (due, next(self._tiebreak), writer))
-        if due < self._target and self._wake is not None:
-            self._wake.set()
-
-    def _compact(self) -> None:
-        """One entry per writer with a write due (stale entries pile up under a busy writer)."""
-        entries = [
-            (due, next(self._tiebreak), w) for w in self._writers if (due := w._flush_due()) is not None
-        ]
-        heapq.heapify(entries)
-        self._heap = entries
-
-    # --- the task ------------------------------------------------------------------------------
-
-    async def _run(self) -> None:
-        backoff = MIN_BACKOFF_S
-        try:
-            while self._writers:
-                batch = await self._until_due()
-                if not batch:
-                    continue
-                try:
-                    await self._flush(batch)
-                except Exception as exc:  # StoreUnavailable, or a bug: never end every session's log
-                    self.failures += 1
-                    level = logging.WARNING if isinstance(exc, StoreUnavailable) else logging.ERROR
-                    log.log(
-                        level,
-                        "writer hub: flush of %d sessions failed, retrying in %.2fs: %r",
-                        len(batch),
-                        backoff,
-                        exc,
-                    )
-                    await asyncio.sleep(backoff)
-                    backoff = min(MAX_BACKOFF_S, backoff * 2)
-                else:
-                    backoff = MIN_BACKOFF_S
-        finally:
-            self._target = -math.inf
-            if self._task is asyncio.current_task():
-                self._task = None
-
-    async def _until_due(self) -> list[SessionWriter]:
-        """Sleep until the earliest writer deadline, waking early for an earlier one; return
-        the writers to flush then: those due, and those queued and due within half their
-        interval (they ride along on this tick's round trip; see the module docstring)."""
-        wake = self._wake
-        assert wake is not None
-        while self._writers:
-            wake.clear()  # cleared before the look: a signal after it is not lost
-            heap = self._heap
-            now = self.clock()
-            batch: dict[SessionWriter, None] = {}
-            while heap:
-                entry_due, _, w = heap[0]
-                due = w._flush_due() if w in self._writers else None
-                if due is None or w in batch:
-                    heapq.heappop(heap)  # nothing to write, in flight, gone, or taken already
-                elif due != entry_due:  # moved since: put it where it belongs now
-                    heapq.heapreplace(heap, (due, next(self._tiebreak), w))
-                elif due <= now:
-                    heapq.heappop(heap)
-                    batch[w] = None
-                else:
-                    break
-            if batch:
-                self._take_along(batch, now)
-                return list(batch)
-            target = heap[0][0] if heap else math.inf
-            self._target = target
-            try:
-                if math.isinf(target):
-                    await wake.wait()
-                else:
-                    await wait_event(wake, target - now)  # woken early or not: look again
-            finally:
-                self._target = -math.inf
-        return []
-
-    def _take_along(self, batch: dict[SessionWriter, None], now: float) -> None:
-        """Add the writers with events queued and due within half their interval."""
-        heap = self._heap
-        horizon = now + self._longest_interval / 2
-        later: list[tuple[float, int, SessionWriter]] = []
-        while heap and heap[0][0] <= horizon:
-            entry = heapq.heappop(heap)
-            w = entry[2]
-            due = w._flush_due() if w in self._writers else None
-            if due is None or w in batch:
-                continue
-            if w._pending and w._retry_at <= now and due - now <= w._interval / 2:
-                batch[w] = None
-            else:
-                later.append((due, entry[1], w))
-        for entry in later:
-            heapq.heappush(heap, entry)
-
-    async def _flush(self, batch: list[SessionWriter]) -> None:
-        # One EVALSHA per session: a pipeline is not a transaction, so a session's second chunk
-        # could land after its first failed, and the log would skip the first's events.
-        claimed = [(w, ops) for w in batch if (ops := w._take(MAX_OPS_PER_CALL)) is not None]
-        try:
-            results: list[int | StoreError] = await self.store.apply_batches(
-                [SessionBatch(w.session_id, ops, w.epoch, w.expires_at) for w, ops in claimed]
-            )
-        except (StoreUnavailable, asyncio.CancelledError):
-            for w, _ in claimed:
-                w._settle_failed(retry_later=False)
-            raise
-        except Exception as exc:  # one session's ops (e.g. a string Redis cannot encode)
-            log.warning(
-                "writer hub: a pipeline of %d sessions failed (%r): writing them one by one",
-                len(claimed),
-                exc,
-            )
-            results = await self._one_by_one(claimed)
-        self.round_trips += 1
-        for (w, _), result in zip(claimed, results, strict=True):
-            try:
-                self._settle(w, result)
-            except Exception:  # a bug: never leave a writer in flight (its flush() would wait forever)
-                log.exception("session %s: settling a flush failed", w.session_id)
-                if w._flushing:
-                    w._settle_failed(retry_later=True)
-
-    async def _one_by_one(self, claimed: list[tuple[SessionWriter, list[BatchOp]]]) -> list[int | StoreError]:
-        """Each claimed writer's ops in a pipeline of its own: the writer whose ops raise gets
-        :class:`WriteRejected` (fatal for it alone); the others are written as usual."""
-        results: list[int | StoreError] = []
-        for i, (w, ops) in enumerate(claimed):
-            try:
-                (result,) = await self.store.apply_batches(
-                    [SessionBatch(w.session_id, ops, w.epoch, w.expires_at)]
-                )
-            except (StoreUnavailable, asyncio.CancelledError):
-                for later, _ in claimed[i:]:
-                    later._settle_failed(retry_later=False)
-                for (done, _), res in zip(claimed[:i], results, strict=True):
-                    self._settle(done, res)
-                raise
-            except Exception as exc:
-                log.error("session %s: its log cannot be written: %r", w.session_id, exc)
-                result = WriteRejected(w.session_id, exc)
-            results.append(result)
-        return results
-
-    def _settle(self, w: SessionWriter, result: int | StoreError) -> None:
-        if isinstance(result, int):
-            w._settle_ok(result, round_trips=1)
-        elif isinstance(result, StaleEpoch | SessionGone | WriteRejected):
-            registered = w in self._writers  # not if close() began meanwhile: it gets the error
-            w._settle_fatal(result)
-            if registered:
-                w._report_fatal(result)
-        else:
-            w._settle_failed(retry_later=True)
-            log.warning(
-                "session %s: flush failed, retrying in %.2fs: %s",
-                w.session_id,
-                w._retry_at - self.clock(),
-                result,
-            )
-
-
-
-# Each store's hub in this process (`WriterHub.for_store`); weak: a store that goes goes with it.
-_HUBS: weakref.WeakKeyDictionary[SessionStore, WriterHub] = weakref.WeakKeyDictionary()

@@ -53,6 +53,7 @@ from session.store.errors import (
 )
 from session.store.event_ids import parse_event_id, session_tag, split_events
 from session.store.keys import DEFAULT_PREFIX, SessionKeys, session_keys
+from session.store.log_budget import WriterLimits
 
 # (op, a, b, c): ("e", seq, event_id, event_json) | ("i", item_id, item_json, after) |
 # ("d", item_id, "", "") | ("m", field, value, "") | ("t", min_seq, "", "") — ``after``: "" append,
@@ -254,6 +255,17 @@ class SessionStore:
 
     def keys(self, session_id: str) -> SessionKeys:
         return session_keys(session_id, self.prefix)
+
+    @property
+    def writer_limits(self) -> WriterLimits:
+        """What each session's writer is bounded by (:mod:`session.store.log_budget`)."""
+        return WriterLimits(
+            log_max_bytes=self.log_max_bytes,
+            stream_maxlen=self.stream_maxlen,
+            held_event_types=self.held_event_types,
+            held_max_bytes=self.held_max_bytes,
+            held_window_s=self.held_window_s,
+        )
 
     async def load_scripts(self) -> None:
         """Load the Lua scripts now, so the first flush is one round trip, not three."""

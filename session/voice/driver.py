@@ -25,9 +25,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +56,7 @@ from session.realtime.effects import (
 )
 from session.store.aio import cancel_and_wait
 from session.voice.ahead import ResponseAhead, with_transcript
+from session.voice.driver_hooks import DriverObserver, SessionLog
 from session.voice.live_request import LiveEntry, LiveRequest
 from session.voice.retrieved import logged_form
 from session.voice.turn_gate import TurnGate, TurnRejected
@@ -67,44 +68,6 @@ def transport_audio_sink(transport: Transport) -> AudioSink | None:
     """The media track a transport plays model audio on, or None when audio travels as
     `response.output_audio.delta` events (WebSocket)."""
     return transport.info.audio_sink
-
-
-class DriverObserver(Protocol):
-    """Metrics hooks (web/metrics.py): one call per response start, first audio and end, and
-    per error event; never per audio frame."""
-
-    def response_started(self) -> None: ...
-
-    def first_audio(self, seconds: float) -> None: ...
-
-    def response_finished(self, status: str, seconds: float) -> None: ...
-
-    def error(self, code: str) -> None: ...
-
-
-class SessionLog(Protocol):
-    """Where a session's client-visible events and durable state go (the store's
-    ``SessionWriter``). Every method is synchronous and does no I/O: the log batches."""
-
-    def append(self, event: Mapping[str, Any], logged: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Log one server event (or `logged` in its place); returns the copy to send (the log
-        owns `event_id`)."""
-        ...
-
-    def put_item(self, item: Mapping[str, Any], previous_item_id: str | None = None) -> None: ...
-
-    def delete_item(self, item_id: str) -> None: ...
-
-    def set_config(self, config: Mapping[str, Any]) -> None: ...
-
-    def set_open_response(self, response: Mapping[str, Any] | None) -> None: ...
-
-    def mark_activity(self) -> None: ...
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of event JSON it keeps in process only (audio deltas, for a resume here)."""
-        ...
 
 
 @dataclass(slots=True)

@@ -74,7 +74,8 @@ from session.store.errors import (
     StoreUnavailable,
     WriteRejected,
 )
-from session.voice.driver import RealtimeDriver, SessionLog
+from session.voice.driver import RealtimeDriver
+from session.voice.driver_hooks import SessionLog
 from session.voice.hosted import HostedSession
 from session.voice.hosting_resume import VoiceResume
 

@@ -114,7 +114,7 @@ async def test_many_writers_share_one_round_trip(
 
 async def test_ticks_on_earliest_deadline_and_takes_the_nearly_due_along(store: CountingStore) -> None:
     slow, ripe, fast = await new_writers(store, 3)
-    slow._interval, ripe._interval, fast._interval = 10.0, 1.0, 0.05  # fast's deadline drives the tick
+    slow.interval, ripe.interval, fast.interval = 10.0, 1.0, 0.05  # fast's deadline drives the tick
     for w in (slow, ripe, fast):
         await w.start()
     slow.append({"type": "slow"})
@@ -132,7 +132,7 @@ async def test_ticks_on_earliest_deadline_and_takes_the_nearly_due_along(store: 
 
 async def test_state_change_is_flushed_at_once_with_the_nearly_due(store: CountingStore) -> None:
     a, b, fresh, idle = await new_writers(store, 4, flush_interval_s=10.0)  # the timer would never fire
-    b._interval = 1.0
+    b.interval = 1.0
     for w in (a, b, fresh, idle):
         await w.start()
     b.append({"type": "x"})
