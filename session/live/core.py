@@ -25,16 +25,15 @@ silence while it is quiet (kept ``SILENCE_LAG_MS`` behind the input); its transc
 from __future__ import annotations
 
 import enum
-import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
 
-from media.audio import AudioFormatError, b64decode_audio, b64encode_audio, float32_to_pcm16, pcm16_to_float32
+from media.audio import AudioFormatError, b64decode_audio, pcm16_to_float32
 from session.json_guard import JsonRejected, loads_checked
 from session.live import events as ev
+from session.live.effects import Begin, Close, Condition, Effect, Emit, Feed, RunDelegation
 from session.live.events import (
     AudioAppend,
     ContextAppend,
@@ -49,13 +48,25 @@ from session.live.events import (
     SessionUpdate,
     StartConfig,
 )
+from session.live.handoff import Delegations, item_text
+from session.live.output import SILENCE_LAG_MS, OutputStream
+from session.live.start import check_start
+
+__all__ = [
+    "SILENCE_LAG_MS",
+    "Begin",
+    "Close",
+    "Condition",
+    "Effect",
+    "Emit",
+    "Feed",
+    "LiveCoreOptions",
+    "LiveSessionCore",
+    "Phase",
+    "RunDelegation",
+]
 
 RATE: Final = ev.SAMPLE_RATE
-MAX_OPEN_DELEGATIONS: Final = 64  # answers to older ones are refused as unknown
-# The output stream is continuous, as GPT-Live's is: while the model is quiet the session sends
-# silence, keeping the output this far behind the input timeline (so speech the model starts
-# meanwhile does not land on silence already sent). A client's own gate finds the turns in it.
-SILENCE_LAG_MS: Final = 200
 
 
 class Phase(enum.Enum):
@@ -63,41 +74,6 @@ class Phase(enum.Enum):
     LIVE = "live"
     CLOSED = "closed"
 
-
-@dataclass(slots=True)
-class Emit:
-    event: dict[str, Any]
-
-
-@dataclass(slots=True)
-class Begin:
-    config: StartConfig
-
-
-@dataclass(slots=True)
-class Feed:
-    samples: np.ndarray  # float32 mono at 24 kHz
-
-
-@dataclass(slots=True)
-class Condition:
-    values: dict[str, Any]
-
-
-@dataclass(slots=True)
-class RunDelegation:
-    delegation_id: str
-    task: str
-    items: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Close:
-    code: int
-    reason: str
-
-
-Effect = Emit | Begin | Feed | Condition | RunDelegation | Close
 
 # session.closed reasons (GPT-Live's) by why the server ends a session
 CLOSE_REASONS: Final = {
@@ -128,19 +104,23 @@ class LiveSessionCore:
         self.session_id = options.session_id
         self.phase = Phase.AWAITING_START
         self.config: StartConfig | None = None
-        self.delegation: DelegationTarget = "client"
-        self.responses: dict[str, Any] = {}
+        self.delegations = Delegations(options.pipeline, options.limits.max_pending_items)
+        self.output = OutputStream()
         self.muted = False
         self.input_samples = 0  # the session's timeline
-        self.usage_reported_s = 0.0
         self.context: list[tuple[str, str]] = []  # (kind, text) appended, for a reopened request
         self.context_bytes = 0
-        self.speaking = False
-        self.out_ms = 0  # where the model's output stream stands on the timeline
         self.in_transcript_ms = 0
-        self.open_delegations: deque[str] = deque(maxlen=MAX_OPEN_DELEGATIONS)
-        self.pending_items: list[dict[str, Any]] = []
-        self.stats = {"appends": 0, "audio_out_ms": 0, "errors": 0, "stretches": 0}
+        self.counts = {"appends": 0, "errors": 0}
+
+    @property
+    def delegation(self) -> DelegationTarget:
+        return self.delegations.target
+
+    @property
+    def stats(self) -> dict[str, int]:
+        out = self.output
+        return {**self.counts, "audio_out_ms": out.audio_ms, "stretches": out.stretches}
 
     # --- timeline ----------------------------------------------------------------------------
 
@@ -158,21 +138,16 @@ class LiveSessionCore:
         """One client text frame."""
         if self.phase is Phase.CLOSED:
             return []
-        if len(text) > self.limits.max_message_bytes:
-            return self._refuse(
-                LiveProtocolError(
-                    ev.MESSAGE_TOO_LARGE,
-                    f"A client event may be at most {self.limits.max_message_bytes} bytes (got {len(text)}).",
+        limit = self.limits.max_message_bytes
+        try:
+            if len(text) > limit:
+                raise LiveProtocolError(
+                    ev.MESSAGE_TOO_LARGE, f"A client event may be at most {limit} bytes (got {len(text)})."
                 )
-            )
-        try:
-            data = loads_checked(text)
-            event = ev.parse_client_event(data)
-        except JsonRejected as exc:
-            return self._refuse(LiveProtocolError(exc.code, exc.message, param=exc.param))
-        except LiveProtocolError as exc:
-            return self._refuse(exc)
-        try:
+            try:
+                event = ev.parse_client_event(loads_checked(text))
+            except JsonRejected as exc:
+                raise LiveProtocolError(exc.code, exc.message, param=exc.param) from None
             return self._dispatch(event)
         except LiveProtocolError as exc:
             return self._refuse(exc)
@@ -191,18 +166,12 @@ class LiveSessionCore:
             )
         if isinstance(event, MuteInput):
             self.muted = event.muted
-            return [
-                Emit(
-                    ev.ack(
-                        "session.input_audio.muted" if event.muted else "session.input_audio.unmuted",
-                        event.event_id,
-                    )
-                )
-            ]
+            kind = "session.input_audio.muted" if event.muted else "session.input_audio.unmuted"
+            return [Emit(ev.ack(kind, event.event_id))]
         if isinstance(event, ContextAppend):
             return self._append_context(event)
         if isinstance(event, SessionUpdate):
-            return self._update(event)
+            return self.delegations.update(event)
         if isinstance(event, ItemCreate):
             return self._item_create(event)
         if isinstance(event, ResponseCreate):
@@ -211,7 +180,7 @@ class LiveSessionCore:
         return self.close("client_closed")
 
     def _refuse(self, exc: LiveProtocolError) -> list[Effect]:
-        self.stats["errors"] += 1
+        self.counts["errors"] += 1
         out: list[Effect] = [Emit(exc.to_event())]
         if self.phase is Phase.AWAITING_START:  # no session to keep: the connection ends
             self.phase = Phase.CLOSED
@@ -225,53 +194,13 @@ class LiveSessionCore:
             raise LiveProtocolError(
                 ev.ALREADY_STARTED, "The session has already started.", event_id=event.event_id
             )
+        target, size = check_start(
+            event, pipeline=self.options.pipeline, targets=self.options.delegations, limits=self.limits
+        )
         config = event.config
-        limits = self.limits
-        pipeline = self.options.pipeline
-        if config.model != pipeline and not config.model.startswith("gpt-live"):
-            raise LiveProtocolError(
-                ev.MODEL_NOT_FOUND,
-                f"The model '{config.model[:64]}' is not served here; this server's duplex model is "
-                f"'{pipeline}' (gpt-live names are taken as it).",
-                param="session.model",
-                event_id=event.event_id,
-            )
-        if len(config.instructions.encode()) > limits.max_instructions_bytes:
-            raise LiveProtocolError(
-                ev.TEXT_TOO_LARGE,
-                f"session.instructions may be at most {limits.max_instructions_bytes} bytes.",
-                param="session.instructions",
-                event_id=event.event_id,
-            )
-        if len(config.history) > limits.max_input_items:
-            raise LiveProtocolError(
-                ev.INVALID_VALUE,
-                f"session.input may hold at most {limits.max_input_items} items.",
-                param="session.input",
-                event_id=event.event_id,
-            )
-        history_bytes = sum(len(item.text.encode()) for item in config.history)
-        if history_bytes + len(config.instructions.encode()) > limits.max_context_bytes:
-            raise LiveProtocolError(
-                ev.CONTEXT_FULL,
-                f"session.instructions and session.input may hold at most "
-                f"{limits.max_context_bytes} bytes together.",
-                param="session.input",
-                event_id=event.event_id,
-            )
-        target = config.delegation or ("responses" if "responses" in self.options.delegations else "client")
-        if target not in self.options.delegations:
-            raise LiveProtocolError(
-                ev.DELEGATION_UNAVAILABLE,
-                f"The pipeline '{pipeline}' has no text model stage to run 'responses' delegation; "
-                'start the session with delegation {"type": "client"}.',
-                param="session.delegation.type",
-                event_id=event.event_id,
-            )
         self.config = config
-        self.delegation = target
-        self.responses = dict(config.responses)
-        self.context_bytes = history_bytes + len(config.instructions.encode())
+        self.delegations.start(target, config.responses)
+        self.context_bytes = size
         self.phase = Phase.LIVE
         return [Emit(ev.started(self.session_resource())), Begin(config)]
 
@@ -340,17 +269,13 @@ class LiveSessionCore:
             return []
         before = self.usage_s
         self.input_samples += samples.size
-        self.stats["appends"] += 1
+        self.counts["appends"] += 1
         if self.muted:
             samples = np.zeros(samples.size, dtype=np.float32)
         out: list[Effect] = [Feed(samples)]
-        gap = self.input_ms - SILENCE_LAG_MS - self.out_ms
-        if not self.speaking and gap >= 20:
-            self.out_ms += gap
-            out.append(Emit(ev.audio_delta(_silence(gap * RATE // 1000))))
+        out += self.output.fill(self.input_ms)
         interval = self.limits.usage_interval_s
         if int(self.usage_s // interval) > int(before // interval):
-            self.usage_reported_s = self.usage_s
             out.append(Emit(ev.usage_updated(self.usage_s)))
         return out
 
@@ -374,13 +299,7 @@ class LiveSessionCore:
         return size
 
     def _append_context(self, event: ContextAppend) -> list[Effect]:
-        if event.delegation_id is not None and event.delegation_id not in self.open_delegations:
-            raise LiveProtocolError(
-                ev.UNKNOWN_DELEGATION,
-                f"No open delegation '{event.delegation_id[:64]}'.",
-                param="delegation_id",
-                event_id=event.event_id,
-            )
+        self.delegations.check(event.delegation_id, event.event_id)
         self.context_bytes += self._keep(event.content, event.event_id, "content")
         self.context.append((event.kind, event.content))
         append: dict[str, Any] = {"kind": event.kind, "text": event.content}
@@ -398,75 +317,23 @@ class LiveSessionCore:
         parts += [text for kind, text in self.context if kind == "instructions"]
         return "\n\n".join(parts)
 
-    def _update(self, event: SessionUpdate) -> list[Effect]:
-        if event.delegation != self.delegation:
-            raise LiveProtocolError(
-                ev.DELEGATION_FIXED,
-                f"The delegation type is fixed for the session ('{self.delegation}'); only its "
-                "responses settings can change.",
-                param="session.delegation.type",
-                event_id=event.event_id,
-            )
-        self.responses.update({k: v for k, v in event.responses.items() if v is not None})
-        return [
-            Emit(
-                {
-                    **ev.ack("session.updated", event.event_id),
-                    "session": {"delegation": {"type": self.delegation}},
-                }
-            )
-        ]
-
-    # --- delegation results ------------------------------------------------------------------
+    # --- delegation ------------------------------------------------------------------------
 
     def _item_create(self, event: ItemCreate) -> list[Effect]:
-        if len(self.pending_items) >= self.limits.max_pending_items:
-            raise LiveProtocolError(
-                ev.CONTEXT_FULL,
-                f"At most {self.limits.max_pending_items} items may wait for response.create.",
-                param="item",
-                event_id=event.event_id,
-            )
-        text = item_text(event.item)
-        self.context_bytes += self._keep(text, event.event_id, "item")
-        self.pending_items.append(event.item)
-        return [Emit(ev.ack("response.item.created", event.event_id))]
+        size = self._keep(item_text(event.item), event.event_id, "item")
+        out = self.delegations.queue(event)
+        self.context_bytes += size
+        return out
 
     def _response_create(self, event: ResponseCreate) -> list[Effect]:
-        """The queued items go to the delegation they answer: to the model as its result
-        (``client``), or to the text model with them (``responses``)."""
-        items, self.pending_items = self.pending_items, []
-        delegation_id = self.open_delegations[-1] if self.open_delegations else None
-        if self.delegation == "responses" and delegation_id is not None:
-            return [RunDelegation(delegation_id, "", items)]
-        if not items:
-            raise LiveProtocolError(
-                ev.INVALID_VALUE,
-                "response.create has no items to deliver: send response.item.create first.",
-                event_id=event.event_id,
-            )
-        text = "\n".join(item_text(item) for item in items)
-        self.context.append(("result", text))
-        result = {"kind": "result", "text": text, "delegation_id": delegation_id}
-        response = {"id": f"resp_{uuid.uuid4().hex[:20]}", "model": self.options.pipeline}
-        return [
-            Condition({"append": result}),
-            Emit(ev.response_event(delegation_id, {"type": "response.created", "response": response})),
-            Emit(ev.response_event(delegation_id, {"type": "response.completed", "response": response})),
-        ]
-
-    # --- the model's progress ----------------------------------------------------------------
+        out, result = self.delegations.deliver(event)
+        if result is not None:
+            self.context.append(("result", result))
+        return out
 
     def on_delegate(self, task: str) -> list[Effect]:
         """The model hands work to the session's delegation target."""
-        if self.phase is not Phase.LIVE:
-            return []
-        delegation_id = f"dlg_{uuid.uuid4().hex[:20]}"
-        self.open_delegations.append(delegation_id)
-        out: list[Effect] = [Emit(ev.delegation_created(delegation_id, self.delegation))]
-        if self.delegation == "responses":
-            out.append(RunDelegation(delegation_id, task))
-        return out
+        return self.delegations.created(task) if self.phase is Phase.LIVE else []
 
     def on_delegation_event(self, delegation_id: str, event: dict[str, Any]) -> list[Effect]:
         """A Responses event of a delegation the text model runs."""
@@ -480,25 +347,17 @@ class LiveSessionCore:
         return [Condition({"append": {"kind": "result", "text": text, "delegation_id": delegation_id}})]
 
     def on_speech_started(self) -> list[Effect]:
-        self.speaking = True
-        self.stats["stretches"] += 1
+        self.output.started()
         return []
 
-    def on_model_text(self, text: str, frame_ms: int = 80) -> list[Effect]:
-        if self.phase is not Phase.LIVE or not text:
-            return []
-        return [Emit(ev.transcript_delta("output", text, self.out_ms, self.out_ms + frame_ms))]
+    def on_model_text(self, text: str) -> list[Effect]:
+        return self.output.text(text) if self.phase is Phase.LIVE else []
 
     def on_model_audio(self, samples: np.ndarray, rate: int) -> list[Effect]:
-        if self.phase is not Phase.LIVE or not samples.size:
-            return []
-        ms = samples.size * 1000 // rate
-        self.out_ms += ms
-        self.stats["audio_out_ms"] += ms
-        return [Emit(ev.audio_delta(b64encode_audio(float32_to_pcm16(samples))))]
+        return self.output.audio(samples, rate) if self.phase is Phase.LIVE else []
 
     def on_speech_stopped(self) -> list[Effect]:
-        self.speaking = False
+        self.output.stopped()
         return []
 
     def on_input_transcript(self, text: str) -> list[Effect]:
@@ -510,7 +369,7 @@ class LiveSessionCore:
 
     def live_error(self, code: str, message: str) -> list[Effect]:
         """A server-side problem the client should hear about (the session goes on)."""
-        self.stats["errors"] += 1
+        self.counts["errors"] += 1
         return [Emit(ev.error(code, message, kind="server_error"))] if self.phase is not Phase.CLOSED else []
 
     # --- the end -----------------------------------------------------------------------------
@@ -536,29 +395,3 @@ class LiveSessionCore:
             out.append(Emit(ev.closed(CLOSE_REASONS.get(cause, "connection_lost"), self.usage_s)))
         out.append(Close(code, reason))
         return out
-
-
-_SILENCE: dict[int, str] = {}
-
-
-def _silence(samples: int) -> str:
-    """Base64 PCM16 silence (the few lengths a session uses, encoded once)."""
-    text = _SILENCE.get(samples)
-    if text is None:
-        text = b64encode_audio(bytes(2 * samples))
-        if len(_SILENCE) < 64:
-            _SILENCE[samples] = text
-    return text
-
-
-def item_text(item: dict[str, Any]) -> str:
-    """The text a Responses input item carries (a function call's output, a message's text)."""
-    output = item.get("output")
-    if isinstance(output, str):
-        return output
-    content = item.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-    return ""

@@ -19,8 +19,9 @@ from typing import Any
 from runtime.orchestrator import Orchestrator
 from runtime.payloads import TextDelta
 from runtime.progress import RequestStatus
-from session.live.core import RunDelegation, item_text
 from session.live.driver import LiveDriver
+from session.live.effects import RunDelegation
+from session.live.handoff import item_text
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class ResponsesRunner:
         history = [{"role": role, "text": text} for role, text in _history(core.conditioning())]
         params = {
             "respond_to": task,
-            "instructions": str(core.responses.get("instructions") or core.instructions_text()),
+            "instructions": str(core.delegations.responses.get("instructions") or core.instructions_text()),
             "history": history,
         }
         emit({"type": "response.created", "response": response})

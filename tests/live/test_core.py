@@ -95,7 +95,7 @@ def test_the_output_is_continuous_silence_fills_the_gaps_and_speech_follows_it()
     deltas = [e for e in emitted(audio(c, 1000)) if e["type"] == "session.output_audio.delta"]
     silence = base64.b64decode(deltas[0]["delta"])
     assert len(silence) == 2 * 24 * (1000 - SILENCE_LAG_MS) and not any(silence)
-    assert c.out_ms == 1000 - SILENCE_LAG_MS
+    assert c.output.ms == 1000 - SILENCE_LAG_MS
     c.on_speech_started()
     text = emitted(c.on_model_text("hel"))[0]
     assert text == {
@@ -107,7 +107,7 @@ def test_the_output_is_continuous_silence_fills_the_gaps_and_speech_follows_it()
     speech = emitted(c.on_model_audio(np.full(1920, 0.5, dtype=np.float32), RATE))[0]
     pcm16 = np.frombuffer(base64.b64decode(speech["delta"]), dtype="<i2")
     assert pcm16.size == 1920 and (pcm16 == 16384).all()
-    assert c.out_ms == 880
+    assert c.output.ms == 880
     # while the model speaks, no silence is added
     assert [e["type"] for e in emitted(audio(c, 100))] == []
     c.on_speech_stopped()
