@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from engines.qwen3_omni.model import SAMPLE_RATE_OUT, ModelEngine
+from engines.rowbatch import RowExact
 from runtime.engine import EngineRequest, StepInput, StepOutput
 from runtime.payloads import AudioChunk, CodecCodes, Payload
 
@@ -43,6 +44,29 @@ def _frames(payloads: Sequence[Payload]) -> list[np.ndarray]:
         for p in payloads
         if isinstance(p, CodecCodes)
     ]
+
+
+def decode_rows(code2wav: Any, codes: torch.Tensor) -> torch.Tensor:
+    """``code2wav(codes)`` for a batch ``[B, Q, T]`` with every row bit-identical to that row
+    decoded alone: the embedding and the transformer run batched under
+    :class:`~engines.rowbatch.RowExact`; the convolutional stages run per row (oneDNN picks
+    another convolution algorithm for another batch size or a short window: ~1e-12 differences
+    that a batched call would leave in the samples)."""
+    if codes.shape[1] != code2wav.config.num_quantizers:
+        raise ValueError(f"Expected {code2wav.config.num_quantizers} layer of codes, got {codes.shape[1]}")
+    with RowExact():
+        hidden = code2wav.code_embedding(codes + code2wav.code_offset).mean(1)
+        hidden = code2wav.pre_transformer(inputs_embeds=hidden).last_hidden_state
+    rows = []
+    for i in range(hidden.shape[0]):
+        wav = hidden[i : i + 1].clone().permute(0, 2, 1)
+        for blocks in code2wav.upsample:
+            for block in blocks:
+                wav = block(wav)
+        for block in code2wav.decoder:
+            wav = block(wav)
+        rows.append(wav.clamp(min=-1, max=1))
+    return torch.cat(rows, dim=0)
 
 
 class Code2WavEngine(ModelEngine):
@@ -109,7 +133,7 @@ class Code2WavEngine(ModelEngine):
         for group in groups:
             codes = torch.from_numpy(np.stack([j.codes.T for j in group]))  # [B, Q, T]
             self.last_batch_shapes.append(tuple(codes.shape))
-            wav = code2wav(codes).float()[:, 0]  # [B, samples]
+            wav = decode_rows(code2wav, codes).float()[:, 0]  # [B, samples]
             for row, job in enumerate(group):
                 samples = wav[row, job.trim :].numpy()
                 if self.gain != 1.0:

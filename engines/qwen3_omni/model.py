@@ -25,6 +25,7 @@ from transformers import (
 from transformers.cache_utils import DynamicCache
 
 from engines.model_cache import ModelCache
+from engines.rowbatch import install_rows_attention, install_rows_experts
 from engines.qwen3_omni.config import tiny_config
 from engines.qwen3_omni.seeded import build_tiny_model
 from engines.qwen3_omni.tokenizer import build_tiny_tokenizer
@@ -152,6 +153,12 @@ def _build(name: str, seed: int, options: Mapping[str, Any]) -> LoadedModel:
     model.requires_grad_(False)
     if not model.has_talker:
         raise ValueError(f"qwen3_omni: {name} has enable_audio_output=False; the talker is required")
+    # Batched decode steps keep every row bit-identical to the row alone (engines.rowbatch);
+    # every unbatched call still runs sdpa and grouped_mm exactly as before.
+    thinker_text = model.thinker.model.language_model.config
+    talker_text = model.talker.model.config
+    install_rows_attention(thinker_text, talker_text, model.talker.code_predictor.model.config)
+    install_rows_experts(thinker_text, talker_text)
     loaded = _describe(name, model, tokenizer, extractor)
     _warm_up(loaded)
     return loaded

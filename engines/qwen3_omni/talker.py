@@ -8,6 +8,7 @@ talker's next input. When the talker has caught up with the thinker it stalls
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
+from engines.qwen3_omni.batched import talker_hidden
 from engines.qwen3_omni.model import ModelEngine
 from engines.qwen3_omni.sampling import (
     SamplingParams,
@@ -27,6 +29,7 @@ from engines.qwen3_omni.sampling import (
     select_token,
 )
 from engines.qwen3_omni.talker_prompt import special_text_rows
+from engines.rowbatch import RowExact, RowsCache, rows_mask_marker
 from runtime.engine import EngineRequest, StepInput, StepOutput
 from runtime.payloads import CodecCodes, Embeddings
 
@@ -106,16 +109,25 @@ class TalkerEngine(ModelEngine):
         )
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
-        """One frame per request. The talker forward runs per request (caches of different
-        lengths); the code predictor, 15 of the 16 passes of a frame, runs once for the batch."""
+        """One frame per request. Prefills run per request; the talker decode rows of every
+        request with its next input ready run in one batched forward, and so does the code
+        predictor (15 of the 16 passes of a frame); every row bit-identical to the request alone
+        (engines.rowbatch)."""
         outputs: list[StepOutput | None] = [None] * len(batch)
         framing: list[tuple[int, TalkerState, int]] = []
         with torch.inference_mode():
+            talking: list[tuple[int, torch.Tensor]] = []
             for i, item in enumerate(batch):
                 state: TalkerState = item.state
                 self._ingest(state, item)
-                outputs[i] = self._advance(state)
+                out, embeds = self._advance(state)
+                if embeds is not None:
+                    talking.append((i, embeds))
+                outputs[i] = out
+            self._talk_rows([batch[i].state for i, _ in talking], [e for _, e in talking])
+            for i, item in enumerate(batch):
                 if outputs[i] is None:
+                    state = item.state
                     c0 = self._first_code(state)
                     if c0 is None:
                         outputs[i] = StepOutput(done=True)
@@ -131,6 +143,19 @@ class TalkerEngine(ModelEngine):
                         downstream=[CodecCodes(codes[row : row + 1].copy())], done=state.done
                     )
         return [out if out is not None else StepOutput() for out in outputs]
+
+    def _talk_rows(self, states: Sequence[TalkerState], embeds: Sequence[torch.Tensor]) -> None:
+        """Advance each state's talker by its one input row: batched when several decode."""
+        if len(states) < 2:
+            for state, row in zip(states, embeds, strict=True):
+                self._talk(state, row)
+            return
+        caches = [s.cache for s in states]
+        assert all(c is not None for c in caches)
+        hidden = talker_hidden(self.loaded, embeds, [s.position for s in states], caches)  # type: ignore[arg-type]
+        for row, state in enumerate(states):
+            state.position += 1
+            state.hidden = hidden[row : row + 1]
 
     def _ingest(self, state: TalkerState, item: StepInput) -> None:
         dtype = self.loaded.dtype
@@ -168,22 +193,26 @@ class TalkerEngine(ModelEngine):
         state.position += n
         state.hidden = out.last_hidden_state[:, -1:]
 
-    def _advance(self, state: TalkerState) -> StepOutput | None:
+    def _advance(self, state: TalkerState) -> tuple[StepOutput | None, torch.Tensor | None]:
+        """(an output, None) when this step ends here; else (None, the decode row to feed first,
+        or None when the hidden state is ready)."""
         if state.done:
-            return StepOutput(done=True)
+            return StepOutput(done=True), None
         if state.cache is None:
             if state.prefill is None:
-                return StepOutput(done=True) if state.upstream_done else StepOutput(wait_for_input=True)
+                out = StepOutput(done=True) if state.upstream_done else StepOutput(wait_for_input=True)
+                return out, None
             state.cache = self.loaded.talker_cache()
             self._talk(state, state.prefill)
             state.prefill = None
         elif state.pending is not None:
             text = self._next_text(state)
             if text is None:
-                return StepOutput(wait_for_input=True)
-            self._talk(state, state.pending + text)
+                return StepOutput(wait_for_input=True), None
+            row = state.pending + text
             state.pending = None
-        return None  # the hidden state is ready: sample this frame
+            return None, row
+        return None, None  # the hidden state is ready: sample this frame
 
     def _first_code(self, state: TalkerState) -> int | None:
         """c0 from the codec head (repetition penalty, suppression); None at codec EOS."""
@@ -215,19 +244,28 @@ class TalkerEngine(ModelEngine):
         hidden = torch.cat([s.hidden for s in states if s.hidden is not None], dim=0)
         first = talker.get_input_embeddings()(torch.tensor([[c] for c in c0s]))
         embeds = predictor.get_input_embeddings()
-        cache = loaded.predictor_cache()
-        out = predictor(inputs_embeds=torch.cat([hidden, first], dim=1), cache=cache, use_cache=True)
-        codes = [list(c0s)]
-        rows = [first]
-        groups = loaded.num_code_groups
-        for g in range(1, groups):
-            logits = out.logits[:, -1]
-            step = [select_token(logits[b], s.predictor_sampling, s.generator) for b, s in enumerate(states)]
-            codes.append(step)
-            code_t = torch.tensor([[c] for c in step])
-            rows.append(embeds[g - 1](code_t))
-            if g < groups - 1:
-                out = predictor(input_ids=code_t, generation_steps=g, cache=cache, use_cache=True)
+        batch = len(states)
+        caches = [loaded.predictor_cache() for _ in states]
+        cache: Any = caches[0] if batch == 1 else RowsCache(caches)
+        mask = None if batch == 1 else rows_mask_marker(batch)
+        exact = RowExact() if batch > 1 else contextlib.nullcontext()
+        with exact:
+            out = predictor(
+                inputs_embeds=torch.cat([hidden, first], dim=1), attention_mask=mask, cache=cache, use_cache=True
+            )
+            codes = [list(c0s)]
+            rows = [first]
+            groups = loaded.num_code_groups
+            for g in range(1, groups):
+                logits = out.logits[:, -1]
+                step = [select_token(logits[b], s.predictor_sampling, s.generator) for b, s in enumerate(states)]
+                codes.append(step)
+                code_t = torch.tensor([[c] for c in step])
+                rows.append(embeds[g - 1](code_t))
+                if g < groups - 1:
+                    out = predictor(
+                        input_ids=code_t, generation_steps=g, attention_mask=mask, cache=cache, use_cache=True
+                    )
         # One reduction over the stacked rows, as generate() sums them (same rounding).
         total = torch.cat(rows, dim=1).sum(1, keepdim=True)
         return np.asarray(codes, dtype=np.int64).T.copy(), total

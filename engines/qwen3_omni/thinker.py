@@ -9,7 +9,7 @@ fed back (the EOS, and the last token when ``max_tokens`` cuts the reply, never 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
+from engines.qwen3_omni.batched import thinker_logits
 from engines.qwen3_omni.model import ModelEngine
 from engines.qwen3_omni.prompt import Prompt, build_prompt
 from engines.qwen3_omni.sampling import SamplingParams, make_generator, mask_tokens, select_token
@@ -71,7 +72,7 @@ def _int_param(params: Mapping[str, Any], options: Mapping[str, Any], name: str,
 class ThinkerEngine(ModelEngine):
     """Qwen3-Omni thinker over ``transformers`` with its own KV cache per request or session."""
 
-    batchable = False
+    batchable = True
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
@@ -158,21 +159,46 @@ class ThinkerEngine(ModelEngine):
     # -- compute -------------------------------------------------------------------------------
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
-        outputs = []
-        for item in batch:
-            state: ThinkerState = item.state
-            try:
-                with torch.inference_mode():
-                    outputs.append(self._advance(state))
-            except BaseException:
-                state.broken = True
-                raise
-        return outputs
+        """Prefill (and finished requests) one by one; every request past its prefill decodes in
+        one batched forward (continuous batching: requests join after their prefill step and
+        leave when done), each row bit-identical to the request stepped alone."""
+        outputs: list[StepOutput | None] = [None] * len(batch)
+        decoding = [
+            i for i, item in enumerate(batch) if item.state.generated and not item.state.finished
+        ]
+        if len(decoding) < 2:
+            decoding = []
+        with torch.inference_mode():
+            for i, item in enumerate(batch):
+                if i not in decoding:
+                    outputs[i] = self._guarded(item.state, lambda s: self._advance(s))
+            if decoding:
+                states: list[ThinkerState] = [batch[i].state for i in decoding]
+                try:
+                    logits = self._decode_batch(states)
+                except BaseException:
+                    for state in states:
+                        state.broken = True
+                    raise
+                for row, i in enumerate(decoding):
+                    outputs[i] = self._guarded(states[row], lambda s, r=row: self._select(s, logits[r]))
+        return [out if out is not None else StepOutput() for out in outputs]
+
+    @staticmethod
+    def _guarded(state: ThinkerState, fn: Callable[[ThinkerState], StepOutput]) -> StepOutput:
+        try:
+            return fn(state)
+        except BaseException:
+            state.broken = True
+            raise
 
     def _advance(self, state: ThinkerState) -> StepOutput:
         if state.finished:
             return StepOutput(done=True)
         logits = self._prefill(state) if not state.generated else self._decode(state)
+        return self._select(state, logits)
+
+    def _select(self, state: ThinkerState, logits: torch.Tensor) -> StepOutput:
         k = len(state.generated)
         if k < state.min_tokens:
             banned = torch.zeros(logits.shape[-1], dtype=torch.bool)
@@ -225,6 +251,18 @@ class ThinkerEngine(ModelEngine):
         state.keys.append(state.generated[-1])
         state.next_embed = None
         return self._forward(state, embed, want_accept=False)
+
+    def _decode_batch(self, states: Sequence[ThinkerState]) -> torch.Tensor:
+        embeds, starts = [], []
+        for state in states:
+            embed = state.next_embed
+            if embed is None:
+                embed = thinker_embed(self.loaded, state.generated[-1:])
+            embeds.append(embed)
+            starts.append(len(state.keys))
+            state.keys.append(state.generated[-1])
+            state.next_embed = None
+        return thinker_logits(self.loaded, embeds, starts, [s.cache for s in states])
 
     def _emit(self, state: ThinkerState, token: int) -> StepOutput:
         loaded = self.loaded

@@ -1,0 +1,198 @@
+"""Continuous batching of decode steps whose every row stays bit-identical to the row alone.
+
+A decode step of several requests runs the ``transformers`` model once on a ``[B, 1, H]`` batch,
+each row at its own position, each with its own ``DynamicCache``. Two things would make a row
+differ in the last bits from the same request stepped alone, and greedy outputs then diverge:
+
+* **Attention over padded caches.** A padded batch reduces each row's softmax over the longest
+  cache, with a different blocking than its own length. Here :class:`RowsCache` appends each
+  row's new key/value to that row's own cache and hands the attention a list of per-row caches;
+  :func:`rows_attention` (installed as the model's attention implementation by
+  :func:`install_rows_attention`) runs ``sdpa`` on each row over exactly its own cache, the call
+  the model makes for that row alone. A plain tensor (any unbatched call, ``generate``) goes
+  straight to ``sdpa`` with ``sdpa``'s mask: nothing changes for it.
+* **Matrix products whose kernel depends on the row count.** MKL's sgemm gives a row the same
+  bits for every M >= 4 but not for M = 1 (a GEMV path) or 2-3 (measured on this CPU, every
+  projection shape of the models here). Two formulations follow, chosen per engine:
+
+  - :class:`RowExact` (Qwen3-Omni): every ``linear`` of a batched step runs once per batch row on
+    that row alone, and every MoE expert call once per token (:func:`install_rows_experts`).
+    Exact by construction, whatever the kernels; the batch saves the model's per-call overhead
+    (the tiny model is overhead-bound), not FLOPs.
+  - :func:`pad_rows` (the responder's dense LM, memory-bound): every step, alone included, runs
+    at least :data:`MIN_GEMM_ROWS` rows (filler rows with an empty cache), so each product is one
+    real GEMM in the M >= 4 regime and the weights are read once for the whole batch. Its exactness
+    rests on the kernel property above; the engine's tests check it on the machine they run on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from transformers.cache_utils import DynamicCache
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+ROWS_ATTENTION = "omniduplex_rows"
+ROWS_EXPERTS = "omniduplex_rows"
+MIN_GEMM_ROWS = 4  # MKL sgemm: the same bits per row for every M >= 4 (M = 1..3 take other paths)
+
+# Below this many weight elements torch's bmm takes a naive kernel whose bits differ from a
+# one-row mm; from it on, bmm runs each batch entry through the same GEMV as a one-row mm.
+BMM_MIN_ELEMENTS = 400
+
+_local = threading.local()
+
+
+class RowKV(list[torch.Tensor]):
+    """Per-row key (or value) states ``[1, heads, len_i, dim]`` of one layer in a batched step."""
+
+
+class RowsCache:
+    """The caches of the rows of one batched step, updated row by row.
+
+    ``rows[i]`` is request i's own cache (or None for a filler row: its key/value are its own
+    token only and are dropped). Passed as the model's ``cache``; the model only calls
+    :meth:`update` on it because the step also passes a ready 4-D attention mask marker.
+    """
+
+    def __init__(self, rows: Sequence[DynamicCache | None]) -> None:
+        self.rows = list(rows)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[RowKV, RowKV]:
+        keys, values = RowKV(), RowKV()
+        for i, cache in enumerate(self.rows):
+            k, v = key_states[i : i + 1], value_states[i : i + 1]
+            if cache is not None:
+                k, v = cache.update(k, v, layer_idx)
+            keys.append(k)
+            values.append(v)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The first real row's length: only asked (for default positions) when every row has
+        the same length, as in the code predictor's fresh per-frame caches."""
+        for cache in self.rows:
+            if cache is not None:
+                return cache.get_seq_length(layer_idx)
+        return 0
+
+
+def rows_mask_marker(batch: int) -> torch.Tensor:
+    """A 4-D mask the model's mask builder passes through untouched; ignored by row attention
+    (a decode row attends to all of its own cache)."""
+    return torch.zeros((batch, 1, 1, 1), dtype=torch.bool)
+
+
+def rows_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor | RowKV,
+    value: torch.Tensor | RowKV,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    if not isinstance(key, RowKV):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[arg-type]
+    assert isinstance(value, RowKV)
+    outs = [
+        sdpa_attention_forward(module, query[i : i + 1], key[i], value[i], None, **kwargs)[0]
+        for i in range(query.shape[0])
+    ]
+    return torch.cat(outs, dim=0), None
+
+
+def install_rows_attention(*configs: Any) -> None:
+    """Make ``configs`` (text-model configs) use :func:`rows_attention`: ``sdpa`` for every
+    ordinary call, per-row attention for a :class:`RowsCache` step."""
+    ALL_ATTENTION_FUNCTIONS.register(ROWS_ATTENTION, rows_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ROWS_ATTENTION, sdpa_mask)
+    for config in configs:
+        config._attn_implementation = ROWS_ATTENTION
+
+
+def rows_experts(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The MoE experts as the model's default (``grouped_mm``) computes them; inside a
+    :class:`RowExact` step with several tokens, the same arithmetic with each (token, expert)
+    product computed as that token alone computes it (a one-row group), so a token's result does
+    not depend on who else was routed to the same expert."""
+    if not getattr(_local, "exact", False) or hidden_states.shape[0] <= 1:
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    experts: Any = self
+    num_tokens, top_k = top_k_index.shape
+    expert_ids = top_k_index.reshape(-1)
+    rows = hidden_states.repeat_interleave(top_k, dim=0)  # row s: token s // top_k
+    gate_up = row_products(rows, experts.gate_up_proj[expert_ids])
+    act = experts._apply_gate(gate_up) if experts.has_gate else experts.act_fn(gate_up)
+    out = row_products(act, experts.down_proj[expert_ids])
+    weighted = out * top_k_weights.reshape(-1).unsqueeze(-1)
+    return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def row_products(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``x[s] @ weights[s].T`` for every row s (x ``[S, K]``, weights ``[S, N, K]``): one
+    matrix-vector product per row, as a one-row ``mm`` computes it."""
+    return torch.bmm(x.unsqueeze(1), weights.transpose(1, 2)).squeeze(1)
+
+
+def install_rows_experts(*configs: Any) -> None:
+    ALL_EXPERTS_FUNCTIONS.register(ROWS_EXPERTS, rows_experts)
+    for config in configs:
+        config._experts_implementation = ROWS_EXPERTS
+
+
+class RowExact(TorchFunctionMode):
+    """Inside it (this thread only), ``linear`` runs once per batch row (dim 0) on a fresh copy
+    of that row, exactly the call the row alone makes, and MoE experts run per token."""
+
+    def __enter__(self) -> RowExact:
+        _local.exact = True
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        _local.exact = False
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            x = args[0] if args else kwargs["input"]
+            if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] > 1:
+                return _rowwise_linear(func, x, *args[1:], **kwargs)
+        return func(*args, **kwargs)
+
+
+def _rowwise_linear(func: Callable[..., Any], x: torch.Tensor, *rest: Any, **kwargs: Any) -> torch.Tensor:
+    weight = rest[0] if rest else kwargs["weight"]
+    bias = rest[1] if len(rest) > 1 else kwargs.get("bias")
+    one_token = x.dim() == 2 or (x.dim() == 3 and x.shape[1] == 1)
+    if one_token and bias is None and weight.shape[0] * weight.shape[1] >= BMM_MIN_ELEMENTS:
+        rows = x.reshape(x.shape[0], -1)
+        out = torch.bmm(rows.unsqueeze(1), weight.t().unsqueeze(0).expand(rows.shape[0], -1, -1))
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    return torch.cat([func(x[i : i + 1].clone(), *rest, **kwargs) for i in range(x.shape[0])], dim=0)
+
+
+def pad_rows(rows: torch.Tensor, minimum: int = MIN_GEMM_ROWS) -> torch.Tensor:
+    """``rows`` [B, ...] with filler rows (zeros) appended up to ``minimum``."""
+    if rows.shape[0] >= minimum:
+        return rows
+    filler = rows.new_zeros((minimum - rows.shape[0], *rows.shape[1:]))
+    return torch.cat([rows, filler], dim=0)

@@ -1,0 +1,72 @@
+"""Continuous batching in the Qwen3-Omni engines: each request's outputs batched are exactly its
+outputs alone (greedy, same seed), bit for bit: thinker tokens, talker codes, code2wav samples;
+also when requests join late or are cancelled mid-batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.engines_qwen.batch_driver import Member, run_batched
+from tests.engines_qwen.driver import Engines, Run, run_pipeline
+
+# Layer: builds the tiny Qwen3-Omni model.
+pytestmark = pytest.mark.system
+
+TOKENS, FRAMES = 14, 34  # two code2wav chunks (4 + 25) and a finished remainder
+
+
+def params(i: int, tokens: int = TOKENS, frames: int = FRAMES) -> dict[str, object]:
+    """Different prompts (different prompt lengths, so caches of different lengths batch)."""
+    return {
+        "text": "Hi" + " there" * i + f", request {i}?",
+        "greedy": True,
+        "seed": 0,
+        "max_tokens": tokens,
+        "min_tokens": tokens,
+        "max_frames": frames,
+        "min_frames": frames,
+    }
+
+
+@pytest.fixture(scope="module")
+def alone(engines: Engines) -> dict[int, Run]:
+    return {i: run_pipeline(engines, params(i), request_id=f"a{i}") for i in range(6)}
+
+
+def assert_same(batched: Run, single: Run) -> None:
+    assert batched.tokens == single.tokens
+    assert batched.text == single.text
+    np.testing.assert_array_equal(batched.code_matrix, single.code_matrix)
+    assert batched.samples.dtype == single.samples.dtype == np.float32
+    assert batched.samples.tobytes() == single.samples.tobytes()  # bitwise, not approximately
+
+
+def test_batched_outputs_are_bitwise_the_outputs_alone(engines: Engines, alone: dict[int, Run]) -> None:
+    members = run_batched(engines, [Member(params(i)) for i in range(6)])
+    assert max(max(m.batch_sizes) for m in members) == 6  # the thinker really stepped them together
+    for i, m in enumerate(members):
+        assert m.run.code_matrix.shape == (FRAMES, 16)
+        assert m.run.samples.size == FRAMES * 1920 - 555
+        assert_same(m.run, alone[i])
+
+
+def test_joining_and_cancelled_requests_leave_the_others_unchanged(
+    engines: Engines, alone: dict[int, Run]
+) -> None:
+    members = run_batched(
+        engines,
+        [
+            Member(params(0)),
+            Member(params(1), join_at=3),  # joins while 0 decodes
+            Member(params(2), cancel_at=6),  # cancelled mid-batch
+            Member(params(3), join_at=9, cancel_at=20),
+            Member(params(4), join_at=12),
+        ],
+    )
+    for i in (0, 1, 4):
+        assert_same(members[i].run, alone[i])
+    cancelled = members[2].run
+    assert 0 < len(cancelled.tokens) < TOKENS
+    assert cancelled.tokens == alone[2].tokens[: len(cancelled.tokens)]  # same prefix until cancelled
+    assert max(members[1].batch_sizes) >= 3
