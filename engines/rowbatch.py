@@ -28,11 +28,13 @@ differ in the last bits from the same request stepped alone, and greedy outputs 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+import types
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+import torch.nn.functional as F
+from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -151,32 +153,56 @@ def install_rows_experts(*configs: Any) -> None:
         config._experts_implementation = ROWS_EXPERTS
 
 
-class RowExact(TorchFunctionMode):
-    """Inside it (this thread only), ``linear`` runs once per batch row (dim 0) on a fresh copy
-    of that row, exactly the call the row alone makes, and MoE experts run per token."""
+class RowExact:
+    """While active (on this thread), every ``nn.Linear`` and MoE router made row-exact by
+    :func:`install_row_exact`, and every expert call of :func:`install_rows_experts`, runs once
+    per batch row (dim 0) on a fresh copy of that row: exactly the call the row alone makes."""
 
     def __enter__(self) -> RowExact:
+        self._outer = getattr(_local, "exact", False)
         _local.exact = True
-        super().__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        _local.exact = False
+        _local.exact = self._outer
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Sequence[type],
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.linear:
-            x = args[0] if args else kwargs["input"]
-            if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] > 1:
-                return _rowwise_linear(func, x, *args[1:], **kwargs)
-        return func(*args, **kwargs)
+
+def _row_exact_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() >= 2 and x.shape[0] > 1 and getattr(_local, "exact", False):
+        return _rowwise_linear(F.linear, x, self.weight, self.bias)
+    return F.linear(x, self.weight, self.bias)
+
+
+def _per_row(forward: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """``forward`` (of a module taking one ``[rows, ...]`` tensor) once per row in a RowExact step;
+    its outputs (a tensor or a tuple of them) concatenated along dim 0."""
+
+    def wrapped(x: torch.Tensor) -> Any:
+        if x.shape[0] <= 1 or not getattr(_local, "exact", False):
+            return forward(x)
+        outs = [forward(x[i : i + 1].clone()) for i in range(x.shape[0])]
+        if isinstance(outs[0], tuple):
+            return tuple(torch.cat(parts, dim=0) for parts in zip(*outs, strict=True))
+        return torch.cat(outs, dim=0)
+
+    return wrapped
+
+
+def install_row_exact(*modules: nn.Module, per_row: tuple[type, ...] = ()) -> None:
+    """Make every ``nn.Linear`` under ``modules`` row-exact inside :class:`RowExact` (unchanged
+    outside it), and run each module of a ``per_row`` type once per row there (MoE routers,
+    which call ``F.linear`` on a flattened ``[tokens, hidden]`` view)."""
+    for root in modules:
+        for module in root.modules():
+            if getattr(module, "_row_exact", False):
+                continue
+            if isinstance(module, nn.Linear):
+                module.forward = types.MethodType(_row_exact_linear, module)  # type: ignore[method-assign]
+            elif per_row and isinstance(module, per_row):
+                module.forward = _per_row(module.forward)  # type: ignore[method-assign]
+            else:
+                continue
+            module._row_exact = True  # type: ignore[assignment]
 
 
 def _rowwise_linear(func: Callable[..., Any], x: torch.Tensor, *rest: Any, **kwargs: Any) -> torch.Tensor:

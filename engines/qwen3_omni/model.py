@@ -23,9 +23,10 @@ from transformers import (
     WhisperFeatureExtractor,
 )
 from transformers.cache_utils import DynamicCache
+from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qmodeling
 
 from engines.model_cache import ModelCache
-from engines.rowbatch import install_rows_attention, install_rows_experts
+from engines.rowbatch import install_row_exact, install_rows_attention, install_rows_experts
 from engines.qwen3_omni.config import tiny_config
 from engines.qwen3_omni.seeded import build_tiny_model
 from engines.qwen3_omni.tokenizer import build_tiny_tokenizer
@@ -159,6 +160,14 @@ def _build(name: str, seed: int, options: Mapping[str, Any]) -> LoadedModel:
     talker_text = model.talker.model.config
     install_rows_attention(thinker_text, talker_text, model.talker.code_predictor.model.config)
     install_rows_experts(thinker_text, talker_text)
+    routers = (qmodeling.Qwen3OmniMoeThinkerTextTopKRouter, qmodeling.Qwen3OmniMoeTalkerTextTopKRouter)
+    install_row_exact(
+        model.thinker.model.language_model,
+        model.thinker.lm_head,
+        model.talker,
+        model.code2wav.pre_transformer,
+        per_row=routers,
+    )
     loaded = _describe(name, model, tokenizer, extractor)
     _warm_up(loaded)
     return loaded
