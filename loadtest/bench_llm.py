@@ -4,7 +4,8 @@
   concurrent sessions each submit one turn to a two-stage pipeline (``speech.asr`` forwarding
   typed text, then the responder); time to first token (submit → first text delta) p50/p95
   and aggregate tokens/s (sessions × max_tokens / wall time of the round), for
-  ``speech.responder`` (transformers, in process) and ``vllm.responder`` (an engine process).
+  ``speech.responder`` (transformers, in process, its live replies batched per step) and
+  ``vllm.responder`` (an engine process).
 * **prefix cache** (vLLM): a 5-turn conversation of one session; each turn re-sends the whole
   conversation. Per turn: prompt tokens, tokens served from the prefix cache
   (``num_cached_tokens``), prefilled tokens and TTFT.
@@ -60,7 +61,7 @@ def spec_for(engine: str, model: str) -> PipelineSpec:
         batch = 64
     else:
         options = json.dumps({"responder": "llm", "llm": model, "deltas_per_step": 1})
-        batch = 1
+        batch = 64  # every live reply in one forward per step (engines.speech.lm_batch)
     return parse_pipeline(PIPELINE.format(engine=engine, options=options, batch=batch), source="bench_llm")
 
 

