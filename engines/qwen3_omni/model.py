@@ -26,10 +26,10 @@ from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qmodeling
 
 from engines.model_cache import ModelCache
-from engines.rowbatch import install_row_exact, install_rows_attention, install_rows_experts
 from engines.qwen3_omni.config import tiny_config
 from engines.qwen3_omni.seeded import build_tiny_model
 from engines.qwen3_omni.tokenizer import build_tiny_tokenizer
+from engines.rowbatch import install_row_exact, install_rows_attention, install_rows_experts
 from runtime.engine import Engine
 
 TINY = "tiny"

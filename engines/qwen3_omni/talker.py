@@ -153,9 +153,9 @@ class TalkerEngine(ModelEngine):
         caches = [s.cache for s in states]
         assert all(c is not None for c in caches)
         hidden = talker_hidden(self.loaded, embeds, [s.position for s in states], caches)  # type: ignore[arg-type]
-        for row, state in enumerate(states):
+        for i, state in enumerate(states):
             state.position += 1
-            state.hidden = hidden[row : row + 1]
+            state.hidden = hidden[i : i + 1]
 
     def _ingest(self, state: TalkerState, item: StepInput) -> None:
         dtype = self.loaded.dtype
@@ -250,15 +250,16 @@ class TalkerEngine(ModelEngine):
         mask = None if batch == 1 else rows_mask_marker(batch)
         exact = RowExact() if batch > 1 else contextlib.nullcontext()
         with exact:
-            out = predictor(
-                inputs_embeds=torch.cat([hidden, first], dim=1), attention_mask=mask, cache=cache, use_cache=True
-            )
+            prefix = torch.cat([hidden, first], dim=1)
+            out = predictor(inputs_embeds=prefix, attention_mask=mask, cache=cache, use_cache=True)
             codes = [list(c0s)]
             rows = [first]
             groups = loaded.num_code_groups
             for g in range(1, groups):
                 logits = out.logits[:, -1]
-                step = [select_token(logits[b], s.predictor_sampling, s.generator) for b, s in enumerate(states)]
+                step = [
+                    select_token(logits[b], s.predictor_sampling, s.generator) for b, s in enumerate(states)
+                ]
                 codes.append(step)
                 code_t = torch.tensor([[c] for c in step])
                 rows.append(embeds[g - 1](code_t))

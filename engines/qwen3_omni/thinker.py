@@ -8,6 +8,7 @@ fed back (the EOS, and the last token when ``max_tokens`` cuts the reply, never 
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -171,7 +172,7 @@ class ThinkerEngine(ModelEngine):
         with torch.inference_mode():
             for i, item in enumerate(batch):
                 if i not in decoding:
-                    outputs[i] = self._guarded(item.state, lambda s: self._advance(s))
+                    outputs[i] = self._guarded(item.state, self._advance)
             if decoding:
                 states: list[ThinkerState] = [batch[i].state for i in decoding]
                 try:
@@ -181,7 +182,8 @@ class ThinkerEngine(ModelEngine):
                         state.broken = True
                     raise
                 for row, i in enumerate(decoding):
-                    outputs[i] = self._guarded(states[row], lambda s, r=row: self._select(s, logits[r]))
+                    select = functools.partial(self._select, logits=logits[row])
+                    outputs[i] = self._guarded(states[row], select)
         return [out if out is not None else StepOutput() for out in outputs]
 
     @staticmethod

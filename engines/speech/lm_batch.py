@@ -50,7 +50,8 @@ class BatchedLm:
 
     def reply(self, turn: Turn) -> Reply:
         """A new reply (raises ``ContextLengthExceeded`` when the prompt cannot fit)."""
-        return Reply(turn=turn, prompt=self.lm.prompt_ids(turn), detok=IncrementalDetokenizer(self.lm.tokenizer))
+        detok = IncrementalDetokenizer(self.lm.tokenizer)
+        return Reply(turn=turn, prompt=self.lm.prompt_ids(turn), detok=detok)
 
     def step(self, replies: Sequence[Reply], tokens: int = 1) -> None:
         """Advance every reply by up to ``tokens`` tokens; text lands in ``reply.deltas``."""

@@ -64,7 +64,8 @@ def run_batched(engines: Engines, members: Sequence[Member]) -> list[Member]:
                     continue
                 chunks, m.pending[i] = m.pending[i], []
                 upstream_finished = i > 0 and m.done[i - 1] and m.edges[i - 1].closed
-                inputs.append(StepInput(state=m.states[i], chunks=chunks, upstream_finished=upstream_finished))
+                step_input = StepInput(state=m.states[i], chunks=chunks, upstream_finished=upstream_finished)
+                inputs.append(step_input)
                 owners.append(m)
             if not inputs:
                 continue

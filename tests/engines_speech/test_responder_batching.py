@@ -49,7 +49,7 @@ def run(
     done: set[int] = set()
     widest = 0
     for round_no in range(10_000):
-        for k, q in enumerate(questions):
+        for k in range(len(questions)):
             if join[k] == round_no:
                 states[k] = engine.start(EngineRequest(f"r{k}", dict(params or {})))
             if cancel.get(k) == round_no and k in states and k not in done:
