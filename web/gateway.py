@@ -306,6 +306,7 @@ def routes() -> list[BaseRoute]:
         # GPT-Live sessions (duplex pipelines): relayed like /v1/realtime; calls like voice calls.
         WebSocketRoute("/v1/live/sessions", RealtimeRelayEndpoint(live_error)),
         Route("/v1/live/sessions", create_call, methods=["POST"]),
+        Route("/v1/live/sessions/{call_id}", call_action, methods=["DELETE"]),
     ]
 
 

@@ -66,6 +66,7 @@ class LiveService:
         self.host: LiveHost | None = None
         self.ctx: ServerContext | None = None
         self.calls: dict[str, LiveCall] = {}
+        self.call_sessions: dict[str, tuple[str, str]] = {}  # call id -> (tenant, session id), live calls
         self._tasks: set[asyncio.Task[None]] = set()
 
     # --- the session layer -------------------------------------------------------------------
@@ -109,6 +110,7 @@ class LiveService:
         return [
             WebSocketRoute(LIVE_PATH, self.endpoint, name="live_sessions"),
             Route(LIVE_PATH, self.create_call, methods=["POST"], name="live_calls"),
+            Route(LIVE_PATH + "/{call_id}", self.hangup, methods=["DELETE"], name="live_call"),
         ]
 
     async def close(self) -> None:
@@ -247,6 +249,7 @@ class LiveService:
         )
         call.bind(s.driver)
         self.calls[call.call_id] = call
+        self.call_sessions[call.call_id] = (s.tenant, s.session_id)
         task = asyncio.create_task(
             self._serve_call(host, s, call, token), name=f"{call.call_id}:{s.session_id}"
         )
@@ -270,5 +273,29 @@ class LiveService:
             log.exception("live call %s: serving session %s failed", call.call_id, s.session_id)
         finally:
             self.calls.pop(call.call_id, None)
+            self.call_sessions.pop(call.call_id, None)
             await asyncio.shield(host.connection_ended(s, call, call.info.disconnect_code))
             await call.link.close("call ended")
+
+    async def hangup(self, request: Request) -> Response:
+        """``DELETE /v1/live/sessions/{call_id}`` (the call's ``Location``): the call's session
+        ends (``session.closed {reason: "remote_hangup"}`` on its channel)."""
+        ctx, host = self.ctx, self.host
+        if ctx is None or host is None:
+            return (STARTING if ctx is None else unsupported(ctx.spec.name)).response()
+        try:
+            principal = await principal_for(ctx, request.headers, [])
+        except StoreUnavailable:
+            return STORE_DOWN.response()
+        if principal is None:
+            return UNAUTHORIZED.response()
+        known = self.call_sessions.get(request.path_params["call_id"])
+        if known is None or known[0] != principal.tenant:
+            return Denial(404, "call_not_found", "No such call (or its session has ended).").response()
+        if not await ctx.ephemeral.may_access(principal, known[1]):  # an ek_ key: its own only
+            return Denial(404, "call_not_found", "No such call (or its session has ended).").response()
+        try:
+            await host.delete(known[0], known[1], cause="hangup")
+        except SessionNotFound:
+            return Denial(404, "call_not_found", "No such call (or its session has ended).").response()
+        return Response(status_code=200)

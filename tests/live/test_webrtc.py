@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import numpy as np
 import pytest
 
@@ -62,6 +63,23 @@ async def test_a_live_session_over_webrtc(server: LiveServer) -> None:
         assert "session.output_audio.delta" not in types  # the model's audio is on the track
         heard = client.heard_audio()
         assert heard.size and float(np.abs(heard).max()) > 0.01  # the model's (noise) speech
+    await _no_live_sessions(server)
+
+
+async def test_a_call_is_hung_up_at_its_location(server: LiveServer) -> None:
+    async with LiveCallClient(server.http_url, api_key="sk-live-a") as client:
+        assert client.call is not None
+        client.send(
+            {"type": "session.start", "session": {"model": "duplex-tiny", "delegation": {"type": "client"}}}
+        )
+        await client.wait_event("session.started")
+        async with httpx.AsyncClient(base_url=server.http_url) as http:
+            other = await http.delete(client.call.location, headers={"Authorization": "Bearer sk-live-b"})
+            assert other.status_code == 404  # another tenant's call
+            done = await http.delete(client.call.location, headers={"Authorization": "Bearer sk-live-a"})
+            assert done.status_code == 200
+        _, closed = await client.wait_event("session.closed", timeout_s=10)
+        assert closed["reason"] == "remote_hangup"
     await _no_live_sessions(server)
 
 
