@@ -41,5 +41,5 @@ class SessionLog(Protocol):
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of event JSON it keeps in process only (audio deltas, for a resume here)."""
+        """Bytes it keeps in process only for a resume here (held audio deltas: their PCM)."""
         ...
