@@ -66,6 +66,8 @@ system-deps:
 	command -v chromium >/dev/null || pkgs="$$pkgs chromium"; \
 	command -v node >/dev/null || pkgs="$$pkgs nodejs"; \
 	command -v npm >/dev/null || pkgs="$$pkgs npm"; \
+	command -v ip >/dev/null || pkgs="$$pkgs iproute2"; \
+	ldconfig -p | grep -q 'libibverbs\.so\.1 ' || pkgs="$$pkgs libibverbs1"; \
 	if [ -n "$$pkgs" ]; then \
 	  echo "installing:$$pkgs"; \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$pkgs; \

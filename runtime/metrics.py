@@ -101,6 +101,13 @@ class RuntimeMetrics:
         self.stages[stage] = StageMetrics(stage, replicas)
         return self.stages[stage]
 
+    def add_replica(self, stage: str) -> int:
+        """One more replica of ``stage`` (a stage host joining): its index."""
+        metrics = self.stages[stage]
+        metrics.queue_depth.append(0)
+        metrics.live.append(0)
+        return len(metrics.queue_depth) - 1
+
     def add_hook(self, hook: MetricsHook) -> None:
         self.hooks.append(hook)
 

@@ -18,7 +18,7 @@ import asyncio
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,12 +27,12 @@ from runtime.capabilities import PipelineCapabilities
 from runtime.connector_registry import make_connectors
 from runtime.connectors import Connector, Handle
 from runtime.edges import AsyncChunker, Chunk, FullCollector, make_collector
-from runtime.engine import EngineRequest
+from runtime.engine import Engine, EngineRequest
 from runtime.metrics import RuntimeMetrics
 from runtime.payloads import Conditioning, Payload
 from runtime.progress import AdmissionError, FinalStatus, RequestHandle, RequestStatus, StageTiming
 from runtime.registry import engine_class
-from runtime.spec import EdgeSpec, PipelineSpec, load_pipeline
+from runtime.spec import EdgeSpec, PipelineSpec, StageSpec, load_pipeline
 from runtime.stage import Replica, Stage
 from runtime.worker import ChunkRef, ItemResult
 
@@ -148,23 +148,31 @@ class Orchestrator:
         kinds = {e.connector for e in spec.edges}
         if any(s.budget.worker == "process" for s in spec.stages):
             kinds.add("shm")
-        self.connectors = make_connectors(kinds)
+        self.connectors = self._make_connectors(kinds)
         for stage in spec.stages:
-            self.stages[stage.name] = Stage.build(
-                stage,
-                classes[stage.name],
-                connectors=self.connectors,
-                out_kinds=Counter(e.connector for e in spec.outgoing(stage.name)),
-                sink=self,
-                metrics=self.metrics,
-                clock=self._clock,
-            )
+            self.stages[stage.name] = self._build_stage(stage, classes[stage.name])
         results = await asyncio.gather(*(s.start() for s in self.stages.values()), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             self._closed = True
             await self._shutdown()
             raise errors[0]
+
+    def _make_connectors(self, kinds: Collection[str]) -> dict[str, Connector]:
+        """The pipeline's connectors (a subclass adds kinds that need configuration)."""
+        return make_connectors(kinds)
+
+    def _build_stage(self, stage: StageSpec, engine_cls: type[Engine]) -> Stage:
+        """One stage's replica pool (runtime.remote builds pools of replicas on other hosts)."""
+        return Stage.build(
+            stage,
+            engine_cls,
+            connectors=self.connectors,
+            out_kinds=Counter(e.connector for e in self.spec.outgoing(stage.name)),
+            sink=self,
+            metrics=self.metrics,
+            clock=self._clock,
+        )
 
     async def close(self) -> None:
         if self._closed:

@@ -14,7 +14,9 @@ import secrets
 GENERIC = "The server had an error while processing your request"
 # Engine failures meant for the client (the request is at fault): their text, from the code on,
 # is the client's message (e.g. engines/speech/chat.py's context_length_exceeded).
-CLIENT_FACING_CODES = ("context_length_exceeded",)
+# stage_unavailable: a stage on another host lost its host, or has none (runtime/remote); the
+# client hears which stage, never the host's address.
+CLIENT_FACING_CODES = ("context_length_exceeded", "stage_unavailable")
 
 
 def report_internal(logger: logging.Logger, context: str, detail: object, *, exc_info: bool = False) -> str:

@@ -1,4 +1,4 @@
-"""The `omniduplex` command line: serve, run, gateway (the load generator is `omniduplex-loadtest`)."""
+"""The `omniduplex` command line: serve, run, stage, gateway (the load generator is `omniduplex-loadtest`)."""
 
 from __future__ import annotations
 
@@ -112,6 +112,20 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="FROM->TO=MODE",
         help="override an edge's mode for every request, e.g. 'talker->code2wav=full'",
     )
+    p.add_argument(
+        "--remote-stage",
+        action="append",
+        default=[],
+        metavar="STAGE",
+        help="run this stage on `omniduplex stage` hosts only, found through --redis-url (repeatable; "
+        "the hosts and this server share OMNIDUPLEX_STAGE_KEY)",
+    )
+    p.add_argument(
+        "--stage-transfer-host",
+        default="127.0.0.1",
+        help="IP address of this server's transfer engine, reachable by the stage hosts (private network)",
+    )
+    p.add_argument("--stage-pool-mb", type=int, default=256, help="this server's registered transfer pool")
     p.add_argument("--robot-pipeline", default="robot-pi0-tiny", help="policy pipeline of robot sessions")
     p.add_argument(
         "--openpi-port", type=int, default=None, help="also serve the openpi policy endpoint at ws://HOST:PORT/"
@@ -136,11 +150,32 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
 
 
+def _stage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("stage", help="run one pipeline stage for servers on other hosts (a stage host)")
+    p.add_argument("--pipeline", required=True, help="pipeline name or YAML path (the server's)")
+    p.add_argument("--stage", required=True, help="the stage this host runs")
+    p.add_argument("--redis-url", required=True, help="the Redis the server finds its stage hosts in")
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1",
+        metavar="ADDR[:PORT]",
+        help="control address (IP literal; port 0 or none: any free one); a non-loopback address "
+        "needs OMNIDUPLEX_STAGE_KEY",
+    )
+    p.add_argument("--advertise", default=None, help="IP the server reaches this host at (default: --listen)")
+    p.add_argument("--replicas", type=int, default=None, help="engine replicas (default: the stage's)")
+    p.add_argument("--pool-mb", type=int, default=256, help="registered transfer pool (bounds what it holds)")
+    p.add_argument("--lease-s", type=float, default=5.0, help="registry lease; lapses without heartbeats")
+    p.add_argument("--drain-timeout-s", type=float, default=60.0, help="SIGTERM: max wait for its requests")
+    p.add_argument("--log-level", default="info")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omniduplex")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _run_parser(sub)
+    _stage_parser(sub)
     g = sub.add_parser("gateway", help="run a stateless gateway in front of replicas")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8080)
@@ -189,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from web.run_once import run_once
 
         return run_once(args)
+    if args.command == "stage":
+        from web.stages import run_stage_host
+
+        return run_stage_host(args)
     if args.command == "gateway":
         from web.gateway import run_gateway
 

@@ -138,6 +138,15 @@ async def audio_spool(settings: ServerSettings) -> AsyncIterator[SpoolAudioStore
         await asyncio.to_thread(spool.close)
 
 
+def build_orchestrator(settings: ServerSettings, spec: PipelineSpec, redis: Redis) -> Orchestrator:
+    """The pipeline's orchestrator; with `remote_stages`, those run on stage hosts (web/stages.py)."""
+    if not settings.remote_stages:
+        return Orchestrator.from_spec(spec)
+    from web.stages import remote_orchestrator
+
+    return remote_orchestrator(settings, spec, redis)
+
+
 @contextlib.asynccontextmanager
 async def server_context(settings: ServerSettings) -> AsyncIterator[ServerContext]:
     """Start everything a server needs; stop it all on exit."""
@@ -147,7 +156,7 @@ async def server_context(settings: ServerSettings) -> AsyncIterator[ServerContex
         redis_connection(settings.redis_url, data_dir=settings.data_dir, **REDIS_CLIENT_OPTIONS) as redis,
         audio_spool(settings) as spool,
     ):
-        orchestrator = Orchestrator.from_spec(spec)
+        orchestrator = build_orchestrator(settings, spec, redis)
         await orchestrator.start()
         capabilities = orchestrator.capabilities()
         metrics = ServerMetrics()

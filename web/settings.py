@@ -69,6 +69,10 @@ class ServerSettings:
     # robot policy sessions (web/robot.py): the policy pipeline, and openpi's bare port
     robot_pipeline: str = "robot-pi0-tiny"
     openpi_port: int | None = None  # serve the openpi endpoint at ws://host:PORT/ too
+    # stages on other hosts (web/stages.py): these stages run on `omniduplex stage` hosts only
+    remote_stages: tuple[str, ...] = ()
+    stage_transfer_host: str = "127.0.0.1"  # this server's transfer engine address (private network)
+    stage_pool_mb: int = 256  # its registered pool (what local stages hand to remote ones)
 
     @property
     def max_lifetime(self) -> float:
@@ -127,6 +131,9 @@ class ServerSettings:
             edge_modes=parse_edge_modes(get("edge_mode", []) or []),
             robot_pipeline=get("robot_pipeline", "robot-pi0-tiny") or "robot-pi0-tiny",
             openpi_port=get("openpi_port"),
+            remote_stages=tuple(get("remote_stage", []) or []),
+            stage_transfer_host=get("stage_transfer_host") or "127.0.0.1",
+            stage_pool_mb=int(get("stage_pool_mb", 256) or 256),
         )
 
 

@@ -1,0 +1,238 @@
+"""The ``mooncake`` connector: payloads in a registered pool, pulled by whoever needs them.
+
+``put`` pickles a payload (protocol 5: array bytes out of band) and copies it into one slice of
+this process's pool; the handle names the owner (``host:port`` of its transfer engine), the
+slice's address and size. ``get`` in the owner copies the slice out; anywhere else it pulls the
+slice into a scratch slice of its own pool through the transfer engine, then decodes. Payloads
+of at most ``inline_max`` bytes ride inline in the handle (the control message) instead.
+
+Ownership: the owner frees a slice after its last release, or on a cleanup of its request, or
+when the reaper finds it older than ``ttl_s`` (abandoned: its consumer died). Releases and
+cleanups of slices another process owns go to that process through ``owners`` (the control
+plane); the server's connector sends them, a stage host's receives them.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from runtime.connectors import Connector, ConnectorError, Handle, drop_reference
+from runtime.payloads import Payload
+from runtime.remote.slices import ALIGN, PoolFull
+from runtime.remote.transfer import TransferEndpoint, TransferError
+
+INLINE_MAX = 4096  # bytes: a handle carries payloads this small itself
+DEFAULT_TTL_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeRef:
+    owner: str  # the owning transfer engine's "host:port"; "" for an inline payload
+    address: int = 0  # of the slice in the owner's registered buffer
+    nbytes: int = 0
+    header: int = 0  # bytes of pickle stream at the slice's start
+    buffers: tuple[tuple[int, int], ...] = ()  # (offset, length) of out-of-band buffers
+    inline: bytes | None = None
+
+
+class RemoteOwners(Protocol):
+    """Where releases and cleanups of other processes' slices go (thread-safe, never blocks)."""
+
+    def release(self, owner: str, handles: list[Handle]) -> None: ...
+
+    def cleanup(self, request_id: str) -> None: ...
+
+
+def encode(payload: Payload) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    buffers: list[pickle.PickleBuffer] = []
+    header = pickle.dumps(payload, protocol=5, buffer_callback=buffers.append)
+    return header, buffers
+
+
+def _layout(header: bytes, buffers: list[pickle.PickleBuffer]) -> tuple[int, list[tuple[int, int]]]:
+    offset = -(-len(header) // ALIGN) * ALIGN
+    spans = []
+    for buf in buffers:
+        length = buf.raw().nbytes
+        spans.append((offset, length))
+        offset += -(-length // ALIGN) * ALIGN
+    return offset, spans
+
+
+def decode(data: memoryview | bytearray, ref: MooncakeRef) -> Payload:
+    view = memoryview(data)
+    buffers = [view[o : o + n] for o, n in ref.buffers]
+    payload: Payload = pickle.loads(view[: ref.header], buffers=buffers)
+    return payload
+
+
+class MooncakeConnector(Connector):
+    kind = "mooncake"
+
+    def __init__(
+        self,
+        endpoint: TransferEndpoint,
+        *,
+        owners: RemoteOwners | None = None,
+        inline_max: int = INLINE_MAX,
+        ttl_s: float = DEFAULT_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.endpoint = endpoint
+        self.owners = owners
+        self.inline_max = inline_max
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        # request -> key -> [slice offset, refs, nbytes, created]
+        self._items: dict[str, dict[str, list[Any]]] = {}
+        self.stats = {"puts": 0, "inline": 0, "pulls": 0, "bytes_pulled": 0, "reaped": 0, "failures": 0}
+        self.pull_seconds: list[float] = []  # drained by exporters (latency histogram)
+        self._closed = False
+
+    @property
+    def session(self) -> str:
+        return self.endpoint.session
+
+    # -- Connector ----------------------------------------------------------------------------
+
+    def put(self, request_id: str, key: str, payload: Payload, *, refs: int = 1) -> Handle:
+        header, buffers = encode(payload)
+        total, spans = _layout(header, buffers)
+        if total <= self.inline_max:
+            self.stats["inline"] += 1
+            inline = pickle.dumps(payload, protocol=5)
+            return Handle(self.kind, request_id, key, MooncakeRef("", nbytes=len(inline), inline=inline))
+        pool = self.endpoint.pool
+        try:
+            offset = pool.alloc(total)
+        except PoolFull as exc:
+            raise ConnectorError(f"mooncake: {exc}") from None
+        view = self.endpoint.view(offset, total)
+        view[: len(header)] = header
+        for (start, length), buf in zip(spans, buffers, strict=True):
+            view[start : start + length] = buf.raw().cast("B")
+        with self._lock:
+            self._items.setdefault(request_id, {})[key] = [offset, refs, total, self._clock()]
+        self.stats["puts"] += 1
+        ref = MooncakeRef(self.session, self.endpoint.address(offset), total, len(header), tuple(spans))
+        return Handle(self.kind, request_id, key, ref)
+
+    def get(self, handle: Handle) -> Payload:
+        ref = handle.ref
+        if not isinstance(ref, MooncakeRef):
+            raise ConnectorError(f"mooncake: {handle.request_id}/{handle.key} is not a mooncake handle")
+        if ref.inline is not None:
+            payload: Payload = pickle.loads(ref.inline)
+            return payload
+        if ref.owner == self.session:
+            with self._lock:
+                entry = self._items.get(handle.request_id, {}).get(handle.key)
+                if entry is None:
+                    raise ConnectorError(
+                        f"mooncake: {handle.request_id}/{handle.key} is gone (released or cleaned up)"
+                    )
+                data = bytearray(self.endpoint.view(entry[0], ref.nbytes))
+            return decode(data, ref)
+        return self._pull(handle, ref)
+
+    def _pull(self, handle: Handle, ref: MooncakeRef) -> Payload:
+        pool = self.endpoint.pool
+        try:
+            scratch = pool.alloc(ref.nbytes)
+        except PoolFull as exc:
+            raise ConnectorError(f"mooncake: no room to receive {ref.nbytes} B: {exc}") from None
+        started = time.perf_counter()
+        try:
+            self.endpoint.read(ref.owner, ref.address, scratch, ref.nbytes)
+            data = bytearray(self.endpoint.view(scratch, ref.nbytes))
+        except TransferError as exc:
+            self.stats["failures"] += 1
+            raise ConnectorError(f"mooncake: {handle.request_id}/{handle.key}: {exc}") from None
+        finally:
+            pool.free(scratch)
+        elapsed = time.perf_counter() - started
+        with self._lock:
+            self.stats["pulls"] += 1
+            self.stats["bytes_pulled"] += ref.nbytes
+            if len(self.pull_seconds) < 65536:
+                self.pull_seconds.append(elapsed)
+        return decode(data, ref)
+
+    def release(self, handle: Handle) -> bool:
+        ref = handle.ref
+        if not isinstance(ref, MooncakeRef) or ref.inline is not None:
+            return False
+        if ref.owner != self.session:
+            if self.owners is not None:
+                self.owners.release(ref.owner, [handle])
+            return False
+        with self._lock:
+            entry = drop_reference(self._items, handle)
+        if entry is None:
+            return False
+        self.endpoint.pool.free(entry[0])
+        return True
+
+    def cleanup(self, request_id: str) -> int:
+        with self._lock:
+            items = self._items.pop(request_id, {})
+        for entry in items.values():
+            self.endpoint.pool.free(entry[0])
+        if self.owners is not None:
+            self.owners.cleanup(request_id)
+        return len(items)
+
+    def drop(self, request_id: str) -> int:
+        """Free this process's slices of ``request_id`` only (a cleanup another process asked for)."""
+        with self._lock:
+            items = self._items.pop(request_id, {})
+        for entry in items.values():
+            self.endpoint.pool.free(entry[0])
+        return len(items)
+
+    def reap(self) -> int:
+        """Free slices older than ``ttl_s`` (their consumer never released them); how many."""
+        cutoff = self._clock() - self.ttl_s
+        freed: list[int] = []
+        with self._lock:
+            for request_id in list(self._items):
+                items = self._items[request_id]
+                for key in [k for k, e in items.items() if e[3] < cutoff]:
+                    freed.append(items.pop(key)[0])
+                if not items:
+                    del self._items[request_id]
+        for offset in freed:
+            self.endpoint.pool.free(offset)
+        self.stats["reaped"] += len(freed)
+        return len(freed)
+
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            entries = [e for items in self._items.values() for e in items.values()]
+            requests = len(self._items)
+        pool = self.endpoint.pool
+        return {
+            "kind": self.kind,
+            "ok": not self._closed,
+            "session": self.session,
+            "requests": requests,
+            "items": len(entries),
+            "bytes": sum(e[2] for e in entries),
+            "pool_bytes": pool.size,
+            "pool_used_bytes": pool.used_bytes,
+            **self.stats,
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            self._items.clear()
+        self.endpoint.close()

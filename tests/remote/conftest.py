@@ -1,0 +1,1 @@
+from tests.conftest_redis import redis_server, redis_url  # noqa: F401

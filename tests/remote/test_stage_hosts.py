@@ -1,0 +1,207 @@
+"""Stages on other hosts, end to end: stage hosts as separate processes on loopback, the server
+finding them through a real Redis, a Realtime session over the official openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import pytest
+
+from tests.conftest_redis import start_tcp_redis
+from tests.live_server import LiveServer, live_server
+from tests.realtime.wire import ServerEvents, sdk_session
+from tests.remote.hosts import (
+    KEY,
+    StageHostProcess,
+    restart_tcp_redis,
+    start_host,
+    tiny_pipeline,
+    until,
+    wait_members,
+)
+
+pytestmark = pytest.mark.system
+
+
+@pytest.fixture
+def stage_key(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("OMNIDUPLEX_STAGE_KEY", KEY)
+    return KEY
+
+
+@pytest.fixture
+def pipeline(tmp_path: Path) -> Path:
+    return tiny_pipeline(tmp_path / "qwen3-omni-tiny.yaml")
+
+
+@pytest.fixture
+def hosts() -> Iterator[list[StageHostProcess]]:
+    started: list[StageHostProcess] = []
+    yield started
+    for host in started:
+        host.kill()
+
+
+async def audio_turn(conn: object, events: ServerEvents, text: str, within_s: float = 60) -> list:
+    await conn.conversation.item.create(  # type: ignore[attr-defined]
+        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    )
+    await conn.response.create()  # type: ignore[attr-defined]
+    return await events.collect_until("response.done", within_s=within_s)
+
+
+def audio_bytes(turn: list) -> int:
+    return sum(len(base64.b64decode(r.raw["delta"])) for r in turn if r.type == "response.output_audio.delta")
+
+
+def qwen_server(
+    tmp_path: Path, pipeline: Path, redis_url: str, *remote: str
+) -> AbstractContextManager[LiveServer]:
+    return live_server(
+        tmp_path / "srv", pipeline=str(pipeline), redis_url=redis_url, remote_stages=remote, vad=False
+    )
+
+
+async def test_talker_and_code2wav_on_two_hosts_serve_a_realtime_session(
+    tmp_path: Path, pipeline: Path, redis_url: str, stage_key: str, hosts: list[StageHostProcess]
+) -> None:
+    hosts.append(start_host(pipeline, "talker", redis_url))
+    hosts.append(start_host(pipeline, "code2wav", redis_url))
+    with qwen_server(tmp_path, pipeline, redis_url, "talker", "code2wav") as server:
+        assert isinstance(server, LiveServer)
+        orchestrator = server.ctx.orchestrator
+        await wait_members(orchestrator, {"talker": 1, "code2wav": 1})
+        async with sdk_session(server, model="qwen3-omni-tiny") as (conn, events):
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"]})
+            first = await audio_turn(conn, events, "hello there")
+            second = await audio_turn(conn, events, "and again")
+        for turn in (first, second):
+            assert turn[-1].event.response.status == "completed", turn[-1].raw
+            assert audio_bytes(turn) > 24_000  # over half a second of 24 kHz PCM16
+        rows = {row["stage"]: row for row in orchestrator.remote.snapshot()}
+        assert rows["talker"]["calls"] > 0 and rows["code2wav"]["calls"] > 0
+        assert rows["talker"]["failures"] == 0 and rows["code2wav"]["failures"] == 0
+        # code2wav's audio came back through the transfer engine, not the control messages
+        assert orchestrator.connectors["mooncake"].health()["bytes_pulled"] > 24_000
+
+
+async def test_a_host_killed_mid_response_fails_it_naming_the_stage_and_a_replacement_serves_the_next(
+    tmp_path: Path, redis_url: str, stage_key: str, hosts: list[StageHostProcess]
+) -> None:
+    pipeline = tiny_pipeline(tmp_path / "qwen3-omni-tiny.yaml", max_frames=250)  # ~6 s of talker work
+    talker = start_host(pipeline, "talker", redis_url)
+    hosts += [talker, start_host(pipeline, "code2wav", redis_url)]
+    with qwen_server(tmp_path, pipeline, redis_url, "talker", "code2wav") as server:
+        assert isinstance(server, LiveServer)
+        orchestrator = server.ctx.orchestrator
+        await wait_members(orchestrator, {"talker": 1, "code2wav": 1})
+        async with sdk_session(server, model="qwen3-omni-tiny") as (conn, events):
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"]})
+            await conn.conversation.item.create(
+                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+            )
+            await conn.response.create()
+            await events.wait_for("response.output_audio.delta", within_s=60)
+            killed_at = time.monotonic()
+            talker.kill()
+            done = await events.wait_for("response.done", within_s=15)
+            assert time.monotonic() - killed_at < 5
+            response = done.event.response
+            assert response.status == "failed", done.raw
+            error = done.raw["response"]["status_details"]["error"]
+            assert error["message"] == "stage_unavailable: stage talker lost its host mid-request", error
+            # The session stays usable; a replacement host registers and serves the next turn.
+            hosts.append(start_host(pipeline, "talker", redis_url))
+            await wait_members(orchestrator, {"talker": 1, "code2wav": 1})
+            assert len(orchestrator.remote.stages["talker"].members) == 1  # the dead one is gone
+            turn = await audio_turn(conn, events, "still there?", within_s=120)
+            assert turn[-1].event.response.status == "completed", turn[-1].raw
+            assert audio_bytes(turn) > 24_000
+
+
+async def test_a_host_with_another_key_never_gets_work(
+    tmp_path: Path, pipeline: Path, redis_url: str, stage_key: str, hosts: list[StageHostProcess]
+) -> None:
+    impostor = start_host(pipeline, "talker", redis_url, key="another-stage-key-9876543210")
+    hosts += [impostor, start_host(pipeline, "code2wav", redis_url)]
+    with qwen_server(tmp_path, pipeline, redis_url, "talker", "code2wav") as server:
+        assert isinstance(server, LiveServer)
+        orchestrator = server.ctx.orchestrator
+        await wait_members(orchestrator, {"code2wav": 1})
+        await until(lambda: bool(orchestrator.remote.refused), 30, "the impostor refused")
+        (reason,) = [why for _, why in orchestrator.remote.refused.values()]
+        assert "another stage key" in reason
+        assert not orchestrator.remote.stages["talker"].members
+        async with sdk_session(server, model="qwen3-omni-tiny") as (conn, events):
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"]})
+            turn = await audio_turn(conn, events, "anyone?")
+            assert turn[-1].event.response.status == "failed"
+            error = turn[-1].raw["response"]["status_details"]["error"]
+            assert error["message"] == "stage_unavailable: stage talker has no live replica on a stage host"
+            hosts.append(start_host(pipeline, "talker", redis_url))  # the right key: it serves
+            await wait_members(orchestrator, {"talker": 1, "code2wav": 1})
+            turn = await audio_turn(conn, events, "now?")
+            assert turn[-1].event.response.status == "completed", turn[-1].raw
+        assert impostor.proc.poll() is None  # refused, still running, never given a call
+        assert "work call" not in impostor.output
+
+
+def test_a_non_loopback_listen_without_a_key_refuses_to_start(pipeline: Path) -> None:
+    host = start_host(
+        pipeline, "talker", "redis://127.0.0.1:1/0", key=None, extra=["--listen", "10.29.0.9"], wait=False
+    )
+    assert host.proc.wait(60) == 2
+    host.ready.wait(10)
+    assert "refusing to listen on 10.29.0.9 without OMNIDUPLEX_STAGE_KEY" in host.output
+
+
+async def test_voice_cascade_with_its_tts_on_a_stage_host(
+    tmp_path: Path, redis_url: str, stage_key: str, hosts: list[StageHostProcess]
+) -> None:
+    hosts.append(start_host("voice-cascade", "tts", redis_url))
+    with live_server(tmp_path / "srv", redis_url=redis_url, remote_stages=("tts",), vad=False) as server:
+        orchestrator = server.ctx.orchestrator
+        await wait_members(orchestrator, {"tts": 1})
+        async with sdk_session(server) as (conn, events):
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"]})
+            turn = await audio_turn(conn, events, "good morning")
+        assert turn[-1].event.response.status == "completed", turn[-1].raw
+        transcript = "".join(
+            r.raw["delta"] for r in turn if r.type == "response.output_audio_transcript.delta"
+        )
+        assert transcript.strip() == "You said: good morning"
+        assert audio_bytes(turn) > 24_000  # Piper's speech, resampled to 24 kHz PCM16
+        (row,) = orchestrator.remote.snapshot()
+        assert row["stage"] == "tts" and row["calls"] > 0 and row["failures"] == 0
+
+
+async def test_redis_restart_is_a_clear_registry_error_then_recovers(
+    tmp_path: Path, pipeline: Path, stage_key: str, hosts: list[StageHostProcess]
+) -> None:
+    redis = start_tcp_redis(tmp_path / "redis")
+    try:
+        hosts += [start_host(pipeline, "talker", redis.url), start_host(pipeline, "code2wav", redis.url)]
+        with qwen_server(tmp_path, pipeline, redis.url, "talker", "code2wav") as server:
+            assert isinstance(server, LiveServer)
+            orchestrator = server.ctx.orchestrator
+            await wait_members(orchestrator, {"talker": 1, "code2wav": 1})
+            redis.stop()
+            await until(lambda: orchestrator.remote.registry_error is not None, 15, "a registry error")
+            assert "redis unavailable" in orchestrator.remote.registry_error
+            await asyncio.sleep(4)  # past the hosts' 3 s lease: the replicas that answer are kept
+            assert len(orchestrator.remote.stages["talker"].members) == 1
+            redis = restart_tcp_redis(redis)  # empty: the hosts register again on their next beat
+            await until(lambda: orchestrator.remote.registry_error is None, 15, "the registry back")
+            await wait_members(orchestrator, {"talker": 1, "code2wav": 1})
+            async with sdk_session(server, model="qwen3-omni-tiny") as (conn, events):
+                await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"]})
+                turn = await audio_turn(conn, events, "back again")
+            assert turn[-1].event.response.status == "completed", turn[-1].raw
+            assert audio_bytes(turn) > 24_000
+    finally:
+        redis.stop()

@@ -1,0 +1,115 @@
+"""Stages on other hosts: the pure parts (slice pool, keys, listen checks, edge rewriting,
+sticky assignment over remote replicas)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from runtime.metrics import RuntimeMetrics
+from runtime.progress import AdmissionError
+from runtime.remote.auth import CurveKeys, StageKeyError, check_listen
+from runtime.remote.orchestrator import with_remote_stages
+from runtime.remote.slices import PoolFull, SlicePool
+from runtime.remote.stages import Member, Registered, RemoteStage
+from runtime.remote.transfer import TransferError, check_local_address, check_peer
+from runtime.spec import load_pipeline
+from web.stages import split_listen
+
+pytestmark = pytest.mark.unit
+
+
+def test_slice_pool_is_bounded_by_bytes_and_merges_freed_runs() -> None:
+    pool = SlicePool(1024)
+    a, b, c = pool.alloc(100), pool.alloc(64), pool.alloc(1)
+    assert (a, b, c) == (0, 128, 192) and pool.used_bytes == 256
+    with pytest.raises(PoolFull):
+        pool.alloc(800)
+    assert pool.free(b) and not pool.free(b)
+    assert pool.alloc(64) == 128  # first fit reuses the hole
+    for offset in (a, 128, c):
+        pool.free(offset)
+    assert pool.used_bytes == 0 and pool.alloc(1024) == 0  # the runs merged back into one
+
+
+def test_keys_derive_from_the_shared_key_and_differ_between_keys() -> None:
+    one, again, other = CurveKeys.derive("k" * 20), CurveKeys.derive("k" * 20), CurveKeys.derive("x" * 20)
+    assert one == again and one.host_public != other.host_public and one.client_public != other.client_public
+    assert one.host_public != one.client_public
+    with pytest.raises(StageKeyError):
+        CurveKeys.derive("short")
+
+
+def test_a_non_loopback_listen_needs_a_key() -> None:
+    check_listen("127.0.0.1", None)
+    check_listen("::1", None)
+    check_listen("10.0.0.5", "k" * 20)
+    with pytest.raises(StageKeyError, match=r"refusing to listen on 10\.0\.0\.5"):
+        check_listen("10.0.0.5", None)
+    with pytest.raises(StageKeyError):
+        check_listen("0.0.0.0", None)
+
+
+def test_transfer_addresses_are_checked_before_the_engine_sees_them() -> None:
+    assert check_local_address("10.1.2.3") == "10.1.2.3"
+    for bad in ("host.example", "0.0.0.0", "224.0.0.1", "", "1.2.3.4:5"):
+        with pytest.raises(TransferError):
+            check_local_address(bad)
+    assert check_peer("10.1.2.3:15000") == ("10.1.2.3", 15000)
+    for bad in ("10.1.2.3", "10.1.2.3:x", "10.1.2.3:0", "name:80"):
+        with pytest.raises(TransferError):
+            check_peer(bad)
+
+
+def test_listen_addresses_split_into_host_and_port() -> None:
+    assert split_listen("127.0.0.1") == ("127.0.0.1", 0)
+    assert split_listen("10.0.0.2:7000") == ("10.0.0.2", 7000)
+    assert split_listen("[::1]:7000") == ("::1", 7000)
+    with pytest.raises(ValueError):
+        split_listen("10.0.0.2:http")
+
+
+def test_edges_touching_a_remote_stage_carry_mooncake_handles() -> None:
+    spec = with_remote_stages(load_pipeline("qwen3-omni-tiny"), ["code2wav"])
+    connectors = {e.key: e.connector for e in spec.edges}
+    assert connectors == {"thinker->talker": "inproc", "talker->code2wav": "mooncake"}
+    with pytest.raises(ValueError, match="no stage 'nope'"):
+        with_remote_stages(spec, ["nope"])
+
+
+def _member(
+    stage: RemoteStage, rid: str, index: int, *, ready: bool = True, state: str = "SERVING"
+) -> SimpleNamespace:
+    """A stand-in for a Replica: assignment reads only its ``ready``, ``load`` and ``index``."""
+    replica = SimpleNamespace(ready=ready, load=0, index=index)
+    member = Member(cast(Any, replica), cast(Any, None), Registered(rid, f"tcp://10.0.0.{index}:1/0", state))
+    stage.add(member)
+    return replica
+
+
+def assigned(stage: RemoteStage, session_key: str) -> object:
+    return stage.assign(session_key)
+
+
+def test_remote_replicas_are_sticky_by_session_and_skip_dead_or_draining_ones() -> None:
+    spec = load_pipeline("qwen3-omni-tiny").stage("talker")
+    stage = RemoteStage(spec, RuntimeMetrics())
+    with pytest.raises(AdmissionError, match="stage_unavailable: stage talker has no live replica"):
+        stage.assign("s1")
+    a = _member(stage, "a", 0)
+    b = _member(stage, "b", 1)
+    assert assigned(stage, "s1") is a
+    a.load = 3  # busier, but s1 stays where its KV is
+    assert assigned(stage, "s1") is a
+    assert assigned(stage, "s2") is b  # a new session goes to the least loaded
+    a.ready = False  # its host was lost: s1 moves, and sticks to its new replica
+    assert assigned(stage, "s1") is b and stage.replica_id_for("s1") == "b"
+    a.ready = True
+    assert assigned(stage, "s1") is b
+    stage.members["b"].entry = Registered("b", "tcp://10.0.0.1:1/0", "DRAINING")
+    assert assigned(stage, "s3") is a  # a draining host takes nothing new
+    a.load = b.load = spec.budget.max_concurrency
+    with pytest.raises(AdmissionError):
+        stage.assign("s4")
