@@ -30,6 +30,7 @@ from web.replica import ReplicaGate, replica_membership, replica_routes
 from web.robot import RobotService, openpi_port, robot_api_key
 from web.sessions_api import session_routes
 from web.settings import ServerSettings
+from web.stages import stage_routes
 from web.video import VideoService
 from web.webrtc import WebRtcService
 
@@ -233,7 +234,8 @@ def create_app(settings: ServerSettings) -> Starlette:
     # The video routes come first: they include a static mount for /world.
     return Starlette(
         routes=[
-            *video.routes(), *routes(), *robot.routes(), *live.routes(), *webrtc.routes(), *replica_routes()
+            *video.routes(), *routes(), *robot.routes(), *live.routes(), *webrtc.routes(), *replica_routes(),
+            *stage_routes(),
         ],
         middleware=middleware,
         lifespan=lifespan,

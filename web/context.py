@@ -183,6 +183,10 @@ async def server_context(settings: ServerSettings) -> AsyncIterator[ServerContex
             audio_spool=spool,
         )
         metrics.bind_runtime(orchestrator.metrics)
+        if settings.remote_stages:
+            from web.stages import bind_stage_metrics
+
+            bind_stage_metrics(metrics.registry, orchestrator)
         metrics.bind_sessions(sessions.values)
         if spool is not None:
             metrics.bind_audio_spool(lambda: spool.spooled_bytes)

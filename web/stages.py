@@ -16,16 +16,24 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 from redis.asyncio import Redis
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
 
-from runtime.remote.auth import CurveKeys, StageKeyError, check_listen, stage_key
+from runtime.remote.auth import CurveKeys, StageKeyError, check_listen, is_loopback, stage_key
 from runtime.remote.orchestrator import RemoteOrchestrator
-from runtime.remote.stages import Lister, Registered
+from runtime.remote.stages import Lister, Registered, RemoteStages
 from runtime.spec import PipelineSpec, load_pipeline
 from session.affinity import ReplicaInfo, ReplicaLease, ReplicaRegistry
 from session.store.keys import DEFAULT_PREFIX
+from web.replica import admin_denial
 from web.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -104,7 +112,12 @@ def run_stage_host(args: Any) -> int:
         return 2
     bind = f"[{host}]:{port or '*'}" if ":" in host else f"{host}:{port or '*'}"
     stage_host = StageHost(
-        spec, args.stage, listen=bind, advertise=advertise, keys=keys, replicas=args.replicas,
+        spec,
+        args.stage,
+        listen=bind,
+        advertise=advertise,
+        keys=keys,
+        replicas=args.replicas,
         pool_bytes=args.pool_mb << 20,
     )
     return asyncio.run(_serve(stage_host, args))
@@ -168,3 +181,116 @@ async def _close(host: Any, redis: Redis, leases: list[ReplicaLease]) -> None:
             await lease.stop(deregister=True)
     await asyncio.to_thread(host.close)
     await redis.aclose()
+
+
+# -- observability: GET /v1/stages, /metrics -----------------------------------------------------
+
+
+def stage_rows(orchestrator: Any) -> dict[str, Any]:
+    """Every stage replica the orchestrator uses: remote ones as the registry and the control
+    plane see them, local ones as ``address: "local"``."""
+    rows: list[dict[str, Any]] = []
+    remote = getattr(orchestrator, "remote", None)
+    remote_names = set(remote.stages) if isinstance(remote, RemoteStages) else set()
+    for name, stage in orchestrator.stages.items():
+        if name in remote_names:
+            continue
+        for replica in stage.replicas:
+            rows.append(
+                {
+                    "stage": name,
+                    "replica_id": f"{name}.{replica.index}",
+                    "address": "local",
+                    "state": "SERVING" if replica.ready else "RESTARTING",
+                    "in_flight": replica.load,
+                    "lease_expires_in_s": None,
+                }
+            )
+    body: dict[str, Any] = {"object": "list", "data": rows}
+    if isinstance(remote, RemoteStages):
+        rows.extend(remote.snapshot())
+        body["registry_error"] = remote.registry_error
+        body["refused"] = [
+            {"replica_id": rid, "reason": why, "retry_in_s": round(max(0.0, until - remote.clock()), 1)}
+            for rid, (until, why) in remote.refused.items()
+        ]
+    return body
+
+
+async def stages_endpoint(request: Request) -> Response:
+    """`GET /v1/stages`: the admin key; with none configured, open to loopback clients of a
+    server without API keys (as a single-machine setup runs), else 403."""
+    ctx = request.app.state.ctx
+    admin_key = ctx.settings.admin_key
+    if admin_key or not (ctx.open_mode and is_loopback(request.client.host if request.client else "")):
+        denied = admin_denial(request.headers.get("authorization"), admin_key)
+        if denied is not None:
+            status, code, message = denied
+            kind = "invalid_request_error" if status < 500 else "server_error"
+            return JSONResponse(
+                {"error": {"type": kind, "code": code, "message": message}}, status_code=status
+            )
+    return JSONResponse(stage_rows(ctx.orchestrator))
+
+
+def stage_routes() -> list[BaseRoute]:
+    return [Route("/v1/stages", stages_endpoint)]
+
+
+class RemoteStagesCollector(Collector):
+    """Per remote replica, read at scrape time: calls, failures, in flight, call round-trip
+    histogram; per stage host: bytes pulled from it and the pull latency histogram."""
+
+    def __init__(self, remote: RemoteStages) -> None:
+        self.remote = remote
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["stage", "replica_id", "host"]
+        calls = CounterMetricFamily(
+            "omniduplex_remote_stage_calls", "Work calls sent to a remote replica", labels=labels
+        )
+        failures = CounterMetricFamily(
+            "omniduplex_remote_stage_failures",
+            "Work calls to a remote replica that failed (error or host lost)",
+            labels=labels,
+        )
+        in_flight = GaugeMetricFamily(
+            "omniduplex_remote_stage_in_flight", "Requests on a remote replica", labels=labels
+        )
+        seconds = HistogramMetricFamily(
+            "omniduplex_remote_stage_call_seconds", "Work call round trip to a remote replica", labels=labels
+        )
+        for stage in list(self.remote.stages.values()):
+            for rid, member in list(stage.members.items()):
+                worker = member.worker
+                values = [stage.name, rid, worker.endpoint]
+                calls.add_metric(values, worker.calls)
+                failures.add_metric(values, worker.failures)
+                in_flight.add_metric(values, member.replica.load)
+                buckets, total, _count = worker.call_seconds.snapshot()
+                seconds.add_metric(values, buckets, total)
+        moved = CounterMetricFamily(
+            "omniduplex_stage_transfer_bytes",
+            "Bytes pulled through the transfer engine, by owner",
+            labels=["owner"],
+        )
+        pulls = HistogramMetricFamily(
+            "omniduplex_stage_transfer_seconds", "Transfer engine pulls, by owner", labels=["owner"]
+        )
+        pull_failures = CounterMetricFamily(
+            "omniduplex_stage_transfer_failures", "Pulls that failed (owner gone)", labels=["owner"]
+        )
+        connector = self.remote.connector
+        if connector is not None:
+            for owner, (latency, counts) in list(connector.pulls.items()):
+                moved.add_metric([owner], counts[0])
+                pull_failures.add_metric([owner], counts[1])
+                buckets, total, _count = latency.snapshot()
+                pulls.add_metric([owner], buckets, total)
+        yield from (calls, failures, in_flight, seconds, moved, pulls, pull_failures)
+
+
+def bind_stage_metrics(registry: CollectorRegistry, orchestrator: Any) -> None:
+    remote = getattr(orchestrator, "remote", None)
+    if isinstance(remote, RemoteStages):
+        registry.register(RemoteStagesCollector(remote))

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from runtime.connectors import Connector, ConnectorError, Handle, drop_reference
 from runtime.payloads import Payload
+from runtime.remote.histogram import Histogram
 from runtime.remote.slices import ALIGN, PoolFull
 from runtime.remote.transfer import TransferEndpoint, TransferError
 
@@ -92,7 +93,7 @@ class MooncakeConnector(Connector):
         # request -> key -> [slice offset, refs, nbytes, created]
         self._items: dict[str, dict[str, list[Any]]] = {}
         self.stats = {"puts": 0, "inline": 0, "pulls": 0, "bytes_pulled": 0, "reaped": 0, "failures": 0}
-        self.pull_seconds: list[float] = []  # drained by exporters (latency histogram)
+        self.pulls: dict[str, tuple[Histogram, list[int]]] = {}  # owner -> (latency, [bytes, failures])
         self._closed = False
 
     @property
@@ -147,21 +148,24 @@ class MooncakeConnector(Connector):
             scratch = pool.alloc(ref.nbytes)
         except PoolFull as exc:
             raise ConnectorError(f"mooncake: no room to receive {ref.nbytes} B: {exc}") from None
+        with self._lock:
+            latency, moved = self.pulls.setdefault(ref.owner, (Histogram(), [0, 0]))
         started = time.perf_counter()
         try:
             self.endpoint.read(ref.owner, ref.address, scratch, ref.nbytes)
             data = bytearray(self.endpoint.view(scratch, ref.nbytes))
         except TransferError as exc:
-            self.stats["failures"] += 1
+            with self._lock:
+                self.stats["failures"] += 1
+                moved[1] += 1
             raise ConnectorError(f"mooncake: {handle.request_id}/{handle.key}: {exc}") from None
         finally:
             pool.free(scratch)
-        elapsed = time.perf_counter() - started
+        latency.observe(time.perf_counter() - started)
         with self._lock:
             self.stats["pulls"] += 1
             self.stats["bytes_pulled"] += ref.nbytes
-            if len(self.pull_seconds) < 65536:
-                self.pull_seconds.append(elapsed)
+            moved[0] += ref.nbytes
         return decode(data, ref)
 
     def release(self, handle: Handle) -> bool:

@@ -20,12 +20,12 @@ from typing import Any
 from runtime.remote.auth import CurveKeys
 from runtime.remote.connector import MooncakeConnector
 from runtime.remote.control import ControlClient
+from runtime.remote.histogram import Histogram
 from runtime.remote.host import HostInfo, encode_call
 from runtime.worker import CallResult, Done, Outcome, WorkCall, Worker, WorkerDied
 
 HELLO_TIMEOUT_S = 5.0
 UNAVAILABLE = "stage_unavailable"  # session.internal_errors: the client sees the text from here on
-LATENCY_WINDOW = 4096
 
 
 class RemoteWorker(Worker):
@@ -51,8 +51,8 @@ class RemoteWorker(Worker):
         self.in_flight = 0
         self.calls = 0
         self.failures = 0
-        self.call_seconds: list[float] = []  # round trips, drained by the exporter
-        self.bytes_pulled = 0
+        self.call_seconds = Histogram()  # work call round trips (queue, host, pulls)
+        self.bytes_pulled = 0  # client payloads pulled from the host's pool
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_death: Callable[[str], None] | None = None
 
@@ -103,8 +103,7 @@ class RemoteWorker(Worker):
         self.calls += 1
         if isinstance(outcome, BaseException):
             self.failures += 1
-        if len(self.call_seconds) < LATENCY_WINDOW:
-            self.call_seconds.append(elapsed)
+        self.call_seconds.observe(elapsed)
         done(outcome)
 
     async def _hello(self, *, reset: bool) -> None:

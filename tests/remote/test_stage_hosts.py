@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest_redis import start_tcp_redis
@@ -59,6 +60,13 @@ def audio_bytes(turn: list) -> int:
     return sum(len(base64.b64decode(r.raw["delta"])) for r in turn if r.type == "response.output_audio.delta")
 
 
+def metric(text: str, series: str) -> float:
+    """The value of one series in a Prometheus exposition."""
+    found = [line for line in text.splitlines() if line.startswith(series + " ")]
+    assert len(found) == 1, (series, [line for line in text.splitlines() if line.startswith(series[:30])])
+    return float(found[0].rsplit(" ", 1)[1])
+
+
 def qwen_server(
     tmp_path: Path, pipeline: Path, redis_url: str, *remote: str
 ) -> AbstractContextManager[LiveServer]:
@@ -83,11 +91,25 @@ async def test_talker_and_code2wav_on_two_hosts_serve_a_realtime_session(
         for turn in (first, second):
             assert turn[-1].event.response.status == "completed", turn[-1].raw
             assert audio_bytes(turn) > 24_000  # over half a second of 24 kHz PCM16
-        rows = {row["stage"]: row for row in orchestrator.remote.snapshot()}
-        assert rows["talker"]["calls"] > 0 and rows["code2wav"]["calls"] > 0
-        assert rows["talker"]["failures"] == 0 and rows["code2wav"]["failures"] == 0
+        async with httpx.AsyncClient(base_url=server.http_url) as http:
+            listing = (await http.get("/v1/stages")).json()  # open: loopback, no API keys
+            metrics = (await http.get("/metrics")).text
+        rows = {row["stage"]: row for row in listing["data"]}
+        assert set(rows) == {"thinker", "talker", "code2wav", "vad", "transcribe"}
+        assert rows["thinker"]["address"] == "local"
+        for stage, host in (("talker", hosts[0]), ("code2wav", hosts[1])):
+            row = rows[stage]
+            assert row["address"] == f"{host.control}/0" and row["state"] == "SERVING"
+            assert row["in_flight"] == 0 and row["calls"] > 0 and row["failures"] == 0
+            assert 0 < row["lease_expires_in_s"] <= 3
+            labels = f'host="{host.control}",replica_id="{row["replica_id"]}",stage="{stage}"'
+            assert metric(metrics, f"omniduplex_remote_stage_calls_total{{{labels}}}") >= row["calls"]
+            assert f"omniduplex_remote_stage_call_seconds_count{{{labels}}}" in metrics
+        assert listing["registry_error"] is None and listing["refused"] == []
         # code2wav's audio came back through the transfer engine, not the control messages
-        assert orchestrator.connectors["mooncake"].health()["bytes_pulled"] > 24_000
+        code2wav_owner = rows["code2wav"]["transfer_session"]
+        assert metric(metrics, f'omniduplex_stage_transfer_bytes_total{{owner="{code2wav_owner}"}}') > 24_000
+        assert f'omniduplex_stage_transfer_seconds_count{{owner="{code2wav_owner}"}}' in metrics
 
 
 async def test_a_host_killed_mid_response_fails_it_naming_the_stage_and_a_replacement_serves_the_next(
