@@ -126,7 +126,7 @@ async def until(condition: Callable[[], bool], within_s: float, what: str) -> No
         await asyncio.sleep(0.1)
 
 
-async def wait_members(orchestrator: Any, counts: dict[str, int], within_s: float = 30.0) -> None:
+async def wait_members(orchestrator: Any, counts: dict[str, int], within_s: float = 60.0) -> None:
     """Until the server's remote stages hold ``counts`` ready replicas (read from another thread)."""
     remote = orchestrator.remote
 

@@ -99,9 +99,9 @@ async def test_talker_and_code2wav_on_two_hosts_serve_a_realtime_session(
         assert rows["thinker"]["address"] == "local"
         for stage, host in (("talker", hosts[0]), ("code2wav", hosts[1])):
             row = rows[stage]
-            assert row["address"] == f"{host.control}/0" and row["state"] == "SERVING"
-            assert row["in_flight"] == 0 and row["calls"] > 0 and row["failures"] == 0
-            assert 0 < row["lease_expires_in_s"] <= 3
+            assert row["address"] == f"{host.control}/0" and row["state"] == "SERVING", row
+            assert row["in_flight"] == 0 and row["calls"] > 0 and row["failures"] == 0, row
+            assert 0 < row["lease_expires_in_s"] <= 3, row
             labels = f'host="{host.control}",replica_id="{row["replica_id"]}",stage="{stage}"'
             assert metric(metrics, f"omniduplex_remote_stage_calls_total{{{labels}}}") >= row["calls"]
             assert f"omniduplex_remote_stage_call_seconds_count{{{labels}}}" in metrics
