@@ -21,11 +21,13 @@ from tests.scaleout.workers_parent import live_workers, start_parent
 pytestmark = pytest.mark.system
 
 GONE = "the client went away during its body"
-# Every route of a replica that reads a body (web/app.py, web/webrtc.py, web/video.py).
+# Every route of a replica that reads a body (web/app.py, web/webrtc.py, web/video.py,
+# web/live_ws.py).
 SERVE_ROUTES = [
     ("POST", "/v1/realtime/client_secrets"),
     ("POST", "/v1/realtime/calls"),
     ("POST", "/v1/realtime/video/calls"),
+    ("POST", "/v1/live/sessions"),
 ]
 
 
@@ -33,8 +35,9 @@ async def drop_mid_body(port: int, method: str, path: str) -> None:
     """Headers promising 64 KB, 1 KB of it, a pause (the server is reading), then the socket
     closed."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    kind = "application/sdp" if path.startswith("/v1/live/") else "application/json"  # live: 415 first
     head = (
-        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: {kind}\r\n"
         f"Content-Length: 65536\r\n\r\n"
     )
     writer.write(head.encode() + b'{"session": "' + b"x" * 1000)
@@ -78,7 +81,7 @@ async def test_a_replica_and_a_gateway_log_one_line_per_dropped_body(
         client = redis.asyncio.Redis.from_url(url)
         try:
             owner = await replica_id_of(replica)
-            for call_id in ("rtc_dropped", "vcall_dropped"):
+            for call_id in ("rtc_dropped", "vcall_dropped", "rtc_live_dropped"):
                 await client.set(f"omni:gw:call:{call_id}", owner, ex=60)
         finally:
             await client.aclose()
@@ -86,6 +89,7 @@ async def test_a_replica_and_a_gateway_log_one_line_per_dropped_body(
             *SERVE_ROUTES,
             ("POST", "/v1/realtime/calls/rtc_dropped/hangup"),
             ("DELETE", "/v1/realtime/video/calls/vcall_dropped"),
+            ("DELETE", "/v1/live/sessions/rtc_live_dropped"),
         ]
         for method, path in gateway_routes:
             await drop_mid_body(gateway.port, method, path)
