@@ -36,7 +36,9 @@ def test_gpt_live_model_session_end_to_end(server: LiveServer, livekit_client_py
     # the model's audio: a continuous stream (silence while the model is quiet) keeping up with
     # the input, with at least one burst of speech the plugin's gate opens on
     audio = report["audio"]
-    assert 6.0 <= audio["seconds"] <= 9.0, audio
+    # (the stream runs ~0.2 s behind the input; speech the model makes late, on a busy host, can
+    # run past the input's end)
+    assert 6.0 <= audio["seconds"] <= 11.0, audio
     assert audio["peak"] > 0 and audio["bursts"] >= 1, audio
     # the model's words (noise from random weights) on the output timeline, in order
     transcript = report["transcript"]
