@@ -16,6 +16,10 @@ The 101 of a new session carries ``X-Omni-Session-Id`` and ``X-Omni-Resume-Token
 that asks for the extensions (``?omni_extensions=1`` or ``X-Omni-Extensions: 1``) also finds
 the token in ``session.started``'s ``session.omni``. Everything after the upgrade (the first
 event must be ``session.start``) is the core's (:mod:`session.live.core`).
+
+The same service answers ``POST /v1/live/sessions`` with an SDP offer (a WebRTC call:
+:mod:`web.live_call`, refused before any peer connection exists, as above) and ``DELETE
+/v1/live/sessions/{call_id}`` (the call's ``Location``: its session ends).
 """
 
 from __future__ import annotations
