@@ -1,0 +1,114 @@
+"""Stages on other hosts across real network stacks: the server and Redis in one network
+namespace, the talker and code2wav hosts each in a namespace of its own, joined by veth pairs
+to a bridge; addresses only inside the namespaces, all deleted afterwards (needs root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from session.store.embedded import find_redis_server
+from tests.remote.hosts import KEY, ROOT, StageHostProcess, start_host, tiny_pipeline
+from tests.remote.netns import fabric
+
+pytestmark = pytest.mark.system
+
+
+def in_ns(ns: str, *cmd: str, **kwargs: object) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMNIDUPLEX_STAGE_KEY": KEY, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(["ip", "netns", "exec", ns, *cmd], cwd=ROOT, env=env, text=True, **kwargs)  # type: ignore[call-overload]
+
+
+def test_talker_and_code2wav_in_namespaces_of_their_own_serve_a_realtime_session(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("ip netns needs root (CI runs as root)")
+    pipeline = tiny_pipeline(tmp_path / "qwen3-omni-tiny.yaml")
+    procs: list[subprocess.Popen[str]] = []
+    hosts: list[StageHostProcess] = []
+    with fabric(2) as net:
+        try:
+            redis = in_ns(
+                net.server_ns,
+                find_redis_server(),
+                "--port",
+                "6379",
+                "--bind",
+                net.server_ip,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",  # no password: reachable only inside the namespaces this test made
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            procs.append(redis)
+            url = f"redis://{net.server_ip}:6379/0"
+            time.sleep(0.5)
+            for (ns, address), stage in zip(net.hosts.items(), ("talker", "code2wav"), strict=True):
+                hosts.append(
+                    start_host(pipeline, stage, url, prefix=net.exec_prefix(ns), extra=["--listen", address])
+                )
+            server = in_ns(
+                net.server_ns,
+                sys.executable,
+                "-m",
+                "web.cli",
+                "serve",
+                "--pipeline",
+                str(pipeline),
+                "--redis-url",
+                url,
+                "--remote-stage",
+                "talker",
+                "--remote-stage",
+                "code2wav",
+                "--stage-transfer-host",
+                net.server_ip,
+                "--port",
+                "8000",
+                "--data-dir",
+                str(tmp_path / "srv"),
+                "--log-level",
+                "warning",
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            procs.append(server)
+            client = in_ns(
+                net.server_ns,
+                sys.executable,
+                "-m",
+                "tests.remote.netns_client",
+                "http://127.0.0.1:8000",
+                "talker",
+                "code2wav",
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            out, err = client.communicate(timeout=420)
+            assert client.returncode == 0, err[-3000:]
+            result = json.loads(out.strip().splitlines()[-1])
+        finally:
+            for host in hosts:
+                host.kill()
+            for proc in procs:
+                proc.kill()
+                proc.wait(10)
+    assert result.get("status") == "completed", result
+    assert result["audio_bytes"] > 24_000
+    remote = {row["stage"]: row for row in result["rows"] if row["address"] != "local"}
+    addresses = dict(zip(("talker", "code2wav"), net.hosts.values(), strict=True))
+    for stage in ("talker", "code2wav"):
+        assert remote[stage]["address"].startswith(f"tcp://{addresses[stage]}:"), remote
+        assert str(remote[stage]["transfer_session"]).startswith(f"{addresses[stage]}:")
+        assert remote[stage]["calls"] > 0 and remote[stage]["failures"] == 0
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert net.server_ns not in namespaces and not any(ns in namespaces for ns in net.hosts)
