@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 VOICE_ACTIVITY = "voice_activity"  # VoiceActivity probabilities of the live request's audio
 TURN_DETECTION = "turn_detection"  # SpeechStarted / SpeechStopped from the live request
 INPUT_TRANSCRIPTION = "input_transcription"  # Transcript of the user's audio
+END_OF_TURN = "end_of_turn"  # TurnScore: whether the user's speech so far ends their turn
 RESPONSES = "responses"  # ResponseStarted / ResponseDone: the live request speaks by itself
 
 
@@ -45,6 +46,11 @@ class PipelineCapabilities:
     def response_transcribes_input(self) -> bool:
         """A response request's `Transcript` transcribes the audio it was given."""
         return INPUT_TRANSCRIPTION in self.responses
+
+    @property
+    def end_of_turn(self) -> bool:
+        """The live request scores the user's pauses with an end-of-turn model (semantic_vad)."""
+        return END_OF_TURN in self.live
 
     @property
     def live_transcribes_input(self) -> bool:

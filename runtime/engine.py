@@ -72,7 +72,8 @@ class Engine(ABC):
     #: What this engine's stage offers a session, for `Orchestrator.capabilities()`:
     #: "voice_activity" (VoiceActivity probabilities of appended audio), "turn_detection"
     #: (SpeechStarted/SpeechStopped), "input_transcription" (Transcript of the user's audio),
-    #: "responses" (ResponseStarted/ResponseDone: the pipeline decides when to speak).
+    #: "responses" (ResponseStarted/ResponseDone: the pipeline decides when to speak),
+    #: "end_of_turn" (TurnScore: whether a pause ends the user's turn).
     provides: frozenset[str] = frozenset()
 
     def __init__(self, options: Mapping[str, Any]) -> None:

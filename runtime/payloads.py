@@ -127,6 +127,17 @@ class VoiceActivity(Payload):
 
 
 @dataclass(slots=True)
+class TurnScore(Payload):
+    """An end-of-turn model's answer to a `TurnControl("score_turn")`: the probability that
+    the user's speech in [start, end) of that control ends a finished turn (`ref`: the
+    control's). The session decides from it whether the turn ends now (semantic_vad)."""
+
+    ref: str
+    probability: float
+    end_sample: int = 0  # where the scored audio ended on the request's input timeline
+
+
+@dataclass(slots=True)
 class SpeechStarted(Payload):
     """The pipeline (owning turn-taking) heard the user start speaking at `audio_ms`."""
 
@@ -178,7 +189,8 @@ class TurnControl(Payload):
     input timeline): "speech_started" (`params`: `ref` the user item being spoken, `start`,
     `partials`: stream transcription deltas while it is spoken), "speech_stopped" (`ref`),
     "transcribe" (`ref`, `start`, `end`: one final `Transcript` of that stretch, e.g. the turn
-    so far at a pause). A stage ignores the kinds it has no use for."""
+    so far at a pause). For an end-of-turn stage: "score_turn" (`ref`, `start`, `end`: one
+    `TurnScore` of that stretch). A stage ignores the kinds it has no use for."""
 
     kind: str
     response_id: str | None = None

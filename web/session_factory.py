@@ -59,6 +59,7 @@ class CoreFactory:
             session_id=session_id,
             live_responses=caps.live_responses or caps.turn_detection,
             live_transcribes_input=self.live_asr(),
+            scores_turn_ends=self.live_turn_model(),
             max_conversation_bytes=s.max_conversation_bytes,
             max_instructions_bytes=s.max_instructions_bytes,
             max_input_audio_s=s.max_input_audio_s,
@@ -84,6 +85,13 @@ class CoreFactory:
         caps = self.capabilities
         own_turns = caps.live_responses or caps.turn_detection
         return caps.voice_activity and caps.live_transcribes_input and self.settings.vad and not own_turns
+
+    def live_turn_model(self) -> bool:
+        """The live request's VAD frames go on to an end-of-turn model: semantic_vad ends turns
+        on its answers (without one, semantic_vad is server VAD with an eagerness-based silence)."""
+        caps = self.capabilities
+        own_turns = caps.live_responses or caps.turn_detection
+        return caps.voice_activity and caps.end_of_turn and self.settings.vad and not own_turns
 
 
 @dataclass(frozen=True, slots=True)

@@ -280,6 +280,13 @@ class RealtimeSessionCore:
             self.turns.on_live_speech_stopped(sample, now)
         return self._out.drain()
 
+    def on_turn_score(self, ref: str, probability: float, now: float) -> CoreOutput:
+        """The end-of-turn model's answer to a `score_turn` (semantic_vad): a turn it calls
+        finished ends now, at the pause it scored (:class:`VadTurns`)."""
+        if not self.closed:
+            self.turns.on_turn_score(ref, probability, now)
+        return self._out.drain()
+
     def live_error(
         self, code: str, message: str, *, server: bool = True, event_id: str | None = None
     ) -> CoreOutput:

@@ -64,6 +64,10 @@ class CoreOptions:
     # stage): the core marks its turns there (`LiveControl` "speech_started" / "speech_stopped")
     # and the driver transcribes pauses on it (`PrepareTranscript`).
     live_transcribes_input: bool = False
+    # The live request scores pauses with an end-of-turn model (`TurnScore`): `semantic_vad`
+    # ends a turn on its answer (session.realtime.semantic_turn). False: semantic_vad is server
+    # VAD with an eagerness-based silence.
+    scores_turn_ends: bool = False
     # Per-session budgets (docs/sessions.md "Limits"): what one client can make the server
     # keep. Text of all conversation items (UTF-8 bytes; a create past it is refused with
     # `conversation_too_large`), the instructions (`string_above_max_length`), and the

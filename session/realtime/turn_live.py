@@ -70,6 +70,8 @@ class TurnTaking(Protocol):
 
     def on_live_response_started(self, now: float) -> None: ...
 
+    def on_turn_score(self, ref: str, probability: float, now: float) -> None: ...
+
     def tick(self, now: float) -> None: ...
 
 
@@ -175,6 +177,9 @@ class LiveTurns:
         buffer = self.user.input
         buffer.drop_before(self.speech_start)
         self.user.commit(item_id, buffer.take(self.speech_start, end), respond=False)
+
+    def on_turn_score(self, ref: str, probability: float, now: float) -> None:
+        """The pipeline takes the turns: an end-of-turn model's answer is not this kind's."""
 
     def on_live_response_started(self, now: float) -> None:
         """The model began speaking: the user's audio since the last commit becomes a user item

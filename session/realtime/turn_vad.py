@@ -18,6 +18,7 @@ from session.realtime.core_state import CoreState, IdleTimeout
 from session.realtime.effects import DropAhead, LiveControl, PrepareTranscript, RespondAhead
 from session.realtime.input_audio import FRAME, SAMPLES_PER_MS, ms_of
 from session.realtime.response_control import ResponseControl
+from session.realtime.semantic_turn import SemanticTurn, max_pause_ms
 from session.realtime.turns import SpeechDetector, SpeechStarted, SpeechStopped
 from session.realtime.user_audio import UserAudio
 
@@ -37,6 +38,7 @@ class VadTurns:
         self.speech_start = 0
         self.prepared: tuple[str, int] | None = None  # key of the last PrepareTranscript
         self.ahead: tuple[str, int] | None = None  # key of a RespondAhead not yet settled
+        self.semantic = SemanticTurn()  # semantic_vad's decisions, with an end-of-turn model
 
     @property
     def speaking(self) -> bool:
@@ -53,7 +55,7 @@ class VadTurns:
             self.end_speech()
             self.idle.deadline = None
         else:
-            self.vad.configure(td.threshold, td.effective_silence_ms())
+            self.vad.configure(td.threshold, self.silence_ms(td))
 
     def on_audio(self, samples: np.ndarray | None, pcm: np.ndarray | None, rate: int) -> None:
         """Appended audio is scored through the VAD frames the buffer hands out."""
@@ -94,6 +96,36 @@ class VadTurns:
 
     def on_live_response_started(self, now: float) -> None:
         """Responses start at turn ends: a live request's own are not this kind's."""
+
+    # --- semantic_vad: an end-of-turn model's answers (session.realtime.semantic_turn) ---------
+
+    def semantic_turns(self, td: TurnDetection) -> bool:
+        return td.type == "semantic_vad" and self.state.options.scores_turn_ends
+
+    def silence_ms(self, td: TurnDetection) -> int:
+        """The VAD silence that ends a turn: semantic_vad with a model waits up to its maximum
+        pause (the model ends finished turns sooner)."""
+        return max_pause_ms(td.eagerness) if self.semantic_turns(td) else td.effective_silence_ms()
+
+    def on_turn_score(self, ref: str, probability: float, now: float) -> None:
+        """The model's answer to a `score_turn`: a finished turn ends now, at the pause that was
+        scored, as server VAD would end it there."""
+        td = self.state.config.turn_detection
+        if td is None or not self.semantic_turns(td):
+            return
+        end = self.semantic.on_score(ref, probability, self.speech_item_id, self.vad.silence_start)
+        if end is not None:
+            buffer = self.user.input
+            self.vad.reset()
+            self._on_speech_stopped(SpeechStopped(end.pause, buffer.first_unscored), td, now)
+            buffer.drop_before(buffer.first_unscored - td.prefix_padding_ms * SAMPLES_PER_MS)
+
+    def _maybe_score_turn(self, frame_end: int) -> None:
+        pause = self.vad.silence_start
+        ask = self.semantic.on_frame(self.speech_item_id, self.speech_start, pause, frame_end)
+        if ask is not None:
+            params = {"ref": ask.ref, "start": ask.start, "end": ask.end}
+            self.state.out.effect(LiveControl("score_turn", params))
 
     def tick(self, now: float) -> None:
         """The idle timeout: a silence this long after a response is a turn of its own."""
@@ -139,6 +171,8 @@ class VadTurns:
             else:
                 self._maybe_prepare_transcript(frame_start + FRAME, td)
                 self._maybe_respond_ahead(frame_start + FRAME, td)
+                if self.semantic_turns(td):
+                    self._maybe_score_turn(frame_start + FRAME)
         if not self.vad.speaking:
             buffer.drop_before(buffer.first_unscored - td.prefix_padding_ms * SAMPLES_PER_MS)
 
@@ -217,6 +251,8 @@ class VadTurns:
         if self.ahead is not None and self.ahead != key:
             self.drop_ahead()  # speech resumed after the pause the response was started in
         after_ms = min(self.state.options.respond_ahead_after_ms, td.effective_silence_ms())
+        if self.semantic_turns(td):
+            after_ms = 0  # the model's "finished" ends the turn and starts the response at once
         if (
             key is None
             or pause is None

@@ -8,7 +8,9 @@ and appends its audio to it as it arrives. Two kinds of pipeline use it:
   across sessions by its replica pool). The core cuts its 16 kHz timeline into whole VAD frames
   (`DetectSpeech`); they go in as `AudioInput` (a `TurnControl("clear")` ahead of audio that
   does not continue the audio before) and the `VoiceActivity` that comes back is mapped onto
-  the core's timeline for its server VAD (`feed_vad`). Responses stay requests of their own.
+  the core's timeline for its server VAD (`feed_vad`); an end-of-turn stage's `TurnScore`
+  answers the core's `score_turn` (semantic_vad, `on_turn_score`). Responses stay requests of
+  their own.
 - One that takes its own turns (`turn_detection` / `responses`: a full-duplex model). Every
   append goes in (`LiveAudio` effects, resampled once to the pipeline's input rate);
   `SpeechStarted` / `SpeechStopped` mark the user's turns, `Transcript` transcribes the user's
@@ -49,6 +51,7 @@ from runtime.payloads import (
     TextDelta,
     Transcript,
     TurnControl,
+    TurnScore,
     VoiceActivity,
 )
 from runtime.progress import RequestStatus
@@ -317,6 +320,8 @@ class LiveRequest:
         core, now = self._core, self._now()
         if isinstance(out, VoiceActivity):
             self._voice_activity(out)
+        elif isinstance(out, TurnScore):  # the end-of-turn stage's answer (semantic_vad)
+            self._apply(core.on_turn_score(out.ref, out.probability, now))
         elif isinstance(out, SpeechStarted | SpeechStopped):
             sample = round(self._base * VAD_RATE / self._entry.input_rate) + out.audio_ms * (VAD_RATE // 1000)
             if isinstance(out, SpeechStarted):
