@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -126,32 +127,47 @@ def _boundary(whisper: Any, audio: np.ndarray, text: str, cut: int) -> int:
     raise ValueError(f"no boundary {before!r}|{after!r} in {[w.word for w in heard]}")
 
 
-def _synthesize() -> list[Clip]:
+@lru_cache(maxsize=1)
+def _whisper() -> Any:
     from faster_whisper import WhisperModel
 
     from engines.speech.asr import default_model_path
+
+    return WhisperModel(str(default_model_path()), device="cpu", compute_type="int8", cpu_threads=1)
+
+
+def _say(text: str, voice: Voice) -> np.ndarray:
     from engines.speech.tts import TtsConfig, shared_tts
     from media.audio import resample
 
-    whisper = WhisperModel(str(default_model_path()), device="cpu", compute_type="int8", cpu_threads=1)
+    tts = shared_tts(TtsConfig(noise_scale=0.0, noise_w_scale=0.0, length_scale=voice.length_scale))
+    src = round(tts.sample_rate * voice.pitch)
+    return _trim(resample(tts.synthesize_all(text), src, RATE).astype(np.float32))
 
+
+def finished_clip(text: str, voice: Voice = VOICES[1]) -> Clip:
+    return Clip(f"{voice.name}-finished", text, voice.name, _say(text, voice))
+
+
+def paused_clip(text: str, cut: int, pause_s: float, voice: Voice = VOICES[1]) -> Clip:
+    """`text` said whole by `voice`, with `pause_s` of silence after its word `cut` (see the
+    module docstring)."""
+    whole = _say(text, voice)
+    at = _boundary(_whisper(), whole, text, cut)
+    audio = np.concatenate([whole[:at], np.zeros(int(pause_s * RATE), np.float32), whole[at:]])
+    return Clip(f"{voice.name}-pause{pause_s:g}", text, voice.name, audio, pause_s, at)
+
+
+def _synthesize() -> list[Clip]:
     clips: list[Clip] = []
     k = 0
     for voice in VOICES:
-        tts = shared_tts(TtsConfig(noise_scale=0.0, noise_w_scale=0.0, length_scale=voice.length_scale))
-        src = round(tts.sample_rate * voice.pitch)
-
-        def say(text: str, tts=tts, src=src) -> np.ndarray:  # type: ignore[no-untyped-def]
-            return _trim(resample(tts.synthesize_all(text), src, RATE).astype(np.float32))
-
         for i, (text, cut) in enumerate(SENTENCES):
-            whole = say(text)
-            clips.append(Clip(f"s{i:02d}-{voice.name}-finished", text, voice.name, whole))
-            at = _boundary(whisper, whole, text, cut)
-            pause = PAUSES_S[k % len(PAUSES_S)]
+            whole = finished_clip(text, voice)
+            clips.append(replace(whole, name=f"s{i:02d}-{whole.name}"))
+            paused = paused_clip(text, cut, PAUSES_S[k % len(PAUSES_S)], voice)
             k += 1
-            audio = np.concatenate([whole[:at], np.zeros(int(pause * RATE), np.float32), whole[at:]])
-            clips.append(Clip(f"s{i:02d}-{voice.name}-pause{pause:g}", text, voice.name, audio, pause, at))
+            clips.append(replace(paused, name=f"s{i:02d}-{paused.name}"))
     return clips
 
 

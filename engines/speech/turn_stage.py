@@ -18,6 +18,7 @@ timeline goes on at its ``at``).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -104,16 +105,24 @@ class EndOfTurnEngine(Engine):
             state.jobs = waiting
         model = self._model
         assert model is not None
+        began = time.perf_counter()
         probs = model.scores([audio for _, _, audio in ready]) if ready else []
+        spent_ms = round((time.perf_counter() - began) * 1000)
         self.scored += len(ready)
         client: list[list[Payload]] = [[] for _ in batch]
         for (i, job, _), p in zip(ready, probs, strict=True):
             end = int(job.params.get("end", 0))
             client[i].append(TurnScore(str(job.params.get("ref", "")), p, end_sample=end))
-        return [
-            StepOutput(client=out, wait_for_input=True, counters={"decisions": len(out)} if out else {})
-            for out in client
-        ]
+        # Counters (per stage, on /metrics): decisions, and the wall ms of the model calls
+        # (counted once, on the first request of the step that had a score).
+        counters: list[dict[str, int]] = [{} for _ in batch]
+        for i, out in enumerate(client):
+            if out:
+                counters[i] = {"decisions": len(out)}
+        first = next((i for i, out in enumerate(client) if out), None)
+        if first is not None:
+            counters[first]["model_ms"] = spent_ms
+        return [StepOutput(client=out, wait_for_input=True, counters=c) for out, c in zip(client, counters, strict=True)]
 
     def _take(self, item: StepInput) -> None:
         state: TurnState = item.state

@@ -1,0 +1,304 @@
+"""End of turn: server_vad (500 ms) against semantic_vad at each eagerness, in one run.
+
+Starts ``omniduplex serve`` on a null pipeline (no responder model: a fixed 1 s answer 200 ms
+after admission) with the live request of voice-cascade (Silero VAD, then the end-of-turn
+stage: Smart Turn v3.2), and streams the evaluation set (:mod:`loadtest.turn_set`: finished
+sentences, and sentences with a 0.6-2 s pause mid-clause) in real time, 40 ms appends of 24 kHz
+PCM16, over several sessions per configuration, all configurations at once. Per clip it
+reads the VAD events and ``response.created``:
+
+- false cut-off: a paused sentence whose turn ended inside its pause (``speech_stopped`` with
+  ``audio_end_ms`` in the pause);
+- answered once with the whole sentence: one ``speech_stopped`` (at the sentence's end) and
+  one ``response.created`` for the clip;
+- end of speech -> ``response.created`` (finished sentences answered once): wall time from
+  sending the clip's last speech sample to receiving the event;
+- CPU per decision: the model's thread CPU time for one score (features and ONNX), measured
+  in this process on the set's clips; decisions per session-second from the server's
+  ``end_of_turn`` stage counter; sessions one core holds = 1 / (decisions per second x CPU).
+
+    python -m loadtest.bench_turns [--sessions 4] [--clips 120] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import yaml
+
+from loadtest.realtime_client import RealtimeClient
+from loadtest.server_process import free_port, wait_ready
+from loadtest.stats import summarize
+from loadtest.turn_set import RATE, Clip, turn_set
+
+WIRE = 24_000
+APPEND_S = 0.04
+LEAD_S = 0.4  # silence before each clip
+CONFIGS: dict[str, dict[str, Any]] = {
+    "server_vad": {"type": "server_vad", "silence_duration_ms": 500},
+    "semantic_low": {"type": "semantic_vad", "eagerness": "low"},
+    "semantic_medium": {"type": "semantic_vad", "eagerness": "medium"},
+    "semantic_high": {"type": "semantic_vad", "eagerness": "high"},
+    "semantic_auto": {"type": "semantic_vad", "eagerness": "auto"},
+}
+MAX_WAIT_S = {"server_vad": 0.5, "semantic_low": 8, "semantic_medium": 4, "semantic_high": 2, "semantic_auto": 4}
+
+
+def pipeline(folder: Path) -> Path:
+    doc = {
+        "name": "null-turns",
+        "entry": "respond",
+        "entries": {"live": "vad"},
+        "stages": [
+            {
+                "name": "respond",
+                "engine": "null.audio",
+                "options": {"delay_ms": 200, "audio_ms": 1000, "chunk_ms": 40, "sample_rate": 24000,
+                            "realtime": True, "tick_ms": 10},
+                "budget": {"max_concurrency": 256, "max_batch": 64, "worker": "thread", "workers": 1},
+            },
+            {
+                "name": "vad",
+                "engine": "engines.speech.vad_stage:VadEngine",
+                "budget": {"max_concurrency": 1024, "max_batch": 256, "worker": "thread", "workers": 1,
+                           "gather_ms": 10},
+            },
+            {
+                "name": "end_of_turn",
+                "engine": "engines.speech.turn_stage:EndOfTurnEngine",
+                "budget": {"max_concurrency": 1024, "max_batch": 16, "worker": "thread", "workers": 1,
+                           "gather_ms": 10},
+            },
+        ],
+        "edges": [{"from": "vad", "to": "end_of_turn", "mode": "async_chunk", "connector": "inproc",
+                   "chunk": {"first": 1, "steady": 1, "left_context": 0}}],
+    }  # fmt: skip
+    path = folder / "null-turns.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+@dataclass(slots=True)
+class ClipResult:
+    config: str
+    name: str
+    paused: bool
+    pause_s: float
+    cut_off: bool = False
+    answered_once: bool = False
+    latency_ms: float | None = None
+    stops: list[int] = field(default_factory=list)  # clip-relative ms
+    stopped_after_ms: list[float] = field(default_factory=list)  # speech_stopped, after speech end
+    responses: int = 0
+
+
+def _wire(audio16k: np.ndarray) -> np.ndarray:
+    from media.audio import resample
+
+    return resample(audio16k, RATE, WIRE)
+
+
+async def run_session(url: str, config: str, clips: list[Clip], results: list[ClipResult]) -> float:
+    """Stream `clips` on one session; returns the seconds of audio streamed."""
+    client = await RealtimeClient.open(url)
+    td = CONFIGS[config]
+    await client.send({"type": "session.update",
+                       "session": {"type": "realtime", "audio": {"input": {"turn_detection": td}}}})  # fmt: skip
+    await client.until("session.updated", 30)
+    log: list[tuple[float, dict[str, Any]]] = []
+
+    async def read() -> None:
+        while True:
+            event = await client.next(3600)
+            log.append((time.monotonic(), event))
+
+    reader = asyncio.create_task(read())
+    step = int(APPEND_S * WIRE)
+    sent = 0  # wire samples appended so far
+    clock = time.monotonic()
+    try:
+        for clip in clips:
+            clip_start_ms = sent * 1000 // WIRE
+            audio = _wire(np.concatenate([np.zeros(int(LEAD_S * RATE), np.float32), clip.audio]))
+            speech_end = len(audio)
+            seen = len(log)
+            t_end: float | None = None
+            tail_limit = len(audio) + int((MAX_WAIT_S[config] + 2.0) * WIRE)
+            pos = 0
+            done_at: float | None = None
+            while pos < tail_limit:
+                piece = audio[pos : pos + step] if pos < len(audio) else np.zeros(step, np.float32)
+                if len(piece) < step:
+                    piece = np.concatenate([piece, np.zeros(step - len(piece), np.float32)])
+                clock += APPEND_S
+                await asyncio.sleep(max(0.0, clock - time.monotonic()))
+                pcm = np.clip(np.round(piece * 32767), -32768, 32767).astype("<i2").tobytes()
+                await client.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+                if pos <= speech_end < pos + step:
+                    t_end = time.monotonic() + (speech_end - pos) / WIRE
+                pos += step
+                sent += step
+                if pos >= speech_end and done_at is None and _settled([e for _, e in log[seen:]]):
+                    done_at = time.monotonic()
+                if done_at is not None and time.monotonic() - done_at > 0.3:
+                    break
+            results.append(_score(config, clip, log[seen:], clip_start_ms, t_end))
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await client.close()
+    return sent / WIRE
+
+
+def _settled(events: list[dict[str, Any]]) -> bool:
+    """Every turn of the clip has ended and every response to it is done."""
+    kinds = [e["type"] for e in events]
+    started = kinds.count("input_audio_buffer.speech_started")
+    return (
+        started > 0
+        and started == kinds.count("input_audio_buffer.speech_stopped")
+        and kinds.count("response.created") == kinds.count("response.done") > 0
+    )
+
+
+def _score(
+    config: str, clip: Clip, log: list[tuple[float, dict[str, Any]]], clip_start_ms: int, t_end: float | None
+) -> ClipResult:
+    base = clip_start_ms + int(LEAD_S * 1000)
+    res = ClipResult(config, clip.name, clip.paused, clip.pause_s)
+    created = [t for t, e in log if e["type"] == "response.created"]
+    res.stops = [int(e["audio_end_ms"]) - base for _, e in log if e["type"] == "input_audio_buffer.speech_stopped"]
+    res.responses = len(created)
+    if t_end is not None:
+        res.stopped_after_ms = [
+            round((t - t_end) * 1000, 1) for t, e in log if e["type"] == "input_audio_buffer.speech_stopped"
+        ]
+    end_ms = len(clip.audio) * 1000 // RATE
+    if clip.paused:
+        lo = clip.pause_at * 1000 // RATE - 150
+        hi = lo + 150 + int(clip.pause_s * 1000) + 50
+        res.cut_off = any(lo <= s <= hi for s in res.stops)
+    res.answered_once = len(res.stops) == 1 and res.stops[0] >= end_ms - 300 and len(created) == 1
+    if res.answered_once and t_end is not None:
+        res.latency_ms = round((created[0] - t_end) * 1000, 1)
+    return res
+
+
+def _asdict(r: ClipResult) -> dict[str, Any]:
+    return {name: getattr(r, name) for name in ClipResult.__dataclass_fields__}
+
+
+def cpu_per_decision(clips: list[Clip], n: int = 30) -> dict[str, Any]:
+    from engines.speech.smart_turn import SmartTurn
+
+    model = SmartTurn(threads=1)
+    model.scores([clips[0].audio])
+    one = []
+    for clip in clips[:n]:
+        t = time.thread_time()
+        model.scores([clip.audio])
+        one.append((time.thread_time() - t) * 1000)
+    t = time.thread_time()
+    model.scores([c.audio for c in clips[:8]])
+    batch8 = (time.thread_time() - t) * 1000 / 8
+    return {"cpu_ms": summarize(one), "cpu_ms_batch8_each": round(batch8, 1)}
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    clips = turn_set()[: args.clips]
+    cpu = cpu_per_decision(clips)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        port = free_port()
+        cmd = [sys.executable, "-m", "web.cli", "serve", "--pipeline", str(pipeline(folder)), "--port", str(port),
+               "--data-dir", str(folder / "data"), "--log-level", "warning", "--max-sessions", "256"]  # fmt: skip
+        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+        try:
+            await wait_ready(f"http://127.0.0.1:{port}", 180, server)
+            url = f"ws://127.0.0.1:{port}/v1/realtime"
+            results: list[ClipResult] = []
+            jobs = []
+            for config in args.configs:
+                for s in range(args.sessions):
+                    share = clips[s :: args.sessions]
+                    jobs.append(run_session(url, config, share, results))
+            load_before = os.getloadavg()
+            began = time.monotonic()
+            seconds = await asyncio.gather(*jobs)
+            wall = time.monotonic() - began
+            async with httpx.AsyncClient() as http:
+                metrics = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    found = re.search(r'stage_engine_total\{counter="decisions",stage="end_of_turn"\} ([0-9.e+]+)', metrics)
+    found = found or re.search(r'stage_engine_total\{stage="end_of_turn",counter="decisions"\} ([0-9.e+]+)', metrics)
+    decisions = float(found.group(1)) if found else 0.0
+    spent = re.search(r'stage_engine_total\{(?:counter="model_ms",stage="end_of_turn"|stage="end_of_turn",counter="model_ms")\} ([0-9.e+]+)', metrics)
+    model_ms = float(spent.group(1)) if spent else 0.0
+    semantic_s = sum(s for s, job in zip(seconds, [c for c in args.configs for _ in range(args.sessions)], strict=True)
+                     if job.startswith("semantic"))  # fmt: skip
+    per_s = decisions / semantic_s if semantic_s else 0.0
+    cpu_p50 = cpu["cpu_ms"]["p50"] or 0.0
+    report: dict[str, Any] = {
+        "clips": len(clips),
+        "sessions_per_config": args.sessions,
+        "wall_s": round(wall, 1),
+        "load_avg_before": [round(x, 2) for x in load_before],
+        "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+        "decisions": decisions,
+        "decisions_per_session_s": round(per_s, 3),
+        "server_model_wall_ms_per_decision": round(model_ms / decisions, 1) if decisions else None,
+        **cpu,
+        "sessions_per_core": round(1000.0 / (per_s * cpu_p50), 0) if per_s and cpu_p50 else None,
+        "configs": {},
+    }
+    if args.details:
+        report["details"] = [_asdict(r) for r in results]
+    for config in args.configs:
+        mine = [r for r in results if r.config == config]
+        paused = [r for r in mine if r.paused]
+        upto = [r for r in paused if r.pause_s <= 1.5]
+        finished = [r for r in mine if not r.paused]
+        report["configs"][config] = {
+            "false_cutoffs": f"{sum(r.cut_off for r in paused)}/{len(paused)}",
+            "false_cutoff_rate_upto_1.5s": round(sum(r.cut_off for r in upto) / max(1, len(upto)), 3),
+            "paused_answered_once_whole": f"{sum(r.answered_once for r in paused)}/{len(paused)}",
+            "finished_answered_once": f"{sum(r.answered_once for r in finished)}/{len(finished)}",
+            "finished_eos_to_created_ms": summarize(r.latency_ms for r in finished),
+            "paused_eos_to_created_ms": summarize(r.latency_ms for r in paused),
+        }
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", type=int, default=4, help="sessions per configuration (clips split among them)")
+    p.add_argument("--clips", type=int, default=120, help="clips of the set to use (at most 120)")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--details", action="store_true", help="every clip's events in the report")
+    p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
+    args = p.parse_args(argv)
+    report = asyncio.run(main_async(args))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
