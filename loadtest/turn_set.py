@@ -27,6 +27,7 @@ import hashlib
 import json
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,12 @@ class Clip:
 
 
 def spec_key() -> str:
-    doc = {"sentences": SENTENCES, "pauses": PAUSES_S, "voices": [[v.name, v.length_scale, v.pitch] for v in VOICES], "v": 2}
+    doc = {
+        "sentences": SENTENCES,
+        "pauses": PAUSES_S,
+        "voices": [[v.name, v.length_scale, v.pitch] for v in VOICES],
+        "v": 2,
+    }
     return hashlib.sha256(json.dumps(doc, default=list).encode()).hexdigest()[:12]
 
 
@@ -120,7 +126,7 @@ def _boundary(whisper: Any, audio: np.ndarray, text: str, cut: int) -> int:
     segments, _ = whisper.transcribe(audio, language="en", word_timestamps=True, beam_size=1)
     heard = [w for seg in segments for w in (seg.words or [])]
     before, after = _key(text.split()[cut - 1]), _key(text.split()[cut])
-    for a, b in zip(heard, heard[1:], strict=False):
+    for a, b in pairwise(heard):
         if _key(a.word) == before and _key(b.word) == after:
             lo, hi = int(a.end * RATE) - RATE // 25, int(b.start * RATE) + RATE // 25
             return _quietest(audio, lo, max(hi, lo + RATE // 25))

@@ -100,7 +100,12 @@ def log_mel(audios: Sequence[np.ndarray]) -> np.ndarray:
         var = wave.var(dim=1, unbiased=False, keepdim=True)
         wave = (wave - mean) / torch.sqrt(var + 1e-7)
         spec = torch.stft(
-            wave, N_FFT, HOP, window=torch.hann_window(N_FFT), center=True, pad_mode="reflect",
+            wave,
+            N_FFT,
+            HOP,
+            window=torch.hann_window(N_FFT),
+            center=True,
+            pad_mode="reflect",
             return_complex=True,
         )
         power = spec[..., :-1].abs() ** 2  # [N, 201, 800]
@@ -126,7 +131,9 @@ class SmartTurn:
         opts.intra_op_num_threads = threads
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.path = path or smart_turn_model_path()
-        self._session = ort.InferenceSession(str(self.path), sess_options=opts, providers=["CPUExecutionProvider"])
+        self._session = ort.InferenceSession(
+            str(self.path), sess_options=opts, providers=["CPUExecutionProvider"]
+        )
 
     @classmethod
     def shared(cls) -> SmartTurn:

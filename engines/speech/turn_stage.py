@@ -122,7 +122,10 @@ class EndOfTurnEngine(Engine):
         first = next((i for i, out in enumerate(client) if out), None)
         if first is not None:
             counters[first]["model_ms"] = spent_ms
-        return [StepOutput(client=out, wait_for_input=True, counters=c) for out, c in zip(client, counters, strict=True)]
+        return [
+            StepOutput(client=out, wait_for_input=True, counters=c)
+            for out, c in zip(client, counters, strict=True)
+        ]
 
     def _take(self, item: StepInput) -> None:
         state: TurnState = item.state

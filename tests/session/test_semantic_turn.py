@@ -70,7 +70,11 @@ def test_core_ends_a_finished_turn_on_the_score_not_on_silence() -> None:
     assert ask.params["start"] == 0 and ask.params["end"] > ask.params["start"]
     out = h.take(h.core.on_turn_score(ask.params["ref"], 0.9, h.now))
     kinds = types(out)
-    assert kinds[:3] == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "conversation.item.added"]
+    assert kinds[:3] == [
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "conversation.item.added",
+    ]
     assert "response.created" in kinds
     stopped = out.events[0]
     assert abs(stopped["audio_end_ms"] - 1200) <= 64  # where the pause began

@@ -17,6 +17,7 @@ const demo = {
   state: "idle",
   protocol: "realtime", // or "live": GPT-Live on a duplex pipeline (live.js)
   transport: null,
+  turnDetection: null, // the session's turn_detection type, as the server last said
   userTranscripts: [],
   assistantTranscripts: [],
   latencies: [],
@@ -132,6 +133,7 @@ function onEvent(event) {
     case "session.updated": {
       const td = event.session?.audio?.input?.turn_detection;
       if (td?.silence_duration_ms) silenceMs = td.silence_duration_ms;
+      demo.turnDetection = td?.type ?? null;
       if (demo.state === "connecting") setState("listening");
       break;
     }
@@ -318,7 +320,7 @@ async function connect() {
         audio: {
           input: {
             transcription: { model: "whisper-1" },
-            turn_detection: { type: "server_vad", create_response: true, interrupt_response: true },
+            turn_detection: turnDetection(),
           },
         },
       },
@@ -328,6 +330,19 @@ async function connect() {
     showError(String(err?.message ?? err));
     await hangup();
   }
+}
+
+// Server VAD ends a turn after a fixed silence; semantic_vad asks the server's end-of-turn
+// model at each pause (a finished sentence is answered at once, one cut off mid-clause waits).
+function turnDetection() {
+  const params = new URLSearchParams(window.location.search);
+  const type = params.get("turn_detection") ?? $("turn-detection").value;
+  const common = { create_response: true, interrupt_response: true };
+  if (type === "semantic_vad") {
+    silenceMs = 200; // the turn ends ~200 ms into a pause the model calls finished
+    return { type, eagerness: params.get("eagerness") ?? "auto", ...common };
+  }
+  return { type: "server_vad", ...common };
 }
 
 async function hangup() {
