@@ -33,7 +33,7 @@ edges:
   - {from: vad, to: end_of_turn, mode: async_chunk, connector: inproc,
      chunk: {first: 1, steady: 1, left_context: 0}}
 """
-SENTENCE, CUT = "I would like to book a flight to Madrid for next Tuesday.", 7
+SENTENCE, CUT = "The doctor said that I should drink more water every day.", 4
 QUIET = 3200  # 200 ms of silence after the speech, as the session asks at a candidate pause
 
 

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.system
 pytest.importorskip("piper")
 pytest.importorskip("faster_whisper")
 
-# "... a flight to | Madrid ...": the model calls the first half unfinished, the whole finished.
-PAUSED = ("I would like to book a flight to Madrid for next Tuesday.", 7)
+# "The doctor said that | I should ...": the model calls the first half unfinished (< 0.06 at
+# any 150-400 ms of silence after it), the whole finished (> 0.98).
+PAUSED = ("The doctor said that I should drink more water every day.", 4)
 FINISHED = "I think the best restaurant in town is the little Italian place on Main Street."
 TRANSCRIPTION = {"model": "whisper-1", "language": "en"}
 
