@@ -65,7 +65,7 @@ async def answer_offer(sdp: str, ice_servers: list[IceServer]) -> tuple[LivePeer
 
 async def read_offer(request: Request) -> str | Response:
     """The SDP offer of the request (``application/sdp``), or the error response."""
-    from web.video import Denial
+    from web.refusals import Denial
 
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind not in ("application/sdp", "text/plain", ""):

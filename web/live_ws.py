@@ -45,7 +45,7 @@ from web.context import ServerContext
 from web.live_call import LiveCall, answer_offer, new_call_id, read_offer
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.realtime_ws import WebSocketTransport, offered_subprotocols, principal_for
-from web.video import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STARTING, STORE_DOWN, UNAUTHORIZED, Denial
+from web.refusals import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STARTING, STORE_DOWN, UNAUTHORIZED, Denial
 
 log = logging.getLogger(__name__)
 

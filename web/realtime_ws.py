@@ -47,6 +47,7 @@ from session.store.event_ids import event_text
 from session.voice.hosting import AdmissionRefused, SessionElsewhere, SessionHost
 from web.context import ServerContext
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
+from web.refusals import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STORE_DOWN, UNAUTHORIZED, error_body
 from web.uvicorn_guards import SEND_NOWAIT, SET_RECEIVER
 
 __all__ = ["error_body", "initial_config", "realtime_endpoint"]
@@ -55,13 +56,6 @@ log = logging.getLogger(__name__)
 
 REALTIME_SUBPROTOCOL = "realtime"
 CAPACITY_CLOSE = 1013  # "try again later"
-
-
-def error_body(status: int, code: str, message: str, *, retry_after_s: int | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
-    body = {"error": {"type": kind, "code": code, "message": message}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def offered_subprotocols(websocket: WebSocket) -> list[str]:
@@ -179,7 +173,7 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
     if principal is None:
         ctx.metrics.admission("invalid_api_key")
         await websocket.send_denial_response(
-            error_body(401, "invalid_api_key", "Missing or invalid API key (Authorization: Bearer <key>).")
+            UNAUTHORIZED.response()
         )
         return
     session_id = websocket.query_params.get("session_id")
@@ -353,7 +347,7 @@ async def resume_session(
     except SessionNotFound:
         ctx.metrics.resume("session_not_found")
         await websocket.send_denial_response(
-            error_body(404, "session_not_found", "No such session (it may have expired).")
+            NOT_FOUND.response()
         )
         return
     except ResumeTokenInvalid:
@@ -374,7 +368,7 @@ async def resume_session(
     except SessionElsewhere:
         ctx.metrics.resume("session_elsewhere")
         await websocket.send_denial_response(
-            error_body(409, "session_elsewhere", "The session is served by another replica.", retry_after_s=1)
+            ELSEWHERE.response()
         )
         return
     except StoreUnavailable:
@@ -388,10 +382,8 @@ async def resume_session(
 
 
 def _bad_token() -> JSONResponse:
-    return error_body(403, "invalid_resume_token", "The resume token is missing or not valid.")
+    return BAD_TOKEN.response()
 
 
 def _store_down() -> JSONResponse:
-    return error_body(
-        503, "store_unavailable", "The session store (Redis) is unavailable; retry shortly.", retry_after_s=1
-    )
+    return STORE_DOWN.response()

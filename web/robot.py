@@ -42,7 +42,7 @@ from session.robot.wire import MAX_PAYLOAD_BYTES, pack
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from web.frame_ws import WebSocketFrameTransport
 from web.omni_extensions import SESSION_ID_HEADER, raw_headers, resume_headers, wants_extensions
-from web.video import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STORE_DOWN, UNAUTHORIZED, Denial
+from web.refusals import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STORE_DOWN, UNAUTHORIZED, Denial
 from web.workers import reuseport_socket
 
 log = logging.getLogger(__name__)

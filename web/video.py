@@ -36,12 +36,11 @@ import logging
 import secrets
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from starlette.requests import HTTPConnection, Request
-from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -58,6 +57,17 @@ from session.world.outlets import encoded_outlet
 from web.bodies import BodyRefused, read_body
 from web.frame_ws import WebSocketFrameTransport
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
+from web.refusals import (
+    BAD_TOKEN,
+    CALL_NOT_FOUND,
+    ELSEWHERE,
+    NOT_FOUND,
+    STARTING,
+    STORE_DOWN,
+    UNAUTHORIZED,
+    Denial,
+    capacity,
+)
 from web.video_call import CALL_PREFIX, PeerVideoTransport, TrackOutlet, VideoCall
 
 __all__ = ["Denial", "PeerVideoTransport", "TrackOutlet", "VideoCall", "VideoService"]
@@ -73,39 +83,10 @@ STATIC_WORLD = Path(__file__).with_name("static") / "world"
 # ---------------------------------------------------------------------------------- service
 
 
-@dataclass(frozen=True, slots=True)
-class Denial:
-    """Why a connection is refused before any session starts (HTTP status, error code, text);
-    the body has the shape of the realtime endpoint's (``{"error": {type, code, message}}``)."""
-
-    status: int
-    code: str
-    message: str
-    retry_after_s: int | None = None
-
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        body = {"error": {"type": kind, "code": self.code, "message": self.message}}
-        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
-        return JSONResponse(body, status_code=self.status, headers=headers)
-
-
 # Who is calling (None: no valid key → 401). May raise StoreUnavailable.
 Identify = Callable[[HTTPConnection], Awaitable[Principal | None]]
 
-UNAUTHORIZED = Denial(401, "invalid_api_key", "Missing or invalid API key (Authorization: Bearer <key>).")
-STORE_DOWN = Denial(503, "store_unavailable", "The session store (Redis) is unavailable; retry shortly.", 1)
-BAD_TOKEN = Denial(403, "invalid_resume_token", "The resume token is missing or not valid.")
-NOT_FOUND = Denial(404, "session_not_found", "No such session (it may have expired).")
-ELSEWHERE = Denial(409, "session_elsewhere", "The session is served by another replica.", 1)
-CALL_NOT_FOUND = Denial(404, "call_not_found", "No such call (or its session has ended).")
-STARTING = Denial(503, "not_ready", "The server is starting; retry shortly.", 1)
 MAX_REMEMBERED_CALLS = 4096  # call ids a late hangup can still name
-
-
-def _capacity(refused: AdmissionRefused) -> Denial:
-    d = refused.decision
-    return Denial(429, d.code, f"No session slot is free ({d.reason}).", d.retry_after_s)
 
 
 def offered_subprotocols(connection: HTTPConnection) -> list[str]:
@@ -175,7 +156,7 @@ class VideoService:
         try:
             return principal.tenant, await host.admit(principal.tenant)
         except AdmissionRefused as refused:
-            return _capacity(refused)
+            return capacity(refused)
         except StoreUnavailable:
             return STORE_DOWN
 
@@ -320,11 +301,13 @@ class VideoService:
         except SessionNotFound:
             self.call_sessions.pop(call_id, None)
             return CALL_NOT_FOUND.response()
+        except StoreUnavailable:
+            return STORE_DOWN.response()
         self.call_sessions.pop(call_id, None)
         call = self.calls.get(call_id)
         if call is not None:  # a call whose world moved on (resumed elsewhere) still ends
             await call.peer.close("hung up")
-        return Response(status_code=204)
+        return Response(status_code=200)  # a voice call's hangup answers the same
 
     # --- WebSockets ---------------------------------------------------------------------------
 

@@ -65,6 +65,7 @@ from web.bodies import BodyRefused, read_body, replayed
 from web.context import ServerContext
 from web.omni_extensions import resume_headers, wants_extensions
 from web.realtime_ws import error_body, initial_config
+from web.refusals import CALL_NOT_FOUND, STORE_DOWN, UNAUTHORIZED
 from web.settings import ServerSettings
 from web.webrtc_call import RealtimeCall, append_rejection, too_large
 
@@ -297,13 +298,13 @@ class WebRtcService:
         if known is not None and not await ctx.ephemeral.may_access(principal, known[1]):
             known = None  # an ek_ key hangs up only calls of the sessions it opened
         if known is None or (known[0] != principal.tenant and not ctx.open_mode):
-            return error_body(404, "call_not_found", "No such call.")
+            return CALL_NOT_FOUND.response()
         tenant, session_id = known
         try:
             await ctx.host.delete(tenant, session_id, cause="hangup")
         except SessionNotFound:
             self.call_sessions.pop(call_id, None)
-            return error_body(404, "call_not_found", "No such call (its session has ended).")
+            return CALL_NOT_FOUND.response()
         except StoreUnavailable:
             return _store_down()
         self.call_sessions.pop(call_id, None)
@@ -359,9 +360,7 @@ def _capacity(decision: Rejected) -> Response:
 
 
 def _store_down() -> Response:
-    return error_body(
-        503, "store_unavailable", "The session store (Redis) is unavailable; retry shortly.", retry_after_s=1
-    )
+    return STORE_DOWN.response()
 
 
 def _elsewhere() -> Response:
@@ -378,7 +377,7 @@ def _answered(call: RealtimeCall, answer: str, extra: dict[str, str] | None = No
 
 
 def _unauthorized() -> Response:
-    return error_body(401, "invalid_api_key", "Missing or invalid API key (Authorization: Bearer <key>).")
+    return UNAUTHORIZED.response()
 
 
 async def demo_page(request: Request) -> Response:
