@@ -1,10 +1,9 @@
 """Stages on other hosts, the web side: the `omniduplex stage` command and `serve --remote-stage`.
 
-Both sides find each other through Redis, in the registry the replicas and gateways already use
-(:mod:`session.affinity`: leases and heartbeats), one index per pipeline stage, so a gateway
-never mistakes a stage host for a session replica. A stage host registers each replica with
-``url = tcp://host:port/index``; the server's :class:`~runtime.remote.stages.RemoteStages`
-reads them. The models themselves run in ``runtime.remote.host`` (never here).
+Both sides find each other through Redis (:mod:`session.stage_registry`). A stage host
+registers each replica with ``url = tcp://host:port/index``; the server's
+:class:`~runtime.remote.stages.RemoteStages` reads them. The models themselves run in
+``runtime.remote.host`` (never here).
 """
 
 from __future__ import annotations
@@ -29,34 +28,16 @@ from starlette.routing import BaseRoute, Route
 
 from runtime.remote.auth import CurveKeys, StageKeyError, check_listen, is_loopback, stage_key
 from runtime.remote.orchestrator import RemoteOrchestrator
-from runtime.remote.stages import Lister, Registered, RemoteStages
+from runtime.remote.stages import RemoteStages
 from runtime.spec import PipelineSpec, load_pipeline
-from session.affinity import ReplicaInfo, ReplicaLease, ReplicaRegistry
-from session.store.keys import DEFAULT_PREFIX
+from session.affinity import ReplicaInfo, ReplicaLease
+from session.stage_registry import registry_lister, stage_registry
 from web.replica import admin_denial
 from web.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
 REDIS_OPTIONS: dict[str, Any] = {"socket_timeout": 2.0, "socket_connect_timeout": 1.0}
-
-
-def stage_registry(redis: Redis, pipeline: str, stage: str, *, lease_s: float = 5.0) -> ReplicaRegistry:
-    """The registry of one pipeline stage's replicas (an index of its own)."""
-    return ReplicaRegistry(redis, lease_s=lease_s, prefix=f"{DEFAULT_PREFIX}:stage:{pipeline}:{stage}")
-
-
-def registry_lister(redis: Redis, pipeline: str) -> Lister:
-    registries: dict[str, ReplicaRegistry] = {}
-
-    async def live(stage: str) -> list[Registered]:
-        registry = registries.get(stage)
-        if registry is None:
-            registry = registries[stage] = stage_registry(redis, pipeline, stage)
-        live = await registry.live_replicas()
-        return [Registered(r.replica_id, r.url, r.state, r.load, r.lease_until_ms) for r in live]
-
-    return live
 
 
 def remote_orchestrator(settings: ServerSettings, spec: PipelineSpec, redis: Redis) -> RemoteOrchestrator:

@@ -58,9 +58,9 @@ class TransferEndpoint:
             raise TransferError(f"transfer protocol must be one of {PROTOCOLS}, not {protocol!r}")
         host = check_local_address(host)
         os.environ.setdefault("GLOG_minloglevel", "2")  # the engine's INFO/WARNING lines
-        # Its TCP transport listens on this address only (not every interface), and a transfer
-        # to a peer that stopped answering gives up instead of waiting on it.
-        os.environ["MC_TCP_BIND_ADDRESS"] = host
+        # A transfer to a peer that stopped answering gives up instead of waiting on it. (The
+        # engine's RPC and data ports listen on every interface whatever address it is given:
+        # checked with 0.3.13.post1; docs/scaleout.md says what that means for the network.)
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
         try:
             from mooncake.engine import TransferEngine
