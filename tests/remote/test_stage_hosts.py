@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -228,3 +229,32 @@ async def test_redis_restart_is_a_clear_registry_error_then_recovers(
             assert audio_bytes(turn) > 24_000
     finally:
         redis.stop()
+
+
+async def test_sigterm_drains_a_host_it_finishes_the_response_it_holds_and_leaves(
+    tmp_path: Path, redis_url: str, stage_key: str, hosts: list[StageHostProcess]
+) -> None:
+    pipeline = tiny_pipeline(tmp_path / "qwen3-omni-tiny.yaml", max_frames=150)
+    talker = start_host(pipeline, "talker", redis_url)
+    hosts += [talker, start_host(pipeline, "code2wav", redis_url)]
+    with qwen_server(tmp_path, pipeline, redis_url, "talker", "code2wav") as server:
+        orchestrator = server.ctx.orchestrator
+        await wait_members(orchestrator, {"talker": 1, "code2wav": 1})
+        async with sdk_session(server, model="qwen3-omni-tiny") as (conn, events):
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"]})
+            await conn.conversation.item.create(
+                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+            )
+            await conn.response.create()
+            first = await events.wait_for("response.output_audio.delta", "response.done", within_s=120)
+            assert first.type == "response.output_audio.delta", first.raw
+            talker.proc.send_signal(signal.SIGTERM)  # mid-response
+            turn = await events.collect_until("response.done", within_s=120)
+            assert turn[-1].event.response.status == "completed", turn[-1].raw
+            exit_code = await asyncio.to_thread(talker.proc.wait, 60)
+            assert exit_code == 0, talker.output[-2000:]
+            # it left the registry: the pool drops it, and a turn now has no talker
+            await until(lambda: not orchestrator.remote.stages["talker"].members, 30, "the talker gone")
+            turn = await audio_turn(conn, events, "anyone left?")
+            error = turn[-1].raw["response"]["status_details"]["error"]
+            assert error["message"] == "stage_unavailable: stage talker has no live replica on a stage host"
