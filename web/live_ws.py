@@ -45,7 +45,7 @@ from web.context import ServerContext
 from web.live_call import LiveCall, answer_offer, new_call_id, read_offer
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.realtime_ws import WebSocketTransport, offered_subprotocols, principal_for
-from web.refusals import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STARTING, STORE_DOWN, UNAUTHORIZED, Denial
+from web.refusals import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STARTING, STORE_DOWN, UNAUTHORIZED, Denial, capacity
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,7 @@ class LiveService:
         try:
             session_id = await host.admit(principal.tenant)
         except AdmissionRefused as refused:
-            d = refused.decision
-            return Denial(429, d.code, f"No session slot is free ({d.reason}).", d.retry_after_s)
+            return capacity(refused.decision)
         except StoreUnavailable:
             return STORE_DOWN
         try:

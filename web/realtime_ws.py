@@ -25,7 +25,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from session.admission import Admitted, Queued, Rejected
@@ -47,7 +46,16 @@ from session.store.event_ids import event_text
 from session.voice.hosting import AdmissionRefused, SessionElsewhere, SessionHost
 from web.context import ServerContext
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
-from web.refusals import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STORE_DOWN, UNAUTHORIZED, error_body
+from web.refusals import (
+    BAD_TOKEN,
+    ELSEWHERE,
+    NOT_FOUND,
+    STORE_DOWN,
+    UNAUTHORIZED,
+    Denial,
+    capacity,
+    error_body,
+)
 from web.uvicorn_guards import SEND_NOWAIT, SET_RECEIVER
 
 __all__ = ["error_body", "initial_config", "realtime_endpoint"]
@@ -225,18 +233,11 @@ async def open_session(
         decision = await host.admission.try_admit(session_id, principal.tenant)
     except StoreUnavailable:
         ctx.metrics.admission("store_unavailable")
-        await websocket.send_denial_response(_store_down())
+        await websocket.send_denial_response(STORE_DOWN.response())
         return
     if isinstance(decision, Rejected):
         ctx.metrics.admission(decision.code)
-        await websocket.send_denial_response(
-            error_body(
-                429,
-                decision.code,
-                f"No session slot is free ({decision.reason}).",
-                retry_after_s=decision.retry_after_s,
-            )
-        )
+        await websocket.send_denial_response(capacity(decision).response())
         return
     transport = WebSocketTransport(websocket)
     if isinstance(decision, Queued):
@@ -258,7 +259,7 @@ async def open_session(
         if websocket.application_state == WebSocketState.CONNECTED:
             await transport.close(1011, "session store unavailable")
         else:
-            await websocket.send_denial_response(_store_down())
+            await websocket.send_denial_response(STORE_DOWN.response())
         return
     ctx.metrics.admission("admitted")
     await _bind_ephemeral(ctx, principal, session_id)
@@ -337,43 +338,17 @@ async def resume_session(
     token = resume_token_from_request(websocket.headers.get(RESUME_HEADER), subprotocols)
     if not token:
         ctx.metrics.resume("invalid_resume_token")
-        await websocket.send_denial_response(_bad_token())
+        await websocket.send_denial_response(BAD_TOKEN.response())
         return
     try:
         if not is_session_id(session_id):
             raise SessionNotFound(session_id)
         await host.authorize(principal.tenant, session_id, token)
         hs = await host.restore(principal.tenant, session_id, token)
-    except SessionNotFound:
-        ctx.metrics.resume("session_not_found")
-        await websocket.send_denial_response(
-            NOT_FOUND.response()
-        )
-        return
-    except ResumeTokenInvalid:
-        ctx.metrics.resume("invalid_resume_token")
-        await websocket.send_denial_response(_bad_token())
-        return
-    except AdmissionRefused as refused:
-        ctx.metrics.resume(refused.decision.code)
-        await websocket.send_denial_response(
-            error_body(
-                429,
-                refused.decision.code,
-                f"No session slot is free ({refused.decision.reason}).",
-                retry_after_s=refused.decision.retry_after_s,
-            )
-        )
-        return
-    except SessionElsewhere:
-        ctx.metrics.resume("session_elsewhere")
-        await websocket.send_denial_response(
-            ELSEWHERE.response()
-        )
-        return
-    except StoreUnavailable:
-        ctx.metrics.resume("store_unavailable")
-        await websocket.send_denial_response(_store_down())
+    except (SessionNotFound, ResumeTokenInvalid, AdmissionRefused, SessionElsewhere, StoreUnavailable) as exc:
+        denial = _resume_denial(exc)
+        ctx.metrics.resume(denial.code)
+        await websocket.send_denial_response(denial.response())
         return
     ctx.metrics.resume("resumed")
     await _bind_ephemeral(ctx, principal, session_id)  # it holds the token: its resume is its own
@@ -381,9 +356,14 @@ async def resume_session(
     await host.serve_resume(hs, WebSocketTransport(websocket), websocket.query_params.get("last_event_id"))
 
 
-def _bad_token() -> JSONResponse:
-    return BAD_TOKEN.response()
-
-
-def _store_down() -> JSONResponse:
-    return STORE_DOWN.response()
+def _resume_denial(exc: Exception) -> Denial:
+    """Why a resume is refused (its code is also the metric's)."""
+    if isinstance(exc, AdmissionRefused):
+        return capacity(exc.decision)
+    if isinstance(exc, ResumeTokenInvalid):
+        return BAD_TOKEN
+    if isinstance(exc, SessionElsewhere):
+        return ELSEWHERE
+    if isinstance(exc, StoreUnavailable):
+        return STORE_DOWN
+    return NOT_FOUND

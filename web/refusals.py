@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 
-from session.lifecycle import AdmissionRefused
+from session.admission import Rejected
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +33,9 @@ def error_body(status: int, code: str, message: str, *, retry_after_s: int | Non
     return Denial(status, code, message, retry_after_s).response()
 
 
-def capacity(refused: AdmissionRefused) -> Denial:
-    """No session slot: 429 with the admission decision's code and retry time."""
-    d = refused.decision
-    return Denial(429, d.code, f"No session slot is free ({d.reason}).", d.retry_after_s)
+def capacity(decision: Rejected) -> Denial:
+    """No session slot: 429 with the admission decision's code, reason and retry time."""
+    return Denial(429, decision.code, f"No session slot is free ({decision.reason}).", decision.retry_after_s)
 
 
 UNAUTHORIZED = Denial(401, "invalid_api_key", "Missing or invalid API key (Authorization: Bearer <key>).")

@@ -42,7 +42,7 @@ from session.robot.wire import MAX_PAYLOAD_BYTES, pack
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from web.frame_ws import WebSocketFrameTransport
 from web.omni_extensions import SESSION_ID_HEADER, raw_headers, resume_headers, wants_extensions
-from web.refusals import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STORE_DOWN, UNAUTHORIZED, Denial
+from web.refusals import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STORE_DOWN, UNAUTHORIZED, Denial, capacity
 from web.workers import reuseport_socket
 
 log = logging.getLogger(__name__)
@@ -192,8 +192,7 @@ class RobotService:
         try:
             session_id = await host.admit(principal.tenant)
         except AdmissionRefused as refused:
-            d = refused.decision
-            return Denial(429, d.code, f"No session slot is free ({d.reason}).", d.retry_after_s)
+            return capacity(refused.decision)
         except StoreUnavailable:
             return STORE_DOWN
         try:
@@ -223,8 +222,7 @@ class RobotService:
         except SessionElsewhere:
             return ELSEWHERE
         except AdmissionRefused as refused:
-            d = refused.decision
-            return Denial(429, d.code, f"No session slot is free ({d.reason}).", d.retry_after_s)
+            return capacity(refused.decision)
         except StoreUnavailable:
             return STORE_DOWN
 

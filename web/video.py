@@ -156,7 +156,7 @@ class VideoService:
         try:
             return principal.tenant, await host.admit(principal.tenant)
         except AdmissionRefused as refused:
-            return capacity(refused)
+            return capacity(refused.decision)
         except StoreUnavailable:
             return STORE_DOWN
 

@@ -65,7 +65,7 @@ from web.bodies import BodyRefused, read_body, replayed
 from web.context import ServerContext
 from web.omni_extensions import resume_headers, wants_extensions
 from web.realtime_ws import error_body, initial_config
-from web.refusals import CALL_NOT_FOUND, STORE_DOWN, UNAUTHORIZED
+from web.refusals import CALL_NOT_FOUND, STORE_DOWN, UNAUTHORIZED, capacity
 from web.settings import ServerSettings
 from web.webrtc_call import RealtimeCall, append_rejection, too_large
 
@@ -351,12 +351,7 @@ async def _admit(ctx: ServerContext, host: SessionHost, session_id: str, tenant:
 
 
 def _capacity(decision: Rejected) -> Response:
-    return error_body(
-        429,
-        decision.code,
-        f"No session slot is free ({decision.reason}).",
-        retry_after_s=decision.retry_after_s,
-    )
+    return capacity(decision).response()
 
 
 def _store_down() -> Response:
