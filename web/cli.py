@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_stage_host(args)
     if args.command == "gateway":
-        from web.gateway import run_gateway
+        from web.gateway.app import run_gateway
 
         return run_gateway(args)
     return 2

@@ -4,7 +4,7 @@ The kernel hands a connection on the shared port to any worker (``SO_REUSEPORT``
 resume, a REST call or a hangup can land on a worker that does not hold the session. This ASGI
 middleware (installed only when the server runs as a worker, so a single process is unchanged)
 forwards those to the owner's private ``--advertise-url`` with the gateway's code
-(``web.gateway_relay`` for WebSockets, ``web.gateway_http`` for HTTP):
+(``web.gateway.relay`` for WebSockets, ``web.gateway.http_forward`` for HTTP):
 
 * WS ``/v1/realtime?session_id=`` and ``/v1/realtime/video?session_id=``: the session's bound
   owner, when it is another *live* worker, gets the upgrade and the frames are relayed. A dead
@@ -40,8 +40,8 @@ from starlette.websockets import WebSocket
 
 from session.store.errors import StoreError
 from web.bodies import MAX_FORWARDED_BODY_BYTES, BodyRefused, read_body
-from web.gateway_http import HttpForwarder, ReplicaHttpUnreachable, to_response
-from web.gateway_relay import (
+from web.gateway.http_forward import HttpForwarder, ReplicaHttpUnreachable, to_response
+from web.gateway.relay import (
     ReplicaRefused,
     ReplicaUnreachable,
     forwarded_headers,

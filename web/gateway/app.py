@@ -7,7 +7,7 @@ coordination and any of them can die.
 * ``GET /v1/realtime`` (WebSocket): a new session goes to a replica picked by power of two
   choices; ``?session_id=`` (a resume) goes to the session's owner, or after the owner's lease
   lapsed to a live replica that takes the session over and rebuilds it from Redis. Frames are
-  then relayed both ways unchanged (:mod:`web.gateway_relay`). Subprotocols and auth headers
+  then relayed both ways unchanged (:mod:`web.gateway.relay`). Subprotocols and auth headers
   pass through; the replica authenticates, and its refusals (401, 403, 429, ...) reach the
   client as they are.
 * ``GET /v1/realtime/video`` (WebSocket, world-model sessions): routed and relayed exactly
@@ -51,10 +51,10 @@ from session.store.redis_store import redis_errors
 from web.auth import is_loopback_host
 from web.bodies import MAX_FORWARDED_BODY_BYTES, BodyRefused, read_body
 from web.cors import CorsMiddleware, origin_policy
-from web.gateway_http import ReplicaHttpUnreachable, to_response
-from web.gateway_routing import NoReplicaAvailable
-from web.gateway_state import Gateway, GatewaySettings
-from web.gateway_ws import RealtimeRelayEndpoint, live_error, robot_error, world_error
+from web.gateway.http_forward import ReplicaHttpUnreachable, to_response
+from web.gateway.routing import NoReplicaAvailable
+from web.gateway.state import Gateway, GatewaySettings
+from web.gateway.ws_endpoint import RealtimeRelayEndpoint, live_error, robot_error, world_error
 from web.replica import admin_denial, registry_json
 from web.uvicorn_guards import install
 
@@ -221,7 +221,7 @@ async def _new_call(gw: Gateway, request: Request, body: bytes) -> tuple[Respons
 async def _resume_call(
     gw: Gateway, request: Request, body: bytes, session_id: str
 ) -> tuple[Response, ReplicaInfo | None]:
-    """A resuming call, routed as `gateway_ws.connect_resume` routes a WebSocket resume: the
+    """A resuming call, routed as `ws_endpoint.connect_resume` routes a WebSocket resume: the
     owner; an owner that cannot be reached (killed a moment ago) or whose address now answers
     409 (restarted under a new id) has its lease waited out, then a live replica takes the
     session over; a world no other replica can take over is gone with its owner (404)."""

@@ -31,7 +31,7 @@ from websockets.asyncio.client import ClientConnection
 
 from session.store.errors import StoreError
 from session.world.events import ErrorEvent as WorldErrorEvent
-from web.gateway_relay import (
+from web.gateway.relay import (
     ReplicaDenial,
     ReplicaRefused,
     ReplicaUnreachable,
@@ -41,8 +41,8 @@ from web.gateway_relay import (
     upgrade_headers,
     ws_url,
 )
-from web.gateway_routing import NoReplicaAvailable, Route
-from web.gateway_state import Gateway
+from web.gateway.routing import NoReplicaAvailable, Route
+from web.gateway.state import Gateway
 
 log = logging.getLogger("omniduplex.gateway")
 

@@ -1,6 +1,6 @@
 """What a gateway holds: its settings and its stateless collaborators (the replica registry,
 the session bindings, the router, the HTTP forwarder, the API keys), shared by its HTTP routes
-(:mod:`web.gateway`) and its WebSocket relay (:mod:`web.gateway_ws`)."""
+(:mod:`web.gateway.app`) and its WebSocket relay (:mod:`web.gateway.ws_endpoint`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from redis.asyncio import Redis
 
 from session.affinity import ReplicaRegistry, SessionBinding
 from session.identity import ApiKeyMap, EphemeralKeys, api_key_from_request, authenticate
-from web.gateway_http import HttpForwarder
-from web.gateway_routing import Router
+from web.gateway.http_forward import HttpForwarder
+from web.gateway.routing import Router
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from web.gateway_relay import HOP_HEADERS
+from web.gateway.relay import HOP_HEADERS
 
 # Response headers recomputed by the server that sends them on.
 _RESPONSE_SKIP = HOP_HEADERS | {"content-encoding", "date", "server"}
