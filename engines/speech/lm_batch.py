@@ -43,10 +43,12 @@ class Reply:
 class BatchedLm:
     """Steps many :class:`Reply` objects of one :class:`CausalLmResponder` together."""
 
-    def __init__(self, lm: CausalLmResponder) -> None:
+    def __init__(self, lm: CausalLmResponder, *, num_threads: int | None = None) -> None:
         self.lm = lm
         self.model: Any = lm.model
         install_rows_attention(self.model.config)
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
 
     def reply(self, turn: Turn) -> Reply:
         """A new reply (raises ``ContextLengthExceeded`` when the prompt cannot fit)."""

@@ -162,7 +162,10 @@ class ResponderEngine(Engine):
     causal-LM directory), ``system_prompt`` (the voice assistant's; the session's instructions
     replace it), ``deltas_per_step`` (3: tokens per step for the LM, deltas for echo),
     ``max_tokens`` (128, for the LM), ``llm_dtype`` (the LM's weights: ``float32``, the default,
-    or ``bfloat16``). The LM batches: every live reply of a step advances in one forward
+    or ``bfloat16``), ``num_threads`` (torch's intra-op threads for the LM, process-wide: 1 by
+    default; on this 2-core host under load, 2 OpenMP threads made a batched step ~10-30× slower
+    than 1, their barriers waiting on descheduled threads). The LM batches: every live reply of a
+    step advances in one forward
     (:mod:`engines.speech.lm_batch`), each reply's text exactly what it is alone. The same
     responder on vLLM is ``vllm.responder`` (:mod:`engines.vllm.stages`)."""
 
@@ -179,6 +182,7 @@ class ResponderEngine(Engine):
         self.deltas_per_step = max(1, int(self.options.get("deltas_per_step", 3)))
         self.max_tokens = int(self.options.get("max_tokens", 128))
         self.dtype = str(self.options.get("llm_dtype") or "float32")
+        self.num_threads = max(1, int(self.options.get("num_threads", 1)))
         self._responder: Responder | None = None
         self._batched: Any = None  # engines.speech.lm_batch.BatchedLm for an LM
 
@@ -187,7 +191,7 @@ class ResponderEngine(Engine):
         if self.llm != ECHO:
             from engines.speech.lm_batch import BatchedLm
 
-            self._batched = BatchedLm(self._responder)  # type: ignore[arg-type]
+            self._batched = BatchedLm(self._responder, num_threads=self.num_threads)  # type: ignore[arg-type]
 
     def start(self, request: EngineRequest) -> ResponderState:
         return ResponderState(params=request.params)
