@@ -47,8 +47,7 @@ class BatchedLm:
         self.lm = lm
         self.model: Any = lm.model
         install_rows_attention(self.model.config)
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
+        self.num_threads = num_threads
 
     def reply(self, turn: Turn) -> Reply:
         """A new reply (raises ``ContextLengthExceeded`` when the prompt cannot fit)."""
@@ -59,6 +58,9 @@ class BatchedLm:
         """Advance every reply by up to ``tokens`` tokens; text lands in ``reply.deltas``."""
         for reply in replies:
             reply.deltas = []
+        if self.num_threads is not None and torch.get_num_threads() != self.num_threads:
+            # Per step, on the thread that computes: OpenMP keeps the setting per thread.
+            torch.set_num_threads(self.num_threads)
         with torch.inference_mode():
             for _ in range(max(1, tokens)):
                 live = [r for r in replies if not r.done]
