@@ -164,9 +164,9 @@ class ResponderEngine(Engine):
     ``max_tokens`` (128, for the LM), ``llm_dtype`` (the LM's weights: ``float32``, the default,
     or ``bfloat16``), ``num_threads`` (torch's intra-op threads for the LM's steps, set on the
     stepping thread: 1 by default; on this 2-core host under load, 2 OpenMP threads made a
-    batched step ~3-30× slower than 1, their barriers waiting on descheduled threads). The LM batches: every live reply of a
-    step advances in one forward
-    (:mod:`engines.speech.lm_batch`), each reply's text exactly what it is alone. The same
+    batched step ~3-30× slower than 1, their barriers waiting on descheduled threads). The LM
+    batches: every live reply of a step advances in one forward (:mod:`engines.speech.lm_batch`),
+    each reply's text exactly what it is alone. The same
     responder on vLLM is ``vllm.responder`` (:mod:`engines.vllm.stages`)."""
 
     batchable = True
