@@ -97,6 +97,11 @@ class SessionKVStore:
             self._used -= entry[1]
             return entry[0]
 
+    def entries(self) -> list[tuple[str, Any, int]]:
+        """Every entry as (key, value, nbytes), least recently used first (a drain hands them on)."""
+        with self._lock:
+            return [(key, value, size) for key, (value, size) in self._entries.items()]
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()

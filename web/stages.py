@@ -145,12 +145,14 @@ async def _serve(host: Any, args: Any) -> int:
         for lease, replica in zip(leases, host.replicas, strict=True):
             lease.set_load(replica.load)
         await asyncio.to_thread(host.reap)
-    log.info("stage host: draining (%d request(s) held)", host.load)
+    exported = await asyncio.to_thread(host.export_kv)
+    log.info("stage host: draining (%d request(s) held, %d sessions' KV handed on)", host.load, exported)
     for lease in leases:
         with contextlib.suppress(Exception):
             await lease.drain()
     deadline = time.monotonic() + args.drain_timeout_s
-    while host.load and time.monotonic() < deadline:  # noqa: ASYNC110 - the load lives on other threads
+    # what it holds, and the session KV it handed on until the replicas taking it have pulled it
+    while (host.load or host.exports_pending()) and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.1)
     await _close(host, redis, leases)
     return 0

@@ -200,6 +200,11 @@ class MooncakeConnector(Connector):
             self.endpoint.pool.free(entry[0])
         return len(items)
 
+    def holding(self, request_prefix: str) -> int:
+        """Slices this process still owns for requests whose id starts with ``request_prefix``."""
+        with self._lock:
+            return sum(len(items) for r, items in self._items.items() if r.startswith(request_prefix))
+
     def reap(self) -> int:
         """Free slices older than ``ttl_s`` (their consumer never released them); how many."""
         cutoff = self._clock() - self.ttl_s

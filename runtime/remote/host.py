@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.connectors import ConnectorError, Handle
 from runtime.engine import Engine
 from runtime.kv import SessionKVStore, bind_thread_store
 from runtime.registry import engine_class
@@ -37,6 +38,7 @@ from runtime.worker import CallResult, EngineHost, WorkCall
 log = logging.getLogger(__name__)
 
 KIND = "mooncake"
+KV_PREFIX = "kv:"  # request ids under which exported session KV waits in the pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,8 @@ class HostReplica:
         self.seen: dict[str, float] = {}  # request id -> its last call (time.monotonic)
         self.calls = 0
         self.failures = 0
+        self.kv_imported = 0  # session KV entries taken over from a draining replica
+        self.exported: dict[str, tuple[Handle, int]] | None = None  # set once it drains
 
     @property
     def load(self) -> int:
@@ -226,7 +230,15 @@ class StageHost:
     def _handle(self, peer: bytes, kind: str, call_id: bytes, body: bytes) -> None:
         server, connector = self.server, self.connector
         assert server is not None and connector is not None
-        if kind == "call":
+        if kind in ("kv_export", "stats"):
+            index = int(pickle.loads(body))
+            if not 0 <= index < len(self.replicas):
+                server.reply(peer, "error", call_id, f"no replica {index} on this host".encode())
+                return
+            replica = self.replicas[index]
+            task = self._export if kind == "kv_export" else self._stats
+            replica.executor.submit(task, replica, peer, call_id)
+        elif kind == "call":
             index = int.from_bytes(body[:2], "big")
             if index >= len(self.replicas):
                 server.reply(peer, "error", call_id, f"no replica {index} on this host".encode())
@@ -253,7 +265,8 @@ class StageHost:
     def _run(self, replica: HostReplica, peer: bytes, call_id: bytes, body: bytes) -> None:
         assert self.server is not None
         try:
-            call: WorkCall = pickle.loads(body)
+            call, imports = pickle.loads(body)
+            self._import(replica, imports)
             result = replica.run(peer, call)
             reply = pickle.dumps(result, protocol=5)
         except Exception as exc:
@@ -261,6 +274,57 @@ class StageHost:
             self.server.reply(peer, "error", call_id, f"{type(exc).__name__}: {exc}".encode())
             return
         self.server.reply(peer, "ok", call_id, reply)
+
+    def _import(self, replica: HostReplica, imports: list[tuple[str, Handle, int]]) -> None:
+        """Session KV another replica handed on (it drained): pulled into this replica's store
+        before the call that starts the session's request here."""
+        assert self.connector is not None
+        for session_key, handle, nbytes in imports:
+            try:
+                replica.kv.put(session_key, self.connector.get(handle), nbytes=nbytes)
+                replica.kv_imported += 1
+            except ConnectorError as exc:  # its host is gone: the engine rebuilds from the history
+                log.warning("stage %s: KV of session %s not moved: %s", self.spec.name, session_key, exc)
+
+    def export_kv(self) -> int:
+        """Draining: put every replica's session KV in the pool, for the replicas that take the
+        sessions over to pull (``kv_export`` hands the handles to the server); how many."""
+        assert self.connector is not None
+        for replica in self.replicas:
+            replica.executor.submit(self._exported, replica).result()
+        return sum(len(r.exported or {}) for r in self.replicas)
+
+    def _exported(self, replica: HostReplica) -> dict[str, tuple[Handle, int]]:
+        assert self.connector is not None
+        if replica.exported is None:
+            replica.exported = {}
+            for key, value, nbytes in replica.kv.entries():
+                try:
+                    handle = self.connector.put(f"{KV_PREFIX}{key}", "kv", value)
+                except Exception as exc:  # too big for the pool, say: that session rebuilds
+                    log.warning("stage %s: KV of session %s not exported: %s", self.spec.name, key, exc)
+                    continue
+                replica.exported[key] = (handle, nbytes)
+        return replica.exported
+
+    def _export(self, replica: HostReplica, peer: bytes, call_id: bytes) -> None:
+        """Reply ``{session key: (handle, nbytes)}`` of ``replica``'s exported session KV."""
+        assert self.server is not None
+        self.server.reply(peer, "ok", call_id, pickle.dumps(self._exported(replica), protocol=5))
+
+    def _stats(self, replica: HostReplica, peer: bytes, call_id: bytes) -> None:
+        assert self.server is not None
+        engine = replica.host.engine
+        stats = {
+            "kv": replica.kv.stats(),
+            "kv_imported": replica.kv_imported,
+            "engine": dict(getattr(engine, "stats", {}) or {}),
+        }
+        self.server.reply(peer, "ok", call_id, pickle.dumps(stats))
+
+    def exports_pending(self) -> int:
+        """Exported session KV not yet released by the replica that took it over."""
+        return self.connector.holding(KV_PREFIX) if self.connector is not None else 0
 
     def _hello(self, replica: HostReplica, peer: bytes, call_id: bytes, reset: bool) -> None:
         assert self.server is not None
@@ -276,5 +340,6 @@ class StageHost:
         self.server.reply(peer, "ok", call_id, pickle.dumps(self.info(replica.index)))
 
 
-def encode_call(index: int, call: WorkCall) -> bytes:
-    return index.to_bytes(2, "big") + pickle.dumps(call, protocol=5)
+def encode_call(index: int, call: WorkCall, imports: list[tuple[str, Handle, int]] | None = None) -> bytes:
+    """A work call for replica ``index``, with the session KV it should take in first."""
+    return index.to_bytes(2, "big") + pickle.dumps((call, imports or []), protocol=5)

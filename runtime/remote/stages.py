@@ -20,7 +20,7 @@ import logging
 import pickle
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +73,9 @@ class RemoteStage(Stage):
         self.metrics = metrics
         self.members: dict[str, Member] = {}
         self._sticky_ids: OrderedDict[str, str] = OrderedDict()
+        # session KV handed on by draining replicas, taken by the next call that starts the
+        # session elsewhere (bounded: the oldest dropped; its slice is reaped by its owner)
+        self.kv_moves: OrderedDict[str, tuple[Handle, int]] = OrderedDict()
 
     async def start(self) -> None:
         """Replicas arrive from the registry (:class:`RemoteStages`)."""
@@ -193,14 +196,14 @@ class RemoteStages:
         for rid, entry in seen.items():
             member = stage.members.get(rid)
             if member is not None:
+                if member.entry.state == "SERVING" and entry.state == "DRAINING":
+                    self._spawn(self._export(stage, member), f"remote-kv-{rid}")
                 member.entry, member.missing_since = entry, None
                 continue
             until = self.refused.get(rid, (0.0, ""))[0]
             if rid not in self._adding and now >= until:
                 self._adding.add(rid)
-                task = asyncio.create_task(self._add(stage, entry), name=f"remote-add-{rid}")
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._add(stage, entry), f"remote-add-{rid}")
         for rid, member in list(stage.members.items()):
             if rid in seen:
                 continue
@@ -211,12 +214,37 @@ class RemoteStages:
                 await stage.remove(rid, f"host {member.worker.endpoint} left the registry (lease lapsed)")
                 self._forget(member.worker)
 
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _export(self, stage: RemoteStage, member: Member) -> None:
+        """A replica turned DRAINING: have it hand its sessions' KV on (runtime/kv.py), so the
+        replica that takes each session over prefills only the new tokens of its next turn."""
+        try:
+            moved: dict[str, tuple[Handle, int]] = await member.worker.ask("kv_export")
+        except Exception as exc:
+            log.warning(
+                "stage %s: KV of draining %s not handed on: %s", stage.name, member.entry.replica_id, exc
+            )
+            return
+        for key, value in moved.items():
+            stage.kv_moves[key] = value
+            stage.kv_moves.move_to_end(key)
+        while len(stage.kv_moves) > STICKY_KEYS:
+            stage.kv_moves.popitem(last=False)
+        log.info(
+            "stage %s: %d session KV entries of %s to move", stage.name, len(moved), member.entry.replica_id
+        )
+
     async def _add(self, stage: RemoteStage, entry: Registered) -> None:
         try:
             if self.connector is None or self.sink is None:
                 raise RuntimeError("remote stages are not bound to an orchestrator")
             endpoint, index = entry.endpoint()
             worker = RemoteWorker(self.pipeline, stage.name, endpoint, index, self.keys, self.connector)
+            worker.kv_moves = stage.kv_moves
             replica = Replica(
                 stage.spec,
                 stage.metrics.add_replica(stage.name),

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from runtime.connectors import Handle
 from runtime.remote.auth import CurveKeys
 from runtime.remote.connector import MooncakeConnector
 from runtime.remote.control import ControlClient
@@ -53,6 +54,8 @@ class RemoteWorker(Worker):
         self.failures = 0
         self.call_seconds = Histogram()  # work call round trips (queue, host, pulls)
         self.bytes_pulled = 0  # client payloads pulled from the host's pool
+        # session key -> (handle, nbytes) of KV a draining replica handed on (RemoteStage's)
+        self.kv_moves: dict[str, tuple[Handle, int]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_death: Callable[[str], None] | None = None
 
@@ -84,17 +87,48 @@ class RemoteWorker(Worker):
 
     def submit(self, call: WorkCall, done: Done) -> None:
         loop = asyncio.get_running_loop()
-        body = encode_call(self.index, call)
+        imports = self._imports(call)
+        body = encode_call(self.index, call, imports)
         started = time.perf_counter()
         self.in_flight += 1
 
         def on_reply(status: str, reply: bytes) -> None:  # on the connection's I/O thread
             outcome = self._outcome(call, status, reply)
+            for _key, handle, _nbytes in imports:  # taken in (or lost): the old owner frees it
+                self.connector.release(handle)
             elapsed = time.perf_counter() - started
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 loop.call_soon_threadsafe(self._finish, done, outcome, elapsed)
 
         self.client.request("call", body, on_reply)
+
+    def _imports(self, call: WorkCall) -> list[tuple[str, Handle, int]]:
+        """The moved KV of the sessions whose requests this call starts (taken from the map)."""
+        own = self.info.session if self.info is not None else ""
+        imports = []
+        for request in call.starts:
+            key = request.session_key
+            if key is not None and key in self.kv_moves and self.kv_moves[key][0].ref.owner != own:
+                handle, nbytes = self.kv_moves.pop(key)
+                imports.append((key, handle, nbytes))
+        return imports
+
+    async def ask(self, kind: str, timeout_s: float = 10.0) -> Any:
+        """A small request to this replica's host (``kv_export``, ``stats``): its decoded reply."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[tuple[str, bytes]] = loop.create_future()
+
+        def on_reply(status: str, body: bytes) -> None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, future, (status, body))
+
+        self.client.request(kind, pickle.dumps(self.index), on_reply)
+        status, body = await asyncio.wait_for(future, timeout_s)
+        if status != "ok":
+            raise WorkerDied(
+                f"stage {self.stage}: host {self.endpoint}: {kind}: {body.decode(errors='replace')}"
+            )
+        return pickle.loads(body)
 
     # -- on the loop --------------------------------------------------------------------------
 

@@ -25,14 +25,14 @@ KEY = "remote-stage-test-key-0123456789"
 
 
 def tiny_pipeline(path: Path, *, max_tokens: int = 10, max_frames: int = 60) -> Path:
-    """qwen3-omni-tiny with replies bounded (random weights never stop on their own) and a
-    thinker that never stops at its first token: every turn has audio."""
+    """qwen3-omni-tiny with replies of a fixed length: random weights may stop at any token or
+    frame (or never), so every turn has ``max_tokens`` tokens and ``max_frames`` frames of audio."""
     spec = yaml.safe_load((ROOT / "runtime/pipelines/qwen3-omni-tiny.yaml").read_text())
     for stage in spec["stages"]:
         if stage["name"] == "thinker":
             stage["options"].update(max_tokens=max_tokens, min_tokens=max_tokens)
         if stage["name"] == "talker":
-            stage["options"].update(max_frames=max_frames)
+            stage["options"].update(max_frames=max_frames, min_frames=max_frames)
     path.write_text(yaml.safe_dump(spec))
     return path
 

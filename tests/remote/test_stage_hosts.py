@@ -258,3 +258,35 @@ async def test_sigterm_drains_a_host_it_finishes_the_response_it_holds_and_leave
             turn = await audio_turn(conn, events, "anyone left?")
             error = turn[-1].raw["response"]["status_details"]["error"]
             assert error["message"] == "stage_unavailable: stage talker has no live replica on a stage host"
+
+
+async def test_a_draining_thinker_hands_its_sessions_kv_to_the_replica_that_takes_them_over(
+    tmp_path: Path, pipeline: Path, redis_url: str, stage_key: str, hosts: list[StageHostProcess]
+) -> None:
+    first = start_host(pipeline, "thinker", redis_url)
+    hosts.append(first)
+    with qwen_server(tmp_path, pipeline, redis_url, "thinker") as server:
+        orchestrator = server.ctx.orchestrator
+        stage = orchestrator.remote.stages["thinker"]
+        await wait_members(orchestrator, {"thinker": 1})
+        async with sdk_session(server, model="qwen3-omni-tiny") as (conn, events):
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"]})
+            for text in ("hello there", "tell me more"):
+                turn = await audio_turn(conn, events, text)
+                assert turn[-1].event.response.status == "completed", turn[-1].raw
+            (old_id,) = stage.members
+            second = start_host(pipeline, "thinker", redis_url)
+            hosts.append(second)
+            await wait_members(orchestrator, {"thinker": 2})
+            (new_id,) = set(stage.members) - {old_id}
+            first.proc.send_signal(signal.SIGTERM)  # drains: its session's KV is handed on
+            await until(lambda: len(stage.kv_moves) == 1, 30, "the KV handed on")
+            turn = await audio_turn(conn, events, "and one more thing")
+            assert turn[-1].event.response.status == "completed", turn[-1].raw
+            stats = await stage.members[new_id].worker.ask("stats")
+        assert stats["kv_imported"] == 1 and not stage.kv_moves
+        engine = stats["engine"]  # the thinker's figures for its last request: this turn
+        assert engine["requests"] == 1 and engine["reused_tokens"] > 0
+        # only the new turn's tokens were prefilled: the conversation so far came with the KV
+        assert 0 < engine["prefill_tokens"] < engine["reused_tokens"], engine
+        assert await asyncio.to_thread(first.proc.wait, 60) == 0  # it left once the KV was taken
