@@ -22,13 +22,16 @@ pytestmark = pytest.mark.system
 
 def in_ns(ns: str, *cmd: str, **kwargs: object) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMNIDUPLEX_STAGE_KEY": KEY, "OMP_NUM_THREADS": "1"}
+    env["NETNS_TURNS"] = "2"
     return subprocess.Popen(["ip", "netns", "exec", ns, *cmd], cwd=ROOT, env=env, text=True, **kwargs)  # type: ignore[call-overload]
 
 
-def test_talker_and_code2wav_in_namespaces_of_their_own_serve_a_realtime_session(tmp_path: Path) -> None:
+def test_hosts_in_namespaces_of_their_own_serve_a_session_through_a_kill_and_a_replacement(
+    tmp_path: Path,
+) -> None:
     if os.geteuid() != 0:
         pytest.skip("ip netns needs root (CI runs as root)")
-    pipeline = tiny_pipeline(tmp_path / "qwen3-omni-tiny.yaml")
+    pipeline = tiny_pipeline(tmp_path / "qwen3-omni-tiny.yaml", max_frames=250)
     procs: list[subprocess.Popen[str]] = []
     hosts: list[StageHostProcess] = []
     with fabric(2) as net:
@@ -90,11 +93,32 @@ def test_talker_and_code2wav_in_namespaces_of_their_own_serve_a_realtime_session
                 "http://127.0.0.1:8000",
                 "talker",
                 "code2wav",
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
             )
-            out, err = client.communicate(timeout=420)
-            assert client.returncode == 0, err[-3000:]
+            assert client.stdout is not None and client.stdin is not None
+            talker_ns, talker_ip = next(iter(net.hosts.items()))
+            lines = []
+            for line in client.stdout:  # the client's own deadline bounds this
+                lines.append(line.strip())
+                if line.startswith("FIRST_AUDIO") and lines.count("FIRST_AUDIO") == 1:
+                    hosts[0].kill()  # kill -9 the talker's host mid-response
+                elif line.startswith("TURN_DONE") and lines.count("TURN_DONE") == 1:
+                    hosts.append(  # a replacement host in the same namespace
+                        start_host(
+                            pipeline,
+                            "talker",
+                            url,
+                            prefix=net.exec_prefix(talker_ns),
+                            extra=["--listen", talker_ip],
+                        )
+                    )
+                    client.stdin.write("next\n")
+                    client.stdin.flush()
+            client.wait(60)
+            assert client.returncode == 0, client.stderr.read()[-3000:] if client.stderr else ""
+            out = "\n".join(lines)
             result = json.loads(out.strip().splitlines()[-1])
         finally:
             for host in hosts:
@@ -102,6 +126,13 @@ def test_talker_and_code2wav_in_namespaces_of_their_own_serve_a_realtime_session
             for proc in procs:
                 proc.kill()
                 proc.wait(10)
+    first = result["turns"][0]
+    assert len(result["turns"]) == 2, result
+    # the talker's host was killed mid-response: that response failed naming the stage
+    assert first["response"]["status"] == "failed", first
+    error = first["response"]["status_details"]["error"]
+    assert error["message"] == "stage_unavailable: stage talker lost its host mid-request", error
+    # the replacement host in the same namespace served the next turn of the same session
     assert result.get("status") == "completed", result
     assert result["audio_bytes"] > 24_000
     remote = {row["stage"]: row for row in result["rows"] if row["address"] != "local"}
