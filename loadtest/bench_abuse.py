@@ -54,7 +54,9 @@ BIG_TEXT = "w" * (1900 * 1024)
 class Rig:
     """A redis-server and an ``omniduplex serve`` on it, both measured from outside."""
 
-    def __init__(self, folder: Path, grace_s: float) -> None:
+    def __init__(self, folder: Path, grace_s: float, serve: list[str] | None = None) -> None:
+        """``serve``: the server's command up to its options (default: ``web.cli serve
+        --pipeline null``; bench_fuzz runs the session tests' echo engine)."""
         self.folder = folder
         self.redis_port = free_port()
         self.port = free_port()
@@ -63,8 +65,9 @@ class Rig:
             stdout=subprocess.DEVNULL,
             cwd=folder,
         )
+        args = serve or [sys.executable, "-m", "web.cli", "serve", "--pipeline", "null"]
         args = [
-            sys.executable, "-m", "web.cli", "serve", "--pipeline", "null", "--port", str(self.port),
+            *args, "--port", str(self.port),
             "--redis-url", f"redis://127.0.0.1:{self.redis_port}/0", "--data-dir", str(folder / "data"),
             "--disconnect-grace-s", str(grace_s), "--log-level", "warning",
         ]  # fmt: skip
@@ -151,7 +154,7 @@ async def retrieve(rig: Rig) -> str:
     frame = json.dumps({"type": "conversation.item.retrieve", "item_id": "item_big"})
     for _ in range(100):
         await ws.send(frame)
-    await asyncio.sleep(20)  # the outbox budget (16 MiB) or the send deadline (15 s) ends it
+    await asyncio.sleep(20)  # the outbox budget (8 MiB) or the send deadline (15 s) ends it
     ws.transport.abort()
     return "one 1.9 MB item, 100 retrieves, client not reading"
 
@@ -205,7 +208,7 @@ async def retrieve_silent(rig: Rig) -> str:
     frame = json.dumps({"type": "conversation.item.retrieve", "item_id": "item_big"})
     for _ in range(40):
         await ws.send(frame)
-    await asyncio.sleep(20)  # the outbox budget (16 MiB) or the send deadline (15 s) ends it
+    await asyncio.sleep(20)  # the outbox budget (8 MiB) or the send deadline (15 s) ends it
     ws.transport.abort()
     return "one 1.9 MB item, 40 retrieves, client not reading"
 
