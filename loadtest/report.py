@@ -230,7 +230,7 @@ SERVER_GLOSSARY = """- **server TTFA**: the server's own histogram, response sta
   older items keep their transcripts.
 - **held audio**: the audio deltas the server keeps for a resume on it (peak; their PCM and
   each response's JSON around it once, Redis does not keep them; before 2026-12-06 their event
-  JSON): at most `--audio-replay-max-bytes` (6 MiB) per session, none older
+  JSON): at most `--audio-replay-max-bytes` (4 MiB) per session, none older
   than 55 s while connected.
 - **loop lag**: how late a 100 ms timer fires on the server's event loop.
 - **host CPU**: every process on the host, in % of one core (the host has `cpus` × 100 %),

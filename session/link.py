@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 SLOW_CLIENT_CODE = 1008
 SLOW_CLIENT_REASON = "client is not reading its events"
 CLOSE_TIMEOUT_S = 5.0  # closing a transport (its close frame) waits at most this long
-DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_BYTES = 8 * 1024 * 1024
 # The largest event the fast path writes past the outbox: audio deltas and the like (a 40 ms
 # delta is ~2.7 KB). A larger one (a retrieved item of MBs) always goes through the outbox, so
 # a client that stops reading meets the outbox's byte bound, not a transport buffer it never

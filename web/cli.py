@@ -81,15 +81,15 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--max-input-audio-s", type=float, default=300.0, help="uncommitted input audio per session"
     )
     p.add_argument(
-        "--outbox-max-bytes", type=int, default=16 * 1024 * 1024, help="unsent events per connection"
+        "--outbox-max-bytes", type=int, default=8 * 1024 * 1024, help="unsent events per connection"
     )
     p.add_argument(
-        "--event-log-max-bytes", type=int, default=16 * 1024 * 1024, help="logged events per session"
+        "--event-log-max-bytes", type=int, default=4 * 1024 * 1024, help="logged events per session"
     )
     p.add_argument(
         "--audio-replay-max-bytes",
         type=int,
-        default=6 * 1024 * 1024,
+        default=4 * 1024 * 1024,
         help="audio deltas a session's process keeps for a resume there",
     )
     p.add_argument(

@@ -50,12 +50,18 @@ class ServerSettings:
     max_conversation_bytes: int = 8 * 1024 * 1024  # text of a session's items (conversation_too_large)
     max_instructions_bytes: int = 512 * 1024  # instructions (string_above_max_length)
     max_input_audio_s: float = 300.0  # uncommitted input audio (input_audio_buffer_too_large)
-    outbox_max_bytes: int = 16 * 1024 * 1024  # unsent events per connection, then close 1008
-    event_log_max_bytes: int = 16 * 1024 * 1024  # event JSON kept per session for replay
-    # Audio deltas each session's process keeps for a resume there (not logged in Redis): 55 s
-    # of 24 kHz PCM16 as base64 JSON is ~3.6 MB. While connected they are also dropped once
-    # older than a dead socket can go unnoticed (ping interval + ping timeout + send timeout).
-    audio_replay_max_bytes: int = 6 * 1024 * 1024
+    # Unsent events per connection, then close 1008: room for a 1.9 MB item's events several
+    # times over, or ~2 minutes of output audio ahead of its client (issue 33: was 16 MiB).
+    outbox_max_bytes: int = 8 * 1024 * 1024
+    # Event JSON kept per session for replay (audio deltas are held in the process, below): a
+    # resume needs the events since the client's last ack, seconds of them; one from before the
+    # trimmed ones gets a snapshot. 4 MiB holds a 1.9 MB item's added + done (issue 33: was 16).
+    event_log_max_bytes: int = 4 * 1024 * 1024
+    # Audio deltas each session's process keeps for a resume there (not logged in Redis), as
+    # PCM: none older than a dead socket can go unnoticed while connected (ping interval + ping
+    # timeout + send timeout, 55 s), plus what is made in the disconnect grace (30 s): 85 s of
+    # 24 kHz PCM16 is ~3.9 MB as counted (issue 33: was 6 MiB, sized for base64 JSON).
+    audio_replay_max_bytes: int = 4 * 1024 * 1024
     # Connections (web/uvicorn_guards.py): half-open and silent peers are dropped.
     http_timeout_s: float = 10.0  # request headers (and a body) must arrive within this
     keep_alive_s: float = 5.0  # an idle keep-alive HTTP connection is closed after this
@@ -118,9 +124,9 @@ class ServerSettings:
             max_conversation_bytes=int(get("max_conversation_bytes", 8 * 1024 * 1024)),
             max_instructions_bytes=int(get("max_instructions_bytes", 512 * 1024)),
             max_input_audio_s=float(get("max_input_audio_s", 300.0)),
-            outbox_max_bytes=int(get("outbox_max_bytes", 16 * 1024 * 1024)),
-            event_log_max_bytes=int(get("event_log_max_bytes", 16 * 1024 * 1024)),
-            audio_replay_max_bytes=int(get("audio_replay_max_bytes", 6 * 1024 * 1024)),
+            outbox_max_bytes=int(get("outbox_max_bytes", 8 * 1024 * 1024)),
+            event_log_max_bytes=int(get("event_log_max_bytes", 4 * 1024 * 1024)),
+            audio_replay_max_bytes=int(get("audio_replay_max_bytes", 4 * 1024 * 1024)),
             http_timeout_s=float(get("http_timeout_s", 10.0)),
             keep_alive_s=float(get("keep_alive_s", 5.0)),
             ws_ping_interval_s=float(get("ws_ping_interval_s", 20.0)),

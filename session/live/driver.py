@@ -80,7 +80,7 @@ class LiveDriver:
         live: LiveEntryPoint,
         *,
         outbox_limit: int = 4096,
-        outbox_max_bytes: int = 16 * 1024 * 1024,
+        outbox_max_bytes: int = 8 * 1024 * 1024,
         delegations: DelegationRunner | None = None,
         observer: LiveObserver | None = None,
         clock: Callable[[], float] = time.monotonic,

@@ -29,7 +29,7 @@ No Redis call per input audio frame: those never reach the writer. Activity with
 Held events: the store's ``held_event_types`` (audio deltas) are stamped and sent like any
 other but kept here (:class:`~session.store.held_events.HeldEvents`: the PCM bytes, the JSON
 around them once per response, rebuilt byte for byte on a replay), not queued for Redis: the
-newest ``held_max_bytes`` of them (6 MiB), and
+newest ``held_max_bytes`` of them (4 MiB), and
 while the session is connected none older than ``held_window_s`` (55 s: how long a dead
 connection can go unnoticed, the 20 s ping interval plus its 20 s timeout plus the 15 s a full
 send buffer may wait); once it is detached (:meth:`set_state`), none made more than that
@@ -130,11 +130,12 @@ class SessionWriter:
         self.interval = flush_interval_s
         self._max_batch = max_batch_events
         self._max_pending = max_pending
-        # Bytes, not only counts: queued event JSON while Redis is down, and the stream's
-        # own budget (entries past it are trimmed, oldest first, with a ``t`` op).
-        self._max_pending_bytes = max_pending_bytes
-        self._pending_bytes = 0
         limits = store.writer_limits
+        # Bytes, not only counts: queued event JSON while Redis is down (no more than the
+        # stream's own budget: events past it would be trimmed as soon as they were written),
+        # and that budget (entries past it are trimmed, oldest first, with a ``t`` op).
+        self._max_pending_bytes = min(max_pending_bytes, limits.log_max_bytes or max_pending_bytes)
+        self._pending_bytes = 0
         self._log = LogBudget(limits.log_max_bytes, limits.stream_maxlen)
         # Events kept in this process, not logged (``store.held_event_types``).
         self._held_types = limits.held_event_types

@@ -73,7 +73,7 @@ def transport_audio_sink(transport: Transport) -> AudioSink | None:
 @dataclass(slots=True)
 class DriverOptions:
     outbox_limit: int = 4096  # server events queued for a client before it counts as not reading
-    outbox_max_bytes: int = 16 * 1024 * 1024  # ... and bytes of their JSON (close 1008 past either)
+    outbox_max_bytes: int = 8 * 1024 * 1024  # ... and bytes of their JSON (close 1008 past either)
     session_key: str | None = None  # sticky key for the orchestrator (the session id)
     clock: Callable[[], float] = time.monotonic
     epoch: Callable[[], float] = time.time

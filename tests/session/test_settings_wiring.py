@@ -48,4 +48,4 @@ def test_audio_replay_bounds_reach_the_store() -> None:
     assert store.held_window_s == 5 + settings.ws_ping_timeout_s + 3
     assert store.held_event_types == {"response.output_audio.delta"}
     default = build_store(SimpleNamespace(register_script=lambda script: script), ServerSettings())
-    assert default.held_max_bytes == 6 * 1024 * 1024 and default.held_window_s == 55.0
+    assert default.held_max_bytes == 4 * 1024 * 1024 and default.held_window_s == 55.0
