@@ -287,6 +287,13 @@ class RealtimeSessionCore:
             self.turns.on_turn_score(ref, probability, now)
         return self._out.drain()
 
+    def on_turn_transcript(self, key: tuple[str, int], text: str | None, now: float) -> CoreOutput:
+        """The transcript of a pause made ahead (`PrepareTranscript` `key`; None: none came):
+        semantic_vad's second cue (:class:`VadTurns`)."""
+        if not self.closed:
+            self.turns.on_turn_transcript(key, text, now)
+        return self._out.drain()
+
     def live_error(
         self, code: str, message: str, *, server: bool = True, event_id: str | None = None
     ) -> CoreOutput:

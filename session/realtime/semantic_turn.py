@@ -26,9 +26,55 @@ MAX_PAUSE_MS = {"low": 8000, "medium": 4000, "high": 2000, "auto": 4000}
 CANDIDATE_MS = 200  # silence before the model is asked (pipecat's Smart Turn default: 200 ms)
 FINISHED = 0.5  # P(finished) from which the turn ends at once (the model's own cut)
 
+# Words a clause cannot end on: articles/determiners, conjunctions, prepositions, auxiliaries
+# and modals, "to" (a transcript ending on one is mid-clause, whatever the model says).
+_OPEN = """
+    a an the this that these those my your his her its our their some any every each no
+    and or but nor so because if when while although though unless until since whether than
+    to of in on at for from with by about into onto over under after before between through
+    during without within like as per via
+    is are was were be been being am do does did have has had can could will would shall
+    should may might must i you he she we they it's i'm i'd i'll you're we're they're
+    what which who whose where how very more most
+"""
+OPEN_WORDS = frozenset(_OPEN.split())
+SENTENCE_END = (".", "?", "!")
+
+
+def transcript_cue(text: str | None) -> str:
+    """What the words of the turn so far say about its end: "open" (it ends on a word a clause
+    cannot end on: see `OPEN_WORDS`), "closed" (sentence-final punctuation, as Whisper writes a
+    finished sentence), "plain" (neither), "unknown" (no transcript)."""
+    if text is None or not text.strip():
+        return "unknown"
+    stripped = text.strip().rstrip("\"')\u201d")
+    words = stripped.lower().replace("...", " ").replace("\u2026", " ").split()
+    last = words[-1].strip(".,;:!?-\u2014") if words else ""
+    if not last or last in OPEN_WORDS or stripped.endswith(("...", "\u2026", ",", "-", "\u2014")):
+        return "open"
+    return "closed" if stripped.endswith(SENTENCE_END) else "plain"
+
 
 def max_pause_ms(eagerness: str) -> int:
     return MAX_PAUSE_MS.get(eagerness, MAX_PAUSE_MS["auto"])
+
+
+@dataclass(frozen=True, slots=True)
+class TurnCues:
+    """Whether a pause ends the turn, from the model's probability and the transcript of the
+    turn so far: words ending mid-clause ("open") never end it; sentence-final punctuation
+    ("closed") ends it from `threshold`; words with neither, or no transcript, from the
+    model's own cut (`FINISHED`) or `threshold`, whichever is higher."""
+
+    threshold: float = FINISHED
+
+    def finished(self, probability: float, transcript: str | None) -> bool:
+        cue = transcript_cue(transcript)
+        if cue == "open":
+            return False
+        if cue == "closed":
+            return probability >= self.threshold
+        return probability >= max(self.threshold, FINISHED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,17 +96,32 @@ class EndTurn:
 
 
 class SemanticTurn:
-    """One session's end-of-turn decisions (see the module docstring)."""
+    """One session's end-of-turn decisions (see the module docstring). With `transcript_coming`
+    at the ask (the pause is being transcribed ahead, `PrepareTranscript`), the decision takes
+    both cues (`TurnCues`): a score that comes before the transcript waits for it."""
 
     def __init__(self, *, candidate_ms: int = CANDIDATE_MS, threshold: float = FINISHED) -> None:
         self.candidate_ms = candidate_ms
-        self.threshold = threshold
+        self.cues = TurnCues(threshold)
         self._asked: tuple[str, int] | None = None  # (item id, pause start) being scored
         self._ref: str | None = None
+        self._coming = False  # the asked pause's transcript is on its way
+        self._text: tuple[tuple[str, int], str | None] | None = None  # the last pause's words
+        self._held: float | None = None  # the asked pause's score, waiting for its transcript
         self.scores: list[float] = []  # the answers, in order (the last few)
 
+    @property
+    def threshold(self) -> float:
+        return self.cues.threshold
+
     def on_frame(
-        self, item_id: str | None, speech_start: int, pause: int | None, frame_end: int
+        self,
+        item_id: str | None,
+        speech_start: int,
+        pause: int | None,
+        frame_end: int,
+        *,
+        transcript_coming: bool = False,
     ) -> ScoreTurn | None:
         """A scored frame ending at `frame_end` while the user item `item_id` is spoken;
         `pause`: where the current silence began (None: they are speaking). Asks once per
@@ -72,24 +133,57 @@ class SemanticTurn:
             return None
         self._asked = key
         self._ref = f"{item_id}@{pause}"
+        self._coming = transcript_coming
+        self._held = None
         return ScoreTurn(self._ref, speech_start, frame_end)
 
     def on_score(
         self, ref: str, probability: float, item_id: str | None, pause: int | None
     ) -> EndTurn | None:
         """The model's answer for `ref`; the turn ends now if it is the current pause's (still
-        silent, same item) and finished."""
+        silent, same item) and finished by the cues (its transcript's, once it is there)."""
         if ref != self._ref or self._asked is None:
             return None  # an older pause's, or after a reset
         self.scores = [*self.scores[-15:], probability]
-        asked_item, asked_pause = self._asked
-        if item_id != asked_item or pause != asked_pause:
+        if (item_id, pause) != self._asked:
             return None  # the user went on speaking (or the turn already ended)
-        if probability < self.threshold:
+        text = self._words(self._asked)
+        if text is _PENDING:
+            self._held = probability  # decided when the transcript comes
+            return None
+        return self._decide(probability, text if isinstance(text, str) else None)
+
+    def on_transcript(
+        self, key: tuple[str, int], text: str | None, item_id: str | None, pause: int | None
+    ) -> EndTurn | None:
+        """The words of the turn up to the pause `key` (None: not transcribed); a score held
+        for them is decided now if that pause is still the current one."""
+        self._text = (key, text)
+        if self._held is None or key != self._asked:
+            return None
+        probability, self._held = self._held, None
+        if (item_id, pause) != key:
+            return None
+        return self._decide(probability, text)
+
+    def _words(self, key: tuple[str, int]) -> object:
+        if self._text is not None and self._text[0] == key:
+            return self._text[1]
+        return _PENDING if self._coming else None
+
+    def _decide(self, probability: float, text: str | None) -> EndTurn | None:
+        if not self.cues.finished(probability, text):
             return None  # unfinished: the maximum pause ends it, unless they go on
+        assert self._asked is not None
+        item_id, pause = self._asked
         self.reset()
-        return EndTurn(asked_item, asked_pause, probability)
+        return EndTurn(item_id, pause, probability)
 
     def reset(self) -> None:
         self._asked = None
         self._ref = None
+        self._held = None
+        self._coming = False
+
+
+_PENDING = object()  # a transcript on its way

@@ -72,6 +72,8 @@ class TurnTaking(Protocol):
 
     def on_turn_score(self, ref: str, probability: float, now: float) -> None: ...
 
+    def on_turn_transcript(self, key: tuple[str, int], text: str | None, now: float) -> None: ...
+
     def tick(self, now: float) -> None: ...
 
 
@@ -180,6 +182,9 @@ class LiveTurns:
 
     def on_turn_score(self, ref: str, probability: float, now: float) -> None:
         """The pipeline takes the turns: an end-of-turn model's answer is not this kind's."""
+
+    def on_turn_transcript(self, key: tuple[str, int], text: str | None, now: float) -> None:
+        """See :meth:`on_turn_score`."""
 
     def on_live_response_started(self, now: float) -> None:
         """The model began speaking: the user's audio since the last commit becomes a user item

@@ -18,7 +18,7 @@ from session.realtime.core_state import CoreState, IdleTimeout
 from session.realtime.effects import DropAhead, LiveControl, PrepareTranscript, RespondAhead
 from session.realtime.input_audio import FRAME, SAMPLES_PER_MS, ms_of
 from session.realtime.response_control import ResponseControl
-from session.realtime.semantic_turn import SemanticTurn, max_pause_ms
+from session.realtime.semantic_turn import EndTurn, SemanticTurn, max_pause_ms
 from session.realtime.turns import SpeechDetector, SpeechStarted, SpeechStopped
 from session.realtime.user_audio import UserAudio
 
@@ -114,6 +114,18 @@ class VadTurns:
         if td is None or not self.semantic_turns(td):
             return
         end = self.semantic.on_score(ref, probability, self.speech_item_id, self.vad.silence_start)
+        self._end_turn(end, td, now)
+
+    def on_turn_transcript(self, key: tuple[str, int], text: str | None, now: float) -> None:
+        """The words of the turn up to the pause `key`, transcribed ahead (`PrepareTranscript`):
+        the end-of-turn decision's second cue (a score waiting for them is decided now)."""
+        td = self.state.config.turn_detection
+        if td is None or not self.semantic_turns(td):
+            return
+        end = self.semantic.on_transcript(key, text, self.speech_item_id, self.vad.silence_start)
+        self._end_turn(end, td, now)
+
+    def _end_turn(self, end: EndTurn | None, td: TurnDetection, now: float) -> None:
         if end is not None:
             buffer = self.user.input
             self.vad.reset()
@@ -121,8 +133,9 @@ class VadTurns:
             buffer.drop_before(buffer.first_unscored - td.prefix_padding_ms * SAMPLES_PER_MS)
 
     def _maybe_score_turn(self, frame_end: int) -> None:
-        pause = self.vad.silence_start
-        ask = self.semantic.on_frame(self.speech_item_id, self.speech_start, pause, frame_end)
+        pause, item_id = self.vad.silence_start, self.speech_item_id
+        coming = item_id is not None and pause is not None and self.prepared == (item_id, pause)
+        ask = self.semantic.on_frame(item_id, self.speech_start, pause, frame_end, transcript_coming=coming)
         if ask is not None:
             params = {"ref": ask.ref, "start": ask.start, "end": ask.end}
             self.state.out.effect(LiveControl("score_turn", params))

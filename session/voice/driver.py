@@ -427,9 +427,14 @@ class RealtimeDriver:
                 log.warning("transcription ahead of the turn's end failed: %s", exc)
                 return None
 
+        async def prepare() -> str | None:
+            text = await transcribe()  # semantic_vad decides on these words too
+            self.apply(self.core.on_turn_transcript(effect.key, text, self.now()))
+            return text
+
         self.stats.transcripts_prepared += 1
         # An earlier one (the speaker went on after a pause) is left to finish unread.
-        self._prepared = (effect.key, self._spawn(transcribe(), f"prepare:{effect.key[0]}"))
+        self._prepared = (effect.key, self._spawn(prepare(), f"prepare:{effect.key[0]}"))
 
     def _respond_ahead(self, effect: RespondAhead) -> None:
         prepared = self._prepared

@@ -8,9 +8,16 @@ from typing import Any
 
 import pytest
 
-from session.realtime import LiveControl
+from session.realtime import LiveControl, PrepareTranscript
 from session.realtime.input_audio import SAMPLES_PER_MS
-from session.realtime.semantic_turn import MAX_PAUSE_MS, EndTurn, ScoreTurn, SemanticTurn
+from session.realtime.semantic_turn import (
+    MAX_PAUSE_MS,
+    EndTurn,
+    ScoreTurn,
+    SemanticTurn,
+    TurnCues,
+    transcript_cue,
+)
 from tests.session.realtime_harness import Harness, silence, tone, types
 
 pytestmark = pytest.mark.unit
@@ -51,6 +58,7 @@ def test_unfinished_stale_and_unknown_scores_leave_the_turn_open() -> None:
 
 
 def _semantic(eagerness: str = "auto", **options: Any) -> Harness:
+    options.setdefault("pipeline_transcribes_input", False)  # no transcript: the model decides
     h = Harness(scores_turn_ends=True, **options)
     h.update(audio={"input": {"turn_detection": {"type": "semantic_vad", "eagerness": eagerness}}})
     return h
@@ -142,3 +150,86 @@ def test_barge_in_still_cancels_the_answer() -> None:
     assert "input_audio_buffer.speech_started" in types(h.events[-10:])
     done = [e for e in h.events if e["type"] == "response.done"]
     assert done and done[-1]["response"]["status"] == "cancelled"
+
+
+# --- the transcript of the turn so far as a second cue (TurnCues) ----------------------------
+
+
+def test_transcript_cue_reads_where_the_words_stop() -> None:
+    assert transcript_cue("I would like to book a flight to") == "open"  # a preposition
+    assert transcript_cue("Could you play some relaxing music while I finish my...") == "open"
+    assert transcript_cue("We need eggs, milk and") == "open"
+    assert transcript_cue("We need eggs,") == "open"
+    assert transcript_cue("Book a flight to Madrid.") == "closed"
+    assert transcript_cue("Is it raining?") == "closed"
+    assert transcript_cue("book a flight to Madrid") == "plain"
+    assert transcript_cue(None) == "unknown" and transcript_cue("  ") == "unknown"
+
+
+def test_cues_words_mid_clause_outweigh_the_model() -> None:
+    cues = TurnCues(threshold=0.3)
+    assert not cues.finished(0.99, "I would like to book a flight to")  # open: never ends
+    assert cues.finished(0.35, "Book a flight to Madrid.")  # closed: from the threshold
+    assert not cues.finished(0.25, "Book a flight to Madrid.")
+    assert not cues.finished(0.35, "book a flight to Madrid")  # plain: the model's own cut
+    assert cues.finished(0.6, "book a flight to Madrid")
+    assert not cues.finished(0.35, None) and cues.finished(0.5, None)  # no words: the model
+
+
+def test_a_score_waits_for_the_pause_transcript_then_decides_on_both() -> None:
+    turn = SemanticTurn(candidate_ms=200, threshold=0.3)
+    ask = turn.on_frame("item_1", 0, 1000 * MS, 1200 * MS, transcript_coming=True)
+    assert ask is not None
+    assert turn.on_score(ask.ref, 0.4, "item_1", 1000 * MS) is None  # held for the words
+    end = turn.on_transcript(("item_1", 1000 * MS), "Book it.", "item_1", 1000 * MS)
+    assert end == EndTurn("item_1", 1000 * MS, 0.4)
+    # An open transcript keeps a confident score from ending the turn.
+    ask = turn.on_frame("item_1", 0, 2000 * MS, 2200 * MS, transcript_coming=True)
+    assert ask is not None
+    assert turn.on_score(ask.ref, 0.97, "item_1", 2000 * MS) is None
+    assert turn.on_transcript(("item_1", 2000 * MS), "Book a flight to", "item_1", 2000 * MS) is None
+
+
+def test_a_transcript_before_the_score_is_used_and_a_missing_one_leaves_the_model() -> None:
+    turn = SemanticTurn(candidate_ms=200, threshold=0.3)
+    assert turn.on_transcript(("item_1", 1000 * MS), "Book it.", "item_1", 1000 * MS) is None
+    ask = turn.on_frame("item_1", 0, 1000 * MS, 1200 * MS, transcript_coming=True)
+    assert ask is not None
+    assert turn.on_score(ask.ref, 0.35, "item_1", 1000 * MS) == EndTurn("item_1", 1000 * MS, 0.35)
+    ask = turn.on_frame("item_2", 0, 3000 * MS, 3200 * MS, transcript_coming=True)
+    assert ask is not None
+    assert turn.on_score(ask.ref, 0.7, "item_2", 3000 * MS) is None
+    # Not transcribed (the ASR failed): the model's own cut decides.
+    assert turn.on_transcript(("item_2", 3000 * MS), None, "item_2", 3000 * MS) == EndTurn(
+        "item_2", 3000 * MS, 0.7
+    )
+    # The user spoke again before the words came: the held score is stale.
+    ask = turn.on_frame("item_2", 0, 4000 * MS, 4200 * MS, transcript_coming=True)
+    assert ask is not None
+    assert turn.on_score(ask.ref, 0.9, "item_2", 4000 * MS) is None
+    assert turn.on_transcript(("item_2", 4000 * MS), "Done.", "item_2", None) is None
+
+
+def _prepares(h: Harness) -> list[PrepareTranscript]:
+    return [e for e in h.effects if isinstance(e, PrepareTranscript)]
+
+
+def test_core_decides_on_the_score_and_the_prepared_transcript() -> None:
+    h = _semantic(pipeline_transcribes_input=True)
+    h.append(tone(1.0))
+    h.append(silence(0.3))
+    (prepare,) = _prepares(h)
+    (ask,) = _asks(h)
+    h.take(h.core.on_turn_score(ask.params["ref"], 0.95, h.now))
+    assert "input_audio_buffer.speech_stopped" not in types(h.events)  # waits for the words
+    h.take(h.core.on_turn_transcript(prepare.key, "I would like a flight to", h.now))
+    assert "input_audio_buffer.speech_stopped" not in types(h.events)  # mid-clause: waits on
+    h.append(tone(0.5))  # the user goes on
+    h.append(silence(0.3))
+    second = _prepares(h)[-1]
+    ask = _asks(h)[-1]
+    h.take(h.core.on_turn_transcript(second.key, "I would like a flight to Madrid.", h.now))
+    assert "input_audio_buffer.speech_stopped" not in types(h.events)  # the model not yet
+    out = h.take(h.core.on_turn_score(ask.params["ref"], 0.95, h.now))
+    assert types(out)[0] == "input_audio_buffer.speech_stopped"
+    assert [e["type"] for e in h.events].count("input_audio_buffer.committed") == 1
