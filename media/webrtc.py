@@ -236,6 +236,24 @@ class ChannelPeer:
         assert description is not None
         return description.sdp
 
+    async def next_from(self, inbox: asyncio.Queue[str]) -> str | None:
+        """The inbox's next message, or None once the link has ended first."""
+        if not inbox.empty():
+            return inbox.get_nowait()
+        message = asyncio.ensure_future(inbox.get())
+        ended = asyncio.ensure_future(self.ended.wait())
+        try:
+            await asyncio.wait({message, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+            if not message.done():
+                message.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ended
+        if message.done() and not message.cancelled():
+            return message.result()
+        return None
+
     # --- aiortc callbacks (synchronous: pyee would run coroutines as unowned tasks) ---------
 
     def _on_datachannel(self, channel: RTCDataChannel) -> None:

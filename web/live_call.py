@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import logging
 import secrets
@@ -153,22 +152,10 @@ class LiveCall:
         await self.link.close(f"session closed ({code}): {reason}")
 
     async def receive(self) -> str | None:
-        if not self._inbox.empty():
-            return self._inbox.get_nowait()
-        message = asyncio.ensure_future(self._inbox.get())
-        ended = asyncio.ensure_future(self.link.ended.wait())
-        try:
-            await asyncio.wait({message, ended}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ended.cancel()
-            if not message.done():
-                message.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ended
-        if message.done() and not message.cancelled():
-            return message.result()
-        self._note_end()
-        return None
+        text = await self.link.next_from(self._inbox)
+        if text is None:
+            self._note_end()
+        return text
 
     def _note_end(self) -> None:
         if self.link.closed_by_peer:

@@ -34,18 +34,18 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from media.webrtc import OfferError, parse_ice_servers
-from session.identity import RESUME_HEADER, Principal, is_session_id, resume_token_from_request
+from session.identity import RESUME_HEADER, Principal, resume_token_from_request
 from session.live.core import LiveCoreOptions, LiveSessionCore
 from session.live.delegation import ResponsesRunner
 from session.live.driver import LiveDriver, LiveEntryPoint
 from session.live.events import DelegationTarget, LiveLimits
-from session.live.hosting import AdmissionRefused, LiveHost, LiveSession, SessionElsewhere
-from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
+from session.live.hosting import LiveHost, LiveSession
+from session.store.errors import SessionNotFound, StoreUnavailable
 from web.context import ServerContext
 from web.live_call import LiveCall, answer_offer, new_call_id, read_offer
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.realtime_ws import WebSocketTransport, offered_subprotocols, principal_for
-from web.refusals import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STARTING, STORE_DOWN, UNAUTHORIZED, Denial, capacity
+from web.refusals import STARTING, STORE_DOWN, UNAUTHORIZED, Denial, authorize_resume, open_admitted
 
 log = logging.getLogger(__name__)
 
@@ -185,43 +185,28 @@ class LiveService:
     async def _open(
         self, host: LiveHost, principal: Principal, announce: bool, kind: str
     ) -> tuple[LiveSession, str] | Denial:
-        try:
-            session_id = await host.admit(principal.tenant)
-        except AdmissionRefused as refused:
-            return capacity(refused.decision)
-        except StoreUnavailable:
-            return STORE_DOWN
-        try:
-            s, token = await host.create(session_id, principal.tenant, transport_kind=kind, announce=announce)
-        except (StoreUnavailable, SessionElsewhere):
-            await host.forfeit(session_id)
-            return STORE_DOWN
-        except BaseException:
-            await host.forfeit(session_id)
-            raise
-        assert self.ctx is not None
-        self.ctx.metrics.admission("admitted")
-        return s, token
+        opened = await open_admitted(
+            host,
+            principal.tenant,
+            lambda session_id: host.create(
+                session_id, principal.tenant, transport_kind=kind, announce=announce
+            ),
+        )
+        if not isinstance(opened, Denial):
+            assert self.ctx is not None
+            self.ctx.metrics.admission("admitted")
+        return opened
 
     async def _resume(
         self, host: LiveHost, conn: WebSocket | Request, principal: Principal, subprotocols: list[str]
     ) -> tuple[LiveSession, None] | Denial:
         session_id = conn.query_params.get("session_id", "")
         token = resume_token_from_request(conn.headers.get(RESUME_HEADER), subprotocols)
-        try:
-            if not token:
-                raise ResumeTokenInvalid(session_id)
-            if not is_session_id(session_id):
-                raise SessionNotFound(session_id)
+
+        async def authorize(token: str) -> tuple[LiveSession, None]:
             return await host.authorize(principal.tenant, session_id, token), None
-        except SessionNotFound:
-            return NOT_FOUND
-        except ResumeTokenInvalid:
-            return BAD_TOKEN
-        except SessionElsewhere:
-            return ELSEWHERE
-        except StoreUnavailable:
-            return STORE_DOWN
+
+        return await authorize_resume(session_id, token, authorize)
 
     # --- WebRTC (POST /v1/live/sessions with an SDP offer) ------------------------------------
 

@@ -48,13 +48,11 @@ from web.context import ServerContext
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.refusals import (
     BAD_TOKEN,
-    ELSEWHERE,
-    NOT_FOUND,
     STORE_DOWN,
     UNAUTHORIZED,
-    Denial,
     capacity,
     error_body,
+    resume_denial,
 )
 from web.uvicorn_guards import SEND_NOWAIT, SET_RECEIVER
 
@@ -180,9 +178,7 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
     principal = await principal_for(ctx, websocket.headers, subprotocols)
     if principal is None:
         ctx.metrics.admission("invalid_api_key")
-        await websocket.send_denial_response(
-            UNAUTHORIZED.response()
-        )
+        await websocket.send_denial_response(UNAUTHORIZED.response())
         return
     session_id = websocket.query_params.get("session_id")
     if session_id is not None:
@@ -346,7 +342,7 @@ async def resume_session(
         await host.authorize(principal.tenant, session_id, token)
         hs = await host.restore(principal.tenant, session_id, token)
     except (SessionNotFound, ResumeTokenInvalid, AdmissionRefused, SessionElsewhere, StoreUnavailable) as exc:
-        denial = _resume_denial(exc)
+        denial = resume_denial(exc)
         ctx.metrics.resume(denial.code)
         await websocket.send_denial_response(denial.response())
         return
@@ -354,16 +350,3 @@ async def resume_session(
     await _bind_ephemeral(ctx, principal, session_id)  # it holds the token: its resume is its own
     await _accept(websocket, subprotocols)
     await host.serve_resume(hs, WebSocketTransport(websocket), websocket.query_params.get("last_event_id"))
-
-
-def _resume_denial(exc: Exception) -> Denial:
-    """Why a resume is refused (its code is also the metric's)."""
-    if isinstance(exc, AdmissionRefused):
-        return capacity(exc.decision)
-    if isinstance(exc, ResumeTokenInvalid):
-        return BAD_TOKEN
-    if isinstance(exc, SessionElsewhere):
-        return ELSEWHERE
-    if isinstance(exc, StoreUnavailable):
-        return STORE_DOWN
-    return NOT_FOUND

@@ -34,15 +34,14 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from session.identity import RESUME_HEADER, Principal, is_session_id
+from session.identity import RESUME_HEADER, Principal
 from session.robot.core import Dialect, PolicyContext, RobotSessionCore
 from session.robot.driver import RobotDriver, RobotObserver, RuntimeProvider, TransportClosed
-from session.robot.hosting import AdmissionRefused, RobotHost, RobotSession, SessionElsewhere
+from session.robot.hosting import RobotHost, RobotSession
 from session.robot.wire import MAX_PAYLOAD_BYTES, pack
-from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from web.frame_ws import WebSocketFrameTransport
 from web.omni_extensions import SESSION_ID_HEADER, raw_headers, resume_headers, wants_extensions
-from web.refusals import BAD_TOKEN, ELSEWHERE, NOT_FOUND, STORE_DOWN, UNAUTHORIZED, Denial, capacity
+from web.refusals import Denial, authorize_resume, identified, open_admitted
 from web.workers import reuseport_socket
 
 log = logging.getLogger(__name__)
@@ -178,53 +177,25 @@ class RobotService:
         return pack({**self.metadata, "omni_session": info})
 
     async def _principal(self, connection: HTTPConnection) -> Principal | Denial:
-        if self.identify is None:
-            return Principal("default")
-        try:
-            principal = await self.identify(connection)
-        except StoreUnavailable:
-            return STORE_DOWN
-        return UNAUTHORIZED if principal is None else principal
+        return await identified(self.identify, connection)
 
     async def _open(
         self, host: RobotHost, principal: Principal, dialect: Dialect
     ) -> tuple[RobotSession, str] | Denial:
-        try:
-            session_id = await host.admit(principal.tenant)
-        except AdmissionRefused as refused:
-            return capacity(refused.decision)
-        except StoreUnavailable:
-            return STORE_DOWN
-        try:
-            return await host.create(session_id, principal.tenant, dialect)
-        except (StoreUnavailable, SessionElsewhere):
-            await host.forfeit(session_id)
-            return STORE_DOWN
-        except BaseException:
-            await host.forfeit(session_id)
-            raise
+        return await open_admitted(
+            host, principal.tenant, lambda session_id: host.create(session_id, principal.tenant, dialect)
+        )
 
     async def _resume(
         self, host: RobotHost, websocket: WebSocket, principal: Principal, dialect: Dialect
     ) -> tuple[RobotSession, None] | Denial:
         session_id = websocket.query_params.get("session_id", "")
         token = websocket.headers.get(RESUME_HEADER) or websocket.query_params.get("resume_token")
-        try:
-            if not token:
-                raise ResumeTokenInvalid(session_id)
-            if not is_session_id(session_id):
-                raise SessionNotFound(session_id)
+
+        async def authorize(token: str) -> tuple[RobotSession, None]:
             return await host.authorize(principal.tenant, session_id, token, dialect), None
-        except SessionNotFound:
-            return NOT_FOUND
-        except ResumeTokenInvalid:
-            return BAD_TOKEN
-        except SessionElsewhere:
-            return ELSEWHERE
-        except AdmissionRefused as refused:
-            return capacity(refused.decision)
-        except StoreUnavailable:
-            return STORE_DOWN
+
+        return await authorize_resume(session_id, token, authorize)
 
     async def _serve(
         self, websocket: WebSocket, rs: RobotSession, transport: WebSocketFrameTransport

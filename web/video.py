@@ -47,26 +47,25 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from media.video_rtc import FrameTrack, VideoPeer, check_video_offer
 from media.webrtc import MAX_OFFER_BYTES, IceServer, OfferError
-from session.identity import RESUME_HEADER, Principal, is_session_id, resume_token_from_request
-from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
+from session.identity import RESUME_HEADER, Principal, resume_token_from_request
+from session.store.errors import SessionNotFound, StoreUnavailable
 from session.world.config import VideoConfig
 from session.world.core import VideoSessionCore
 from session.world.driver import RuntimeProvider, VideoSessionDriver
-from session.world.hosting import AdmissionRefused, SessionElsewhere, WorldHost, WorldSession
+from session.world.hosting import WorldHost, WorldSession
 from session.world.outlets import encoded_outlet
 from web.bodies import BodyRefused, read_body
 from web.frame_ws import WebSocketFrameTransport
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.refusals import (
-    BAD_TOKEN,
     CALL_NOT_FOUND,
-    ELSEWHERE,
-    NOT_FOUND,
     STARTING,
     STORE_DOWN,
-    UNAUTHORIZED,
     Denial,
-    capacity,
+    admitted,
+    authorize_resume,
+    create_admitted,
+    identified,
 )
 from web.video_call import CALL_PREFIX, PeerVideoTransport, TrackOutlet, VideoCall
 
@@ -140,25 +139,15 @@ class VideoService:
         ]
 
     async def _principal(self, connection: HTTPConnection) -> Principal | Denial:
-        if self.identify is None:
-            return Principal("default")
-        try:
-            principal = await self.identify(connection)
-        except StoreUnavailable:
-            return STORE_DOWN
-        return UNAUTHORIZED if principal is None else principal
+        return await identified(self.identify, connection)
 
     async def _admit_hosted(self, host: WorldHost, connection: HTTPConnection) -> tuple[str, str] | Denial:
         """Identity, then a slot: (tenant, session id) or why not."""
         principal = await self._principal(connection)
         if isinstance(principal, Denial):
             return principal
-        try:
-            return principal.tenant, await host.admit(principal.tenant)
-        except AdmissionRefused as refused:
-            return capacity(refused.decision)
-        except StoreUnavailable:
-            return STORE_DOWN
+        session_id = await admitted(host, principal.tenant)
+        return session_id if isinstance(session_id, Denial) else (principal.tenant, session_id)
 
     async def _create_hosted(
         self, host: WorldHost, admitted: tuple[str, str], transport_kind: str, new_driver: DriverFactory
@@ -166,15 +155,12 @@ class VideoService:
         """The record of an admitted session whose driver ``new_driver`` builds; the slot goes
         back if it cannot be made."""
         tenant, session_id = admitted
-        try:
+
+        async def create(session_id: str) -> tuple[WorldSession, str]:
             driver = new_driver(VideoSessionCore(self.config, session_id=session_id))
             return await host.create(session_id, tenant, driver, transport_kind=transport_kind)
-        except (StoreUnavailable, SessionElsewhere):
-            await host.forfeit(session_id)
-            return STORE_DOWN
-        except BaseException:
-            await host.forfeit(session_id)
-            raise
+
+        return await create_admitted(host, session_id, create)
 
     # --- WebRTC calls -------------------------------------------------------------------------
 
@@ -369,20 +355,9 @@ class VideoService:
         token = resume_token_from_request(
             connection.headers.get(RESUME_HEADER), offered_subprotocols(connection)
         )
-        try:
-            if not token:
-                raise ResumeTokenInvalid(session_id)
-            if not is_session_id(session_id):
-                raise SessionNotFound(session_id)
-            return await host.authorize(principal.tenant, session_id, token)
-        except SessionNotFound:
-            return NOT_FOUND
-        except ResumeTokenInvalid:
-            return BAD_TOKEN
-        except SessionElsewhere:
-            return ELSEWHERE
-        except StoreUnavailable:
-            return STORE_DOWN
+        return await authorize_resume(
+            session_id, token, lambda token: host.authorize(principal.tenant, session_id, token)
+        )
 
     async def _serve_connection(
         self, websocket: WebSocket, hosted: WorldSession, transport: WebSocketFrameTransport
