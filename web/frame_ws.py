@@ -4,6 +4,10 @@ the client's close code is kept for the session host (``disconnect_code``; 1006:
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from session.frame_link import TransportClosed
@@ -40,3 +44,19 @@ class WebSocketFrameTransport:
             await self._ws.close(code, reason[:120])  # a close reason must fit in 123 bytes
         except _GONE as exc:
             raise TransportClosed(str(exc)) from exc
+
+
+async def serve_until_closed(
+    receive: Coroutine[Any, Any, None], closed: Coroutine[Any, Any, Any], name: str
+) -> None:
+    """Run ``receive`` (the client's frames into the driver) until it ends or ``closed`` (the
+    session's end) does; then stop both. ``name``: the tasks' names, ``{name}-rx`` and
+    ``{name}-closed``."""
+    receiver = asyncio.create_task(receive, name=f"{name}-rx")
+    ended = asyncio.create_task(closed, name=f"{name}-closed")
+    try:
+        await asyncio.wait({receiver, ended}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (receiver, ended):
+            task.cancel()
+        await asyncio.gather(receiver, ended, return_exceptions=True)

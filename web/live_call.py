@@ -36,11 +36,11 @@ from session.live import events as ev
 from session.live.core import Emit
 from session.live.driver import LiveDriver
 from web.bodies import BodyRefused, read_body
+from web.peer_call import PeerCall
 
 log = logging.getLogger(__name__)
 
 RATE = 24_000
-CLEAN_CLOSE = 1000
 STREAM = "live"  # the one "response" of the outbound track: the continuous output stream
 INBOX_MAX = 256
 
@@ -87,18 +87,20 @@ def new_call_id() -> str:
     return "rtc_live_" + secrets.token_hex(12)
 
 
-class LiveCall:
+class LiveCall(PeerCall[LivePeerLink]):
     """One WebRTC call as a live session's transport (module docstring)."""
 
     def __init__(
         self, call_id: str, link: LivePeerLink, *, connect_timeout_s: float, new_session: bool
     ) -> None:
-        self.call_id = call_id
-        self.link = link
-        self.connect_timeout_s = connect_timeout_s
-        self.new_session = new_session
-        self.info = ConnectionInfo()
-        self._inbox: asyncio.Queue[str] = asyncio.Queue(INBOX_MAX)
+        super().__init__(
+            call_id,
+            link,
+            ConnectionInfo(),
+            connect_timeout_s=connect_timeout_s,
+            new_session=new_session,
+            inbox_max=INBOX_MAX,
+        )
         self.driver: LiveDriver | None = None
         self._resampler: StreamingResampler | None = None
 
@@ -147,19 +149,6 @@ class LiveCall:
             self.link.outbound.play(STREAM, pcm.astype(np.float32) / 32768.0, RATE)
             return
         await self.link.send_text(json.dumps(event))
-
-    async def close(self, code: int, reason: str) -> None:
-        await self.link.close(f"session closed ({code}): {reason}")
-
-    async def receive(self) -> str | None:
-        text = await self.link.next_from(self._inbox)
-        if text is None:
-            self._note_end()
-        return text
-
-    def _note_end(self) -> None:
-        if self.link.closed_by_peer:
-            self.info.disconnect_code = CLEAN_CLOSE
 
     async def watch_connect(self) -> bool:
         """False (and the link closed) when ICE or the events channel never came up."""

@@ -39,7 +39,7 @@ from session.robot.core import Dialect, PolicyContext, RobotSessionCore
 from session.robot.driver import RobotDriver, RobotObserver, RuntimeProvider, TransportClosed
 from session.robot.hosting import RobotHost, RobotSession
 from session.robot.wire import MAX_PAYLOAD_BYTES, pack
-from web.frame_ws import WebSocketFrameTransport
+from web.frame_ws import WebSocketFrameTransport, serve_until_closed
 from web.omni_extensions import SESSION_ID_HEADER, raw_headers, resume_headers, wants_extensions
 from web.refusals import Denial, authorize_resume, identified, open_admitted
 from web.workers import reuseport_socket
@@ -202,16 +202,11 @@ class RobotService:
     ) -> None:
         """Frames into the driver until the client leaves or the server closes the link."""
         driver = rs.driver
-        receiver = asyncio.create_task(
-            self._receive(websocket, driver, transport), name=f"robot-rx-{rs.session_id}"
+        await serve_until_closed(
+            self._receive(websocket, driver, transport),
+            driver.connection_closed.wait(),
+            f"robot-{rs.session_id}",
         )
-        closed = asyncio.create_task(driver.connection_closed.wait(), name=f"robot-closed-{rs.session_id}")
-        try:
-            await asyncio.wait({receiver, closed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (receiver, closed):
-                task.cancel()
-            await asyncio.gather(receiver, closed, return_exceptions=True)
 
     async def _receive(
         self, websocket: WebSocket, driver: RobotDriver, transport: WebSocketFrameTransport

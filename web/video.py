@@ -55,7 +55,7 @@ from session.world.driver import RuntimeProvider, VideoSessionDriver
 from session.world.hosting import WorldHost, WorldSession
 from session.world.outlets import encoded_outlet
 from web.bodies import BodyRefused, read_body
-from web.frame_ws import WebSocketFrameTransport
+from web.frame_ws import WebSocketFrameTransport, serve_until_closed
 from web.omni_extensions import raw_headers, resume_headers, wants_extensions
 from web.refusals import (
     CALL_NOT_FOUND,
@@ -364,16 +364,9 @@ class VideoService:
     ) -> None:
         """Client frames into the driver until the connection ends or the session does."""
         driver = hosted.driver
-        receiver = asyncio.create_task(
-            _receive_frames(websocket, driver, transport), name=f"video-receive-{hosted.session_id}"
+        await serve_until_closed(
+            _receive_frames(websocket, driver, transport), driver.wait_closed(), f"video-{hosted.session_id}"
         )
-        closed = asyncio.create_task(driver.wait_closed(), name=f"video-closed-{hosted.session_id}")
-        try:
-            await asyncio.wait({receiver, closed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (receiver, closed):
-                task.cancel()
-            await asyncio.gather(receiver, closed, return_exceptions=True)
 
     async def close(self) -> None:
         """Server shutdown: end every live call (the host ends the worlds)."""

@@ -34,12 +34,12 @@ from session.realtime.effects import CoreOutput, PlayAudio
 from session.realtime.ids import random_id
 from session.store.event_ids import event_text
 from session.voice.driver import RealtimeDriver
+from web.peer_call import PeerCall
 
 log = logging.getLogger(__name__)
 
 APPEND = "input_audio_buffer.append"
 AUDIO_DELTA = "response.output_audio.delta"
-CLEAN_CLOSE = 1000
 
 
 def append_rejection(text: str) -> dict[str, Any] | None:
@@ -95,7 +95,7 @@ class TrackAudioSink:
         self.track.clear(response_id)
 
 
-class RealtimeCall:
+class RealtimeCall(PeerCall[PeerLink]):
     """One WebRTC call: a `PeerLink` as the `Transport` of a hosted session."""
 
     def __init__(
@@ -108,16 +108,18 @@ class RealtimeCall:
         connect_timeout_s: float,
         new_session: bool,
     ) -> None:
-        self.call_id = call_id
-        self.tenant = tenant
-        self.session_id = session_id
-        self.link = link
-        self.connect_timeout_s = connect_timeout_s
-        self.new_session = new_session
         # The track plays model audio (the driver reads it on attach); disconnect_code
         # CLEAN_CLOSE: the client closed the channel; session_end: (cause, delete) for the host.
-        self.info = ConnectionInfo(audio_sink=TrackAudioSink(link.outbound))
-        self._inbox: asyncio.Queue[str] = asyncio.Queue(256)
+        super().__init__(
+            call_id,
+            link,
+            ConnectionInfo(audio_sink=TrackAudioSink(link.outbound)),
+            connect_timeout_s=connect_timeout_s,
+            new_session=new_session,
+            inbox_max=256,
+        )
+        self.tenant = tenant
+        self.session_id = session_id
         self.driver: RealtimeDriver | None = None
 
     def bind(self, driver: RealtimeDriver) -> None:
@@ -145,19 +147,9 @@ class RealtimeCall:
             text = json.dumps(too_large(event, size, self.link.max_message_size))
         await self.link.send_text(text)
 
-    async def close(self, code: int, reason: str) -> None:
-        await self.link.close(f"session closed ({code}): {reason}")
-
-    async def receive(self) -> str | None:
-        text = await self.link.next_from(self._inbox)
-        if text is None:
-            self._note_end()
-        return text
-
     def _note_end(self) -> None:
         """Tell the host how the call ended (read by its `_watch` once the link is done)."""
-        if self.link.closed_by_peer:
-            self.info.disconnect_code = CLEAN_CLOSE
+        super()._note_end()
         if self.new_session and not self.link.opened:
             self.info.session_end = ("never_connected", True)
 

@@ -23,7 +23,6 @@ this host is its :class:`~session.lifecycle.KindHooks` for live sessions.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from session.identity import secret_digest
+from session.kind_host import KindHost
 from session.lifecycle import (
     CLEAN_CLOSE,
     EXPIRED_CLOSE,
@@ -66,7 +66,7 @@ class LiveSession(HostedSession[LiveDriver, Transport]):
     recorded: int = -1  # how much of the core's context the record holds (its length)
 
 
-class LiveHost:
+class LiveHost(KindHost[LiveSession]):
     """The GPT-Live sessions of one process (module docstring)."""
 
     def __init__(
@@ -78,36 +78,17 @@ class LiveHost:
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.life: SessionLifecycle[LiveSession] = SessionLifecycle(
-            sessions, SPEC, self, wall=wall, clock=clock
-        )
+        super().__init__(SessionLifecycle(sessions, SPEC, self, wall=wall, clock=clock))
         self.pipeline = pipeline
         self._new_driver = new_driver
-        self.sessions = self.life.sessions
-        self.counts = self.life.counts
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        self.life.start()
-
     async def close(self) -> None:
         """Shutdown: every session ends (its model context cannot outlive the process)."""
-        live = list(self.sessions.values())
-        await asyncio.gather(
-            *(self.life.end(s, "shutdown", close=(1012, "server shutting down")) for s in live),
-            return_exceptions=True,
-        )
-        await self.life.stop()
+        await self.end_all((1012, "server shutting down"))
 
     # --- open --------------------------------------------------------------------------------
-
-    async def admit(self, tenant: str) -> str:
-        """A new session id holding a slot; :class:`AdmissionRefused` (429) when full."""
-        return await self.life.admit(tenant)
-
-    async def forfeit(self, session_id: str) -> None:
-        await self.life.release(session_id)
 
     async def create(
         self, session_id: str, tenant: str, *, transport_kind: str, announce: bool
@@ -145,9 +126,6 @@ class LiveHost:
             return True
 
     # --- resume ------------------------------------------------------------------------------
-
-    def live(self, tenant: str, session_id: str) -> LiveSession | None:
-        return self.life.live(tenant, session_id)
 
     async def authorize(self, tenant: str, session_id: str, token: str | None) -> LiveSession:
         """Before the upgrade: the live session, or ``SessionNotFound`` (unknown, ended, another
@@ -210,9 +188,6 @@ class LiveHost:
 
     # --- retention (the hooks of SessionLifecycle) -------------------------------------------
 
-    async def sweep(self) -> None:
-        await self.life.sweep()
-
     def last_activity(self, s: LiveSession) -> float:
         return s.driver.last_activity
 
@@ -251,15 +226,9 @@ class LiveHost:
 
     # --- end ---------------------------------------------------------------------------------
 
-    async def delete(self, tenant: str, session_id: str, *, cause: str = "deleted") -> None:
-        await self.life.delete(tenant, session_id, cause)
-
     async def describe(self, tenant: str, session_id: str) -> dict[str, Any]:
         """``GET /v1/sessions/{id}`` of a live session here (else ``SessionNotFound``)."""
         s = self.life.live_or_gone(tenant, session_id)
         self.checkpoint(s)
         head, _record = await self.life.state(s, s.transport_kind)
         return {**head, "live_here": True, "connected": s.connected, "live": s.driver.stats()}
-
-    def stats(self) -> dict[str, int]:
-        return self.life.stats()

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from session.identity import secret_digest
+from session.kind_host import KindHost
 from session.lifecycle import (
     CLEAN_CLOSE,
     EXPIRED_CLOSE,
@@ -70,7 +71,7 @@ class RobotSession(HostedSession[RobotDriver, RobotTransport]):
     migrated_from: str | None = None
 
 
-class RobotHost:
+class RobotHost(KindHost[RobotSession]):
     """The robot sessions of one process (see the module docstring)."""
 
     def __init__(
@@ -83,20 +84,13 @@ class RobotHost:
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.life: SessionLifecycle[RobotSession] = SessionLifecycle(
-            sessions, SPEC, self, wall=wall, clock=clock
-        )
+        super().__init__(SessionLifecycle(sessions, SPEC, self, wall=wall, clock=clock))
         self.pipeline = pipeline
         self.persist_s = persist_s
         self._new_driver = new_driver
-        self.sessions = self.life.sessions
-        self.counts = self.life.counts
         self._rebuilding: dict[str, asyncio.Task[RobotSession]] = {}
 
     # --- lifecycle ---------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        self.life.start()
 
     async def close(self) -> None:
         """Shutdown: every session is parked (context stored, slot released, record kept)."""
@@ -105,13 +99,6 @@ class RobotHost:
         await self.life.stop()
 
     # --- open --------------------------------------------------------------------------------
-
-    async def admit(self, tenant: str) -> str:
-        """A new session id holding a slot; :class:`AdmissionRefused` (429) when full."""
-        return await self.life.admit(tenant)
-
-    async def forfeit(self, session_id: str) -> None:
-        await self.life.release(session_id)
 
     async def create(self, session_id: str, tenant: str, dialect: Dialect) -> tuple[RobotSession, str]:
         """After :meth:`admit`: the record (kind ``robot``) and its resume token (shown once),
@@ -164,9 +151,6 @@ class RobotHost:
             return await rs.driver.attach(transport, opening)
 
     # --- resume ------------------------------------------------------------------------------
-
-    def live(self, tenant: str, session_id: str) -> RobotSession | None:
-        return self.life.live(tenant, session_id)
 
     async def authorize(
         self, tenant: str, session_id: str, token: str | None, dialect: Dialect
@@ -261,10 +245,6 @@ class RobotHost:
     def _persist_now(self, rs: RobotSession) -> None:
         self._persist(rs, force=True)
 
-    async def sweep(self) -> None:
-        """One pass of retention over the live sessions (and retries of failed releases)."""
-        await self.life.sweep()
-
     def last_activity(self, s: RobotSession) -> float:
         return s.driver.last_activity
 
@@ -290,9 +270,6 @@ class RobotHost:
         return (EXPIRED_CLOSE, "session ended")
 
     # --- end ---------------------------------------------------------------------------------
-
-    async def delete(self, tenant: str, session_id: str, *, cause: str = "deleted") -> None:
-        await self.life.delete(tenant, session_id, cause)
 
     async def describe(self, tenant: str, session_id: str) -> dict[str, Any]:
         rs = self.life.live_or_gone(tenant, session_id)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from session.identity import secret_digest
+from session.kind_host import KindHost
 from session.lifecycle import (
     CLEAN_CLOSE,
     EXPIRED_CLOSE,
@@ -72,7 +73,7 @@ class WorldSession(HostedSession[VideoSessionDriver, VideoTransport]):
     recorded_request: str | None = None  # the generation whose config the record holds
 
 
-class WorldHost:
+class WorldHost(KindHost[WorldSession]):
     """The world sessions of one process (see the module docstring)."""
 
     def __init__(
@@ -82,36 +83,15 @@ class WorldHost:
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.life: SessionLifecycle[WorldSession] = SessionLifecycle(
-            sessions, SPEC, self, wall=wall, clock=clock
-        )
-        self.sessions = self.life.sessions
-        self.counts = self.life.counts
+        super().__init__(SessionLifecycle(sessions, SPEC, self, wall=wall, clock=clock))
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        self.life.start()
-
     async def close(self) -> None:
         """Shutdown: every world ends (a world cannot outlive its process); slots go back."""
-        live = list(self.sessions.values())
-        await asyncio.gather(
-            *(self.life.end(ws, "shutdown", close=(EXPIRED_CLOSE, "server shutting down")) for ws in live),
-            return_exceptions=True,
-        )
-        await self.life.stop()
+        await self.end_all((EXPIRED_CLOSE, "server shutting down"))
 
     # --- open --------------------------------------------------------------------------------
-
-    async def admit(self, tenant: str) -> str:
-        """A new session id holding a slot (no queue: a full replica or tenant refuses at once).
-        Raises :class:`AdmissionRefused` (429) or ``StoreUnavailable`` (503)."""
-        return await self.life.admit(tenant)
-
-    async def forfeit(self, session_id: str) -> None:
-        """Give back the slot of a session that did not open."""
-        await self.life.release(session_id)
 
     async def create(
         self, session_id: str, tenant: str, driver: VideoSessionDriver, *, transport_kind: str
@@ -163,9 +143,6 @@ class WorldHost:
         return True
 
     # --- resume ------------------------------------------------------------------------------
-
-    def live(self, tenant: str, session_id: str) -> WorldSession | None:
-        return self.life.live(tenant, session_id)
 
     async def authorize(self, tenant: str, session_id: str, token: str | None) -> WorldSession:
         """Before the upgrade: the live world, or ``SessionNotFound`` (unknown, ended, another
@@ -246,10 +223,6 @@ class WorldHost:
 
     # --- retention (the hooks of SessionLifecycle) -------------------------------------------
 
-    async def sweep(self) -> None:
-        """One pass of retention over the live worlds (and retries of failed releases)."""
-        await self.life.sweep()
-
     def last_activity(self, s: WorldSession) -> float:
         return s.driver.last_activity
 
@@ -287,11 +260,6 @@ class WorldHost:
 
     # --- end ---------------------------------------------------------------------------------
 
-    async def delete(self, tenant: str, session_id: str, *, cause: str = "deleted") -> None:
-        """``DELETE /v1/sessions/{id}`` (or a WebRTC call's hangup, ``cause`` "hangup") of a
-        world live here (else ``SessionNotFound``), attached or detached."""
-        await self.life.delete(tenant, session_id, cause)
-
     async def describe(self, tenant: str, session_id: str) -> dict[str, Any]:
         """``GET /v1/sessions/{id}`` of a world live here (else ``SessionNotFound``)."""
         ws = self.life.live_or_gone(tenant, session_id)
@@ -313,7 +281,3 @@ class WorldHost:
                 "config": world.config,
             },
         }
-
-    def stats(self) -> dict[str, int]:
-        """Live counters (back to zero once every world is gone)."""
-        return self.life.stats()
