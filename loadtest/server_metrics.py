@@ -123,7 +123,7 @@ class MetricsSampler:
             self._client = httpx.AsyncClient(timeout=5.0)
         try:
             # scope=all: under `serve --workers N` the summed metrics of every worker
-            # (web/worker_forward.py); a single process ignores the parameter.
+            # (web/deploy/worker_forward.py); a single process ignores the parameter.
             reply = await self._client.get(f"{self.base_url}/metrics", params={"scope": "all"})
             reply.raise_for_status()
         except httpx.HTTPError:

@@ -24,9 +24,9 @@ from session.world.runtimes import OrchestratorPool
 from web.bodies import BodyRefused, read_json_body
 from web.context import ServerContext, server_context
 from web.cors import CorsMiddleware, origin_policy
+from web.deploy.replica import ReplicaGate, replica_membership, replica_routes
 from web.live_ws import LiveService
 from web.realtime_ws import error_body, realtime_endpoint
-from web.replica import ReplicaGate, replica_membership, replica_routes
 from web.robot import RobotService, openpi_port, robot_api_key
 from web.sessions_api import session_routes
 from web.settings import ServerSettings
@@ -204,7 +204,7 @@ def create_app(settings: ServerSettings) -> Starlette:
                 def load() -> int:  # live voice and world sessions
                     return sum(ctx.metrics.session_counts().values())
 
-                # Scale-out (web/replica.py): registry lease and SIGTERM drain; None when standalone.
+                # Scale-out (web/deploy/replica.py): registry lease and SIGTERM drain; None when standalone.
                 async with replica_membership(settings, ctx.redis, load=load) as replica:
                     app.state.replica = replica
                     if replica is not None:  # admit and bind under the deployment's replica id
@@ -225,7 +225,7 @@ def create_app(settings: ServerSettings) -> Starlette:
 
     middleware = [Middleware(ReplicaGate)]  # refuses new sessions while the replica drains
     if settings.worker:  # `serve --workers N`: a sibling's session goes to that sibling
-        from web.worker_forward import WorkerForward
+        from web.deploy.worker_forward import WorkerForward
 
         middleware.insert(0, Middleware(WorkerForward))
     # Outermost: a browser's origin is judged once, by the process it reached (web/cors.py).

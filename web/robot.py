@@ -39,10 +39,10 @@ from session.robot.core import Dialect, PolicyContext, RobotSessionCore
 from session.robot.driver import RobotDriver, RobotObserver, RuntimeProvider, TransportClosed
 from session.robot.hosting import RobotHost, RobotSession
 from session.robot.wire import MAX_PAYLOAD_BYTES, pack
+from web.deploy.workers import reuseport_socket
 from web.frame_ws import WebSocketFrameTransport, serve_until_closed
 from web.omni_extensions import SESSION_ID_HEADER, raw_headers, resume_headers, wants_extensions
 from web.refusals import Denial, authorize_resume, identified, open_admitted
-from web.workers import reuseport_socket
 
 log = logging.getLogger(__name__)
 

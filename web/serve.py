@@ -11,7 +11,7 @@ import uvicorn
 from session.identity import ApiKeyMap
 from web.app import create_app
 from web.auth import is_loopback_host
-from web.replica import DrainingServer
+from web.deploy.replica import DrainingServer
 from web.robot import RobotFrameLimit
 from web.settings import ServerSettings
 from web.uvicorn_guards import install
@@ -77,14 +77,14 @@ def serve(args: argparse.Namespace) -> int:
         print(f"omniduplex: --workers must be at least 1, got {workers}", file=sys.stderr)
         return 2
     if workers > 1 and not settings.worker:
-        from web.workers import run_workers
+        from web.deploy.workers import run_workers
 
         return run_workers(args, settings)
-    # DrainingServer: a replica's first SIGTERM drains its sessions first (web/replica.py);
+    # DrainingServer: a replica's first SIGTERM drains its sessions first (web/deploy/replica.py);
     # standalone it is plain uvicorn.
     server = DrainingServer(uvicorn_config(settings, log_level=str(args.log_level)))
     if settings.worker:  # one of `--workers N`: the shared public port + its private one
-        from web.workers import worker_sockets
+        from web.deploy.workers import worker_sockets
 
         server.run(sockets=worker_sockets(settings))
     else:

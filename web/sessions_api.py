@@ -67,7 +67,7 @@ async def session_endpoint(request: Request) -> Response:
     except StoreUnavailable:
         return error_body(503, "store_unavailable", "The session store is unavailable.", retry_after_s=1)
     replica = getattr(request.app.state, "replica", None)
-    if replica is not None:  # scale-out: where the session is bound (web/replica.py)
+    if replica is not None:  # scale-out: where the session is bound (web/deploy/replica.py)
         try:
             body["replica"] = await replica.owner_json(session_id)
         except StoreUnavailable:

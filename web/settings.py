@@ -22,12 +22,12 @@ class ServerSettings:
     admin_key: str | None = None
     insecure: bool = False
     advertise_url: str | None = None
-    # scale-out (web/replica.py): registry lease, drain
+    # scale-out (web/deploy/replica.py): registry lease, drain
     replica_id: str | None = None  # None: random per process
     replica_lease_s: float = 5.0
     replica_refresh_s: float = 2.0
     drain_timeout_s: float = 600.0
-    worker: bool = False  # one of `serve --workers N`'s processes (web/workers.py)
+    worker: bool = False  # one of `serve --workers N`'s processes (web/deploy/workers.py)
     max_sessions: int = 64
     max_message_bytes: int = 2 * 1024 * 1024  # a frame over this closes with 1009
     session_max_duration_s: float = 3600.0  # kept for compatibility; see `max_lifetime`

@@ -32,7 +32,7 @@ from runtime.remote.stages import RemoteStages
 from runtime.spec import PipelineSpec, load_pipeline
 from session.affinity import ReplicaInfo, ReplicaLease
 from session.stage_registry import registry_lister, stage_registry
-from web.replica import admin_denial
+from web.deploy.replica import admin_denial
 from web.settings import ServerSettings
 
 log = logging.getLogger(__name__)

@@ -152,7 +152,7 @@ class SessionHost:
         self._core_options = core_options
         self._new_driver = new_driver
         # Scale-out: claim(session_id) binds a restored session to this replica or names its
-        # live owner (web/replica.py); standalone, a restore always takes the binding over.
+        # live owner (web/deploy/replica.py); standalone, a restore always takes the binding over.
         self.claim: Claim | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         drivers = registry if registry is not None else {}  # id -> driver, for metrics

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import pytest
 
 from session.affinity import Binding, ReplicaInfo
+from web.deploy.replica import ReplicaConfig, admin_denial, opens_new_session
 from web.gateway.relay import _close_code, forwarded_headers, ws_url
 from web.gateway.routing import NoReplicaAvailable, Router
-from web.replica import ReplicaConfig, admin_denial, opens_new_session
 
 pytestmark = pytest.mark.unit
 

@@ -14,8 +14,8 @@ from loadtest.realtime_client import RealtimeClient
 from loadtest.server_metrics import Scrape
 from tests.scaleout.cluster import get
 from tests.scaleout.workers_parent import descendants, live_workers, start_parent, stop_everything
+from web.deploy.workers import worker_label
 from web.metrics import GAUGE_MERGE, ServerMetrics, merge_worker_metrics
-from web.workers import worker_label
 
 # Layer: real worker processes.
 pytestmark = pytest.mark.system
@@ -159,7 +159,7 @@ async def test_scope_all_of_two_real_workers(tmp_path: Path) -> None:
         # Additive gauges: one unlabelled sum (what the load test's CPU/RSS/session sampler reads).
         assert all_.value("omniduplex_active_sessions") == n
         by_kind = all_.by_label("omniduplex_active_sessions_by_kind", "kind")
-        assert by_kind == {"voice": n, "world": 0.0, "robot": 0.0}
+        assert by_kind == {"voice": n, "world": 0.0, "robot": 0.0, "live": 0.0}
         rss = [s.value("process_resident_memory_bytes") for s in one.values()]
         assert 0.8 * sum(rss) < all_.value("process_resident_memory_bytes") < 1.25 * sum(rss), rss
         assert all(not labels for _, labels, _ in fams["process_resident_memory_bytes"])

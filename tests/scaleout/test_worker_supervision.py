@@ -1,5 +1,5 @@
 """The parent of `serve --workers N` restarts a dead worker with a growing delay and gives up on
-a crash loop: it logs why, drains the other workers and exits 1 (web/workers.py)."""
+a crash loop: it logs why, drains the other workers and exits 1 (web/deploy/workers.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.scaleout.workers_parent import descendants, gone, live_workers, start_parent, stop_everything
-from web.workers import RestartPolicy, Supervisor, worker_label
+from web.deploy.workers import RestartPolicy, Supervisor, worker_label
 
 pytestmark = pytest.mark.system
 

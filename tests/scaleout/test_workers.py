@@ -16,7 +16,7 @@ import pytest
 from loadtest.webrtc_client import RealtimeCallClient
 from tests.scaleout.cluster import RealtimeClient, get
 from tests.scaleout.workers_parent import start_parent
-from web.workers import strip_flags
+from web.deploy.workers import strip_flags
 
 pytestmark = pytest.mark.system
 

@@ -21,9 +21,9 @@ from loadtest.server_metrics import Scrape
 from tests.scaleout.cluster import Cluster, Proc, get, replica_id_of, replicas_view, wait_until
 from tests.world.conftest import VideoClient
 from tests.world.test_rtc import RtcClient
+from web.deploy.replica import opens_new_session
 from web.gateway.relay import _client_close
 from web.gateway.ws_endpoint import world_error
-from web.replica import opens_new_session
 
 pytestmark = pytest.mark.system
 

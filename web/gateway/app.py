@@ -51,11 +51,11 @@ from session.store.redis_store import redis_errors
 from web.auth import is_loopback_host
 from web.bodies import MAX_FORWARDED_BODY_BYTES, BodyRefused, read_body
 from web.cors import CorsMiddleware, origin_policy
+from web.deploy.replica import admin_denial, registry_json
 from web.gateway.http_forward import ReplicaHttpUnreachable, to_response
 from web.gateway.routing import NoReplicaAvailable
 from web.gateway.state import Gateway, GatewaySettings
 from web.gateway.ws_endpoint import RealtimeRelayEndpoint, live_error, robot_error, world_error
-from web.replica import admin_denial, registry_json
 from web.uvicorn_guards import install
 
 log = logging.getLogger("omniduplex.gateway")

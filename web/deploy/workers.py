@@ -9,10 +9,10 @@ Design (opt-in; ``--workers 1`` is the plain single process):
   ``--redis-url``), then N workers: ``omniduplex serve`` with the same arguments plus
   ``--redis-url``, a fresh ``--replica-id`` and ``--advertise-url http://127.0.0.1:<private
   port>``, and the hidden ``--worker``. Each worker is a replica of the scale-out design
-  (web/replica.py): registry lease, session binding with epochs, drain on SIGTERM.
+  (web/deploy/replica.py): registry lease, session binding with epochs, drain on SIGTERM.
 * **One public port.** Each worker binds its own ``SO_REUSEPORT`` socket on ``host:port``;
   the kernel spreads new connections over them. Each also listens on its private loopback
-  port, where its siblings forward requests for the sessions it owns (web/worker_forward.py).
+  port, where its siblings forward requests for the sessions it owns (web/deploy/worker_forward.py).
 * **Signals.** SIGTERM to the parent is forwarded: every worker drains (its sessions finish,
   new ones go to... nobody: the port closes with the last worker), then redis stops. SIGINT is
   forwarded too (immediate shutdown). A second signal is forwarded again.

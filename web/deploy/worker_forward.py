@@ -40,6 +40,8 @@ from starlette.websockets import WebSocket
 
 from session.store.errors import StoreError
 from web.bodies import MAX_FORWARDED_BODY_BYTES, BodyRefused, read_body
+from web.deploy.replica import SESSION_SOCKETS, ReplicaMembership, membership_of
+from web.deploy.workers import worker_label
 from web.gateway.http_forward import HttpForwarder, ReplicaHttpUnreachable, to_response
 from web.gateway.relay import (
     ReplicaRefused,
@@ -50,8 +52,6 @@ from web.gateway.relay import (
     upgrade_headers,
     ws_url,
 )
-from web.replica import SESSION_SOCKETS, ReplicaMembership, membership_of
-from web.workers import worker_label
 
 log = logging.getLogger("omniduplex.workers")
 
