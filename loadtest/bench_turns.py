@@ -17,7 +17,11 @@ reads the VAD events and ``response.created``:
   in this process on the set's clips; decisions per session-second from the server's
   ``end_of_turn`` stage counter; sessions one core holds = 1 / (decisions per second x CPU).
 
-    python -m loadtest.bench_turns [--sessions 4] [--clips 120] [--out results.json]
+With ``--transcripts`` the pipeline also has voice-cascade's live ASR (and an ASR before the
+answer, so the session transcribes its pauses ahead): semantic_vad then decides on the words of
+the turn so far too (``session.realtime.semantic_turn.TurnCues``).
+
+    python -m loadtest.bench_turns [--sessions 4] [--clips 120] [--transcripts] [--out results.json]
 """
 
 from __future__ import annotations
@@ -64,8 +68,8 @@ MAX_WAIT_S = {
 }
 
 
-def pipeline(folder: Path) -> Path:
-    doc = {
+def pipeline(folder: Path, transcripts: bool = False) -> Path:
+    doc: dict[str, Any] = {
         "name": "null-turns",
         "entry": "respond",
         "entries": {"live": "vad"},
@@ -93,6 +97,39 @@ def pipeline(folder: Path) -> Path:
         "edges": [{"from": "vad", "to": "end_of_turn", "mode": "async_chunk", "connector": "inproc",
                    "chunk": {"first": 1, "steady": 1, "left_context": 0}}],
     }  # fmt: skip
+    if transcripts:  # voice-cascade's live ASR too: semantic_vad's second cue (TurnCues)
+        asr_options = {"compute_type": "int8", "cpu_threads": 1, "num_workers": 1}
+        doc["stages"] += [
+            {
+                "name": "live_asr",
+                "engine": "engines.speech.live_asr:LiveAsrEngine",
+                "options": {**asr_options, "partial_interval_ms": 700},
+                "budget": {
+                    "max_concurrency": 1024,
+                    "max_batch": 8,
+                    "worker": "thread",
+                    "workers": 1,
+                    "gather_ms": 10,
+                },
+            },
+            {
+                "name": "asr",
+                "engine": "speech.asr",
+                "options": asr_options,
+                "budget": {"max_concurrency": 64, "max_batch": 1, "worker": "thread", "workers": 1},
+            },
+        ]
+        doc["entry"] = "asr"
+        doc["edges"] += [
+            {
+                "from": "vad",
+                "to": "live_asr",
+                "mode": "async_chunk",
+                "connector": "inproc",
+                "chunk": {"first": 1, "steady": 1, "left_context": 0},
+            },
+            {"from": "asr", "to": "respond", "mode": "full", "connector": "inproc"},
+        ]
     path = folder / "null-turns.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
@@ -260,8 +297,8 @@ def cpu_per_decision(clips: list[Clip], n: int = 30) -> dict[str, Any]:
     return {"cpu_ms": summarize(one), "cpu_ms_batch8_each": round(batch8, 1)}
 
 
-def _spawn(folder: Path, port: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "web.cli", "serve", "--pipeline", str(pipeline(folder)),
+def _spawn(folder: Path, port: int, transcripts: bool) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "web.cli", "serve", "--pipeline", str(pipeline(folder, transcripts)),
            "--port", str(port), "--data-dir", str(folder / "data"), "--log-level", "warning",
            "--max-sessions", "256"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
@@ -282,7 +319,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         port = free_port()
-        server = _spawn(folder, port)
+        server = _spawn(folder, port, args.transcripts)
         try:
             await wait_ready(f"http://127.0.0.1:{port}", 180, server)
             url = f"ws://127.0.0.1:{port}/v1/realtime"
@@ -345,6 +382,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--clips", type=int, default=120, help="clips of the set to use (at most 120)")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument(
+        "--transcripts",
+        action="store_true",
+        help="voice-cascade's live ASR and an ASR before the answer: semantic_vad decides on the words too",
+    )
     p.add_argument("--details", action="store_true", help="every clip's events in the report")
     p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     args = p.parse_args(argv)
