@@ -46,6 +46,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--max-sessions", type=int, default=64)
     # worker processes on one port (web/deploy/workers.py)
     p.add_argument("--workers", type=int, default=1, help="worker processes sharing the port (SO_REUSEPORT)")
+    p.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=0,
+        help="glibc: blocks of this many bytes and more are mmapped and given back when freed (e.g. "
+        "131072; default 0: the allocator's own rising threshold). Bounds what an abusive session leaves "
+        "behind, but costs in-process models throughput (web/deploy/allocator.py, docs/benchmarks.md)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the parent
     # sessions (session/voice/hosting.py)
     p.add_argument("--idle-ttl-s", type=float, default=600.0, help="session idle TTL (deleted after)")

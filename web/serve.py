@@ -11,6 +11,7 @@ import uvicorn
 from session.identity import ApiKeyMap
 from web.app import create_app
 from web.auth import is_loopback_host
+from web.deploy.allocator import fix_mmap_threshold
 from web.deploy.replica import DrainingServer
 from web.robot import RobotFrameLimit
 from web.settings import ServerSettings
@@ -72,6 +73,11 @@ def serve(args: argparse.Namespace) -> int:
         log.warning(
             "no API keys configured: the server is OPEN to anyone who can reach %s (loopback)", settings.host
         )
+    try:
+        fix_mmap_threshold(int(getattr(args, "malloc_mmap_threshold", 0)))
+    except ValueError as exc:
+        print(f"omniduplex: --malloc-mmap-threshold: {exc}", file=sys.stderr)
+        return 2
     workers = int(getattr(args, "workers", 1) or 1)
     if workers < 1:
         print(f"omniduplex: --workers must be at least 1, got {workers}", file=sys.stderr)
