@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from engines.speech.asr import SAMPLE_RATE, AsrConfig, WhisperAsr, shared_asr
+from engines.speech.held_audio import held_span
 from engines.speech.vad import FRAME_SAMPLES
 from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
 from runtime.payloads import AudioInput, Payload, Transcript, TurnControl, VoiceActivity
@@ -84,13 +85,7 @@ class LiveAsrState:
 
     def span(self, start: int, end: int) -> np.ndarray:
         """The held audio in [start, end) (what is not held any more is left out)."""
-        parts = []
-        for first, samples in self.audio:
-            last = first + len(samples)
-            if last <= start or first >= end:
-                continue
-            parts.append(samples[max(0, start - first) : min(len(samples), end - first)])
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+        return held_span(self.audio, start, end, np.float32)
 
     def trim(self, keep_from: int) -> None:
         while self.audio and self.audio[0][0] + len(self.audio[0][1]) <= keep_from:

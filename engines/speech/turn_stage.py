@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from engines.speech.held_audio import held_span
 from engines.speech.smart_turn import SAMPLE_RATE, WINDOW_SAMPLES, SmartTurn
 from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
 from runtime.payloads import AudioInput, Payload, TurnControl, TurnScore
@@ -41,14 +42,7 @@ class TurnState:
     jobs: list[TurnControl] = field(default_factory=list)  # "score_turn" waiting for its audio
 
     def span(self, start: int, end: int) -> np.ndarray:
-        parts = []
-        for first, samples in self.audio:
-            last = first + len(samples)
-            if last <= start or first >= end:
-                continue
-            parts.append(samples[max(0, start - first) : min(len(samples), end - first)])
-        pcm = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int16)
-        return pcm.astype(np.float32) / 32768.0
+        return held_span(self.audio, start, end, np.int16).astype(np.float32) / 32768.0
 
     def add(self, start: int, samples: np.ndarray, limit: int) -> None:
         pcm = np.clip(np.round(samples * 32768.0), -32768, 32767).astype(np.int16)
