@@ -99,7 +99,7 @@ def _log(line: str) -> None:
 
 
 def _run_async(coro: Coroutine[Any, Any, int]) -> int:
-    # The load generator times every delta it receives: like the server (web.context), it
+    # The load generator times every delta it receives: like the server (web.server.context), it
     # keeps the cyclic GC from stopping its loop every second with hundreds of sessions.
     gc.collect()
     gc.freeze()

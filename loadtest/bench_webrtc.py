@@ -358,7 +358,7 @@ def median_diff(a: list[float | None], b: list[float | None]) -> float | None:
 
 
 def track_summaries(log_path: Path) -> list[dict[str, Any]]:
-    """The server's per-call outbound track stats (web/webrtc.py logs one line per call)."""
+    """The server's per-call outbound track stats (web/transports/webrtc.py logs one line per call)."""
     marker = "outbound track "
     out = []
     for line in log_path.read_text(errors="replace").splitlines():

@@ -8,7 +8,7 @@ A session outlives its connections (resume), so the driver keeps what belongs to
   would be 8 GB). Full means the client stopped reading: the link ends with close 1008 and the
   outbox is dropped, so memory never grows with a slow client (the session's event log keeps
   the events for a resume). The transport itself never blocks longer than its send deadline
-  (web/uvicorn_guards.py closes a socket whose send buffer stays full), and closing it is
+  (web/edge/uvicorn_guards.py closes a socket whose send buffer stays full), and closing it is
   bounded too (``CLOSE_TIMEOUT_S``), so an ending session never waits on a silent peer;
 * a fast path past the sender: an event pushed while the sender waits with nothing queued is
   written at once when the transport can take it without waiting (``send_nowait``, e.g. a

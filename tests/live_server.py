@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from web.serve import uvicorn_config
+from web.commands.serve import uvicorn_config
 from web.settings import ServerSettings
 
 

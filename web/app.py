@@ -21,18 +21,19 @@ from session.robot.hosting import RobotHost
 from session.robot.metadata import policy_metadata
 from session.world.hosting import WorldHost
 from session.world.runtimes import OrchestratorPool
-from web.bodies import BodyRefused, read_json_body
-from web.context import ServerContext, server_context
-from web.cors import CorsMiddleware, origin_policy
 from web.deploy.replica import ReplicaGate, replica_membership, replica_routes
-from web.live_ws import LiveService
-from web.realtime_ws import error_body, realtime_endpoint
-from web.robot import RobotService, openpi_port, robot_api_key
-from web.sessions_api import session_routes
+from web.deploy.stages import stage_routes
+from web.edge.bodies import BodyRefused, read_json_body
+from web.edge.cors import CorsMiddleware, origin_policy
+from web.edge.refusals import error_body
+from web.server.context import ServerContext, server_context
+from web.server.sessions_api import session_routes
 from web.settings import ServerSettings
-from web.stages import stage_routes
-from web.video import VideoService
-from web.webrtc import WebRtcService
+from web.transports.live_ws import LiveService
+from web.transports.realtime_ws import realtime_endpoint
+from web.transports.robot import RobotService, openpi_port, robot_api_key
+from web.transports.video import VideoService
+from web.transports.webrtc import WebRtcService
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ async def client_secrets(request: Request) -> Response:
         principal = Principal("default")
     if principal is None:
         return error_body(401, "invalid_api_key", "Missing or invalid API key.")
-    try:  # read with a byte limit and a deadline; depth and Unicode checked (web/bodies.py)
+    try:  # read with a byte limit and a deadline; depth and Unicode checked (web/edge/bodies.py)
         body: Any = await read_json_body(request)
     except BodyRefused as refused:
         return refused.response
@@ -112,7 +113,7 @@ async def client_secrets(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     """`GET /metrics`: Prometheus text exposition of this process."""
-    from web.metrics import METRICS_CONTENT_TYPE
+    from web.server.metrics import METRICS_CONTENT_TYPE
 
     return Response(ctx_of(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
@@ -179,7 +180,7 @@ def create_app(settings: ServerSettings) -> Starlette:
         started = time.monotonic()
         async with server_context(settings) as ctx:
             app.state.ctx = ctx
-            app.state.body_timeout_s = settings.http_timeout_s  # web/bodies.py
+            app.state.body_timeout_s = settings.http_timeout_s  # web/edge/bodies.py
             app.state.started = started
             app.state.webrtc = webrtc
             # World sessions share the voice sessions' store, admission slots and binding.
@@ -228,7 +229,7 @@ def create_app(settings: ServerSettings) -> Starlette:
         from web.deploy.worker_forward import WorkerForward
 
         middleware.insert(0, Middleware(WorkerForward))
-    # Outermost: a browser's origin is judged once, by the process it reached (web/cors.py).
+    # Outermost: a browser's origin is judged once, by the process it reached (web/edge/cors.py).
     policy = origin_policy(settings.cors_origins, settings.api_keys)
     middleware.insert(0, Middleware(CorsMiddleware, policy=policy))
     # The video routes come first: they include a static mount for /world.

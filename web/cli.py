@@ -225,15 +225,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             # speech -> first audio 9.4 s against 2.3 s with passive waits (docs/benchmarks.md).
             # Read once when torch loads, so it is set before anything imports it.
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        from web.serve import serve
+        from web.commands.serve import serve
 
         return serve(args)
     if args.command == "run":
-        from web.run_once import run_once
+        from web.commands.run_once import run_once
 
         return run_once(args)
     if args.command == "stage":
-        from web.stages import run_stage_host
+        from web.deploy.stages import run_stage_host
 
         return run_stage_host(args)
     if args.command == "gateway":

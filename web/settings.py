@@ -18,7 +18,7 @@ class ServerSettings:
     redis_url: str | None = None  # None: an embedded redis-server in data_dir
     data_dir: str = "./.omniduplex"
     api_keys: str = ""  # "key:tenant,..."; empty: open, loopback only
-    cors_origins: str | None = None  # browser origins allowed (web/cors.py); None: loopback when open
+    cors_origins: str | None = None  # browser origins allowed (web/edge/cors.py); None: loopback when open
     admin_key: str | None = None
     insecure: bool = False
     advertise_url: str | None = None
@@ -62,7 +62,7 @@ class ServerSettings:
     # timeout + send timeout, 55 s), plus what is made in the disconnect grace (30 s): 85 s of
     # 24 kHz PCM16 is ~3.9 MB as counted (issue 33: was 6 MiB, sized for base64 JSON).
     audio_replay_max_bytes: int = 4 * 1024 * 1024
-    # Connections (web/uvicorn_guards.py): half-open and silent peers are dropped.
+    # Connections (web/edge/uvicorn_guards.py): half-open and silent peers are dropped.
     http_timeout_s: float = 10.0  # request headers (and a body) must arrive within this
     keep_alive_s: float = 5.0  # an idle keep-alive HTTP connection is closed after this
     ws_ping_interval_s: float = 20.0  # WebSocket ping every ...
@@ -72,10 +72,10 @@ class ServerSettings:
     stun: list[str] = field(default_factory=list)
     turn: list[str] = field(default_factory=list)
     edge_modes: dict[str, str] = field(default_factory=dict)  # "from->to" → mode, for every request
-    # robot policy sessions (web/robot.py): the policy pipeline, and openpi's bare port
+    # robot policy sessions (web/transports/robot.py): the policy pipeline, and openpi's bare port
     robot_pipeline: str = "robot-pi0-tiny"
     openpi_port: int | None = None  # serve the openpi endpoint at ws://host:PORT/ too
-    # stages on other hosts (web/stages.py): these stages run on `omniduplex stage` hosts only
+    # stages on other hosts (web/deploy/stages.py): these stages run on `omniduplex stage` hosts only
     remote_stages: tuple[str, ...] = ()
     stage_transfer_host: str = "127.0.0.1"  # this server's transfer engine address (private network)
     stage_pool_mb: int = 256  # its registered pool (what local stages hand to remote ones)

@@ -2,7 +2,7 @@
 
 :class:`RemoteStage` is a :class:`~runtime.stage.Stage` whose replicas are
 :class:`~runtime.remote.worker.RemoteWorker` s on stage hosts. :class:`RemoteStages` polls the
-registry (a callable the caller provides: Redis in the server, see ``web/stages.py``) once a
+registry (a callable the caller provides: Redis in the server, see ``web/deploy/stages.py``) once a
 ``poll_s``, says hello to every new replica (a host with another stage key fails the handshake
 and is kept out, retried later), and removes replicas whose lease lapsed. A replica that
 vanishes from the registry but still answers keeps serving for ``missing_grace_s`` (Redis

@@ -47,7 +47,7 @@ CLOSE_DRAIN_S = 2.0  # session.closed and what is queued before it: at most this
 
 
 class LiveObserver(Protocol):
-    """Metrics of live sessions (web/metrics.py)."""
+    """Metrics of live sessions (web/server/metrics.py)."""
 
     def live_frame(self, seconds: float) -> None:
         """Time from a client frame's arrival to its handling done (event loop work)."""

@@ -57,7 +57,7 @@ RuntimeProvider = Callable[[str], Awaitable[PolicyRuntime]]
 
 
 class RobotObserver(Protocol):
-    """Metrics of robot sessions (``web.metrics.ServerMetrics`` implements it)."""
+    """Metrics of robot sessions (``web.server.metrics.ServerMetrics`` implements it)."""
 
     def robot_observation_dropped(self) -> None: ...
 

@@ -1,5 +1,5 @@
 """What a realtime driver (:mod:`session.voice.driver`) calls out to: the session's log (the
-store's ``SessionWriter``) and the metrics observer (web/metrics.py), as typed interfaces."""
+store's ``SessionWriter``) and the metrics observer (web/server/metrics.py), as typed interfaces."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 
 class DriverObserver(Protocol):
-    """Metrics hooks (web/metrics.py): one call per response start, first audio and end, and
+    """Metrics hooks (web/server/metrics.py): one call per response start, first audio and end, and
     per error event; never per audio frame."""
 
     def response_started(self) -> None: ...

@@ -2,7 +2,7 @@
 
 As any web app that uses this server would: the page (tests/browser/agents_sdk/page.html and
 its esbuild bundle, `make browser-sdk`) is served by a second HTTP server on another loopback
-port, so every call the SDK makes is cross-origin (CORS, web/cors.py). The app's backend mints
+port, so every call the SDK makes is cross-origin (CORS, web/edge/cors.py). The app's backend mints
 an `ek_` key (`POST /v1/realtime/client_secrets` with the real API key), and the page calls
 `session.connect({apiKey: ek})` with `OpenAIRealtimeWebRTC({baseUrl: ".../v1/realtime/calls"})`
 in a real headless Chromium. Here: a text turn, a spoken turn (Chromium's fake microphone plays

@@ -7,7 +7,7 @@ import pytest
 
 from runtime.orchestrator import Orchestrator
 from runtime.payloads import TextDelta
-from web.context import pipeline_spec
+from web.server.context import pipeline_spec
 from web.settings import ServerSettings
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]

@@ -1,4 +1,4 @@
-"""The server's cyclic-GC settings (see `web.context.GC_THRESHOLDS` for the measurement)."""
+"""The server's cyclic-GC settings (see `web.server.context.GC_THRESHOLDS` for the measurement)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.live_server import live_server
-from web.context import GC_THRESHOLDS
+from web.server.context import GC_THRESHOLDS
 
 pytestmark = pytest.mark.system
 

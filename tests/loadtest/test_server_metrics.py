@@ -1,4 +1,4 @@
-"""`web.metrics.ServerMetrics`: a per-app registry fed by runtime and driver hooks."""
+"""`web.server.metrics.ServerMetrics`: a per-app registry fed by runtime and driver hooks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from media.audio import PCM24K
 from runtime.metrics import RuntimeMetrics
 from session.realtime.conversation import Content, Conversation, Item
 from session.voice.driver import RealtimeDriver
-from web.metrics import ServerMetrics
+from web.server.metrics import ServerMetrics
 
 pytestmark = pytest.mark.unit
 

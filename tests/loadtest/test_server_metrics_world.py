@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loadtest.server_metrics import Scrape, server_summary
-from web.metrics import ServerMetrics
+from web.server.metrics import ServerMetrics
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,7 @@ from runtime.remote.slices import PoolFull, SlicePool
 from runtime.remote.stages import Member, Registered, RemoteStage
 from runtime.remote.transfer import TransferError, check_local_address, check_peer
 from runtime.spec import load_pipeline
-from web.stages import split_listen
+from web.deploy.stages import split_listen
 
 pytestmark = pytest.mark.unit
 

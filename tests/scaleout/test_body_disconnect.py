@@ -21,8 +21,8 @@ from tests.scaleout.workers_parent import live_workers, start_parent
 pytestmark = pytest.mark.system
 
 GONE = "the client went away during its body"
-# Every route of a replica that reads a body (web/app.py, web/webrtc.py, web/video.py,
-# web/live_ws.py).
+# Every route of a replica that reads a body (web/app.py, web/transports/webrtc.py, web/transports/video.py,
+# web/transports/live_ws.py).
 SERVE_ROUTES = [
     ("POST", "/v1/realtime/client_secrets"),
     ("POST", "/v1/realtime/calls"),

@@ -1,6 +1,6 @@
 """`/metrics?scope=all` under `serve --workers N`: counters and histograms summed, gauges summed
 when they add up across processes, else kept per worker with a `worker` label; the result is
-one valid exposition the load test's parser reads (web.metrics.merge_worker_metrics)."""
+one valid exposition the load test's parser reads (web.server.metrics.merge_worker_metrics)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from loadtest.server_metrics import Scrape
 from tests.scaleout.cluster import get
 from tests.scaleout.workers_parent import descendants, live_workers, start_parent, stop_everything
 from web.deploy.workers import worker_label
-from web.metrics import GAUGE_MERGE, ServerMetrics, merge_worker_metrics
+from web.server.metrics import GAUGE_MERGE, ServerMetrics, merge_worker_metrics
 
 # Layer: real worker processes.
 pytestmark = pytest.mark.system

@@ -28,8 +28,8 @@ from session.realtime.audio_store import (
 from session.realtime.config import SessionConfig
 from session.realtime.conversation import Content, Conversation, Item
 from web.cli import build_parser
-from web.context import audio_spool
-from web.session_factory import CoreFactory
+from web.server.context import audio_spool
+from web.server.session_factory import CoreFactory
 from web.settings import ServerSettings
 
 pytestmark = pytest.mark.system

@@ -15,7 +15,7 @@ from session.realtime.audio_store import AudioStore, MemoryAudioStore, SpoolAudi
 from session.realtime.records import item_to_record
 from session.voice.driver import RealtimeDriver
 from tests.session.realtime_harness import Harness, pcm16_b64, tone, types
-from web.metrics import conversation_audio_bytes
+from web.server.metrics import conversation_audio_bytes
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ from media.audio import PCM24K, VAD_RATE, StreamingResampler, resample
 from session.realtime.input_audio import InputAudio
 from session.voice.driver import RealtimeDriver
 from tests.session.realtime_harness import Harness, pcm16_b64, tone, types
-from web.metrics import conversation_audio_bytes
+from web.server.metrics import conversation_audio_bytes
 
 pytestmark = pytest.mark.unit
 

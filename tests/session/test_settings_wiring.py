@@ -9,7 +9,7 @@ import pytest
 from runtime.capabilities import PipelineCapabilities
 from session.realtime.config import SessionConfig
 from web.cli import build_parser
-from web.session_factory import CoreFactory, build_store
+from web.server.session_factory import CoreFactory, build_store
 from web.settings import ServerSettings
 
 pytestmark = pytest.mark.unit

@@ -21,7 +21,7 @@ from tests.conftest_redis import RedisServerProcess
 from tests.live_server import LiveServer
 from tests.sessions.client import opened, user_text
 from tests.sessions.conftest import session_server
-from web.serve import check_bind
+from web.commands.serve import check_bind
 from web.settings import ServerSettings
 
 pytestmark = pytest.mark.system

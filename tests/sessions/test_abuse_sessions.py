@@ -202,7 +202,7 @@ async def test_client_that_stops_reading_is_dropped_at_the_deadline(
     stall_server: LiveServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     server = stall_server
-    caplog.set_level(logging.INFO, logger="web.uvicorn_guards")
+    caplog.set_level(logging.INFO, logger="web.edge.uvicorn_guards")
     async with silent_client(server) as (ws, session_id):
         await retrieve_flood(ws, n=20)  # ~38 MB asked for: far more than the socket buffers hold
         started = time.monotonic()

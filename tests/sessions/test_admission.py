@@ -117,7 +117,7 @@ async def test_input_while_queued_is_bounded_by_bytes(server: LiveServer) -> Non
     """A client streaming audio while it waits in the admission queue: frames are kept for
     the session up to QUEUED_INPUT_MAX_BYTES; past that the connection is closed with 1008 and
     a reason (never an unbounded buffer), and its queue place is given back."""
-    from web.realtime_ws import QUEUED_INPUT_MAX_BYTES
+    from web.transports.realtime_ws import QUEUED_INPUT_MAX_BYTES
 
     append = json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 64_000})
     async with (

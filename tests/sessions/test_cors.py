@@ -1,4 +1,4 @@
-"""Browser origins (web/cors.py): preflight and CORS headers on every route a browser calls,
+"""Browser origins (web/edge/cors.py): preflight and CORS headers on every route a browser calls,
 `403 origin_not_allowed` for other origins (HTTP and WebSocket), against a real server.
 
 The browser itself (the official SDK from a page on another origin) is in
@@ -18,7 +18,7 @@ from websockets.exceptions import InvalidStatus
 from tests.conftest_redis import RedisServerProcess
 from tests.live_server import LiveServer
 from tests.sessions.conftest import session_server
-from web.cors import OriginPolicy
+from web.edge.cors import OriginPolicy
 
 pytestmark = pytest.mark.system
 

@@ -1,4 +1,4 @@
-"""`omni.*` events reach only clients that ask for them (web/omni_extensions.py).
+"""`omni.*` events reach only clients that ask for them (web/transports/omni_extensions.py).
 
 A strict client (the Agents SDK validates every event against the OpenAI union) must see only
 standard events; it gets its resume data as headers on the 101 instead. A client that asks

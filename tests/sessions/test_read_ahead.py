@@ -1,4 +1,4 @@
-"""The WebSocket protocol's read-ahead (web/uvicorn_guards.py): received messages queue for the
+"""The WebSocket protocol's read-ahead (web/edge/uvicorn_guards.py): received messages queue for the
 app up to READ_AHEAD_BYTES before reading pauses, and reading resumes once the app has taken
 them down to half of that, binary messages counted as text ones are. (A text frame that is not
 UTF-8 closing 1007 is checked end to end in test_abuse_connections.)"""
@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from web.uvicorn_guards import READ_AHEAD_BYTES, GuardedWebSocketProtocol
+from web.edge.uvicorn_guards import READ_AHEAD_BYTES, GuardedWebSocketProtocol
 
 pytestmark = pytest.mark.system
 

@@ -1,4 +1,4 @@
-"""The guarded WebSocket protocol's scope extensions (web/uvicorn_guards.py), on a real uvicorn
+"""The guarded WebSocket protocol's scope extensions (web/edge/uvicorn_guards.py), on a real uvicorn
 server and a real `websockets` client.
 
 ``send_text_nowait`` writes a text message at once once the handshake is done, and refuses
@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 from websockets.asyncio.client import connect
 
-from web.uvicorn_guards import SEND_NOWAIT, SET_RECEIVER, GuardedWebSocketProtocol
+from web.edge.uvicorn_guards import SEND_NOWAIT, SET_RECEIVER, GuardedWebSocketProtocol
 
 pytestmark = pytest.mark.system
 

@@ -12,7 +12,7 @@ import pytest
 from loadtest.webrtc_client import RealtimeCallClient
 from tests.live_server import LiveServer, live_server
 from tests.session.realtime_harness import assert_valid_server_event
-from web.webrtc import DEMO_KEY_ENV, append_rejection, too_large
+from web.transports.webrtc import DEMO_KEY_ENV, append_rejection, too_large
 
 pytestmark = pytest.mark.system
 

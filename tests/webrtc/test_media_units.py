@@ -342,7 +342,7 @@ def test_immediate_audio_buffer_hands_packets_on_at_once() -> None:
 def test_configured_ice_servers_reach_the_service_and_bad_ones_stop_startup() -> None:
     from web.app import create_app
     from web.settings import ServerSettings
-    from web.webrtc import WebRtcService
+    from web.transports.webrtc import WebRtcService
 
     service = WebRtcService(
         ServerSettings(stun=["stun:stun.example.org:3478"], turn=["u:p@turn.example.org"])

@@ -1,6 +1,6 @@
 """A real server on loopback for world-model tests: starlette + uvicorn + the real orchestrator,
 with the world sessions hosted as in ``omniduplex serve`` (a :class:`WorldHost` on the session
-layer of :func:`web.context.server_context`, on the shared test redis-server), but with the test's
+layer of :func:`web.server.context.server_context`, on the shared test redis-server), but with the test's
 own :class:`VideoConfig` and socket buffers."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from session.world.hosting import WorldHost
 from session.world.runtimes import OrchestratorPool
 from tests.conftest_redis import redis_server, redis_url  # noqa: F401  (shared redis-server fixtures)
 from tests.peer_faults import fast_consent  # noqa: F401  (a fixture: ICE consent lost in ~2 s)
-from web.context import server_context
+from web.server.context import server_context
 from web.settings import ServerSettings
-from web.video import VideoService
+from web.transports.video import VideoService
 
 
 @dataclass

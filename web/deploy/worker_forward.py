@@ -17,7 +17,7 @@ forwards those to the owner's private ``--advertise-url`` with the gateway's cod
   this worker does not know is tried on the other workers (call ids are not in Redis); the
   first answer that is not 404 wins.
 * ``GET /metrics?scope=all``: this worker's metrics merged with every live sibling's
-  (``web.metrics.merge_worker_metrics``): counters and histograms summed, gauges summed when
+  (``web.server.metrics.merge_worker_metrics``): counters and histograms summed, gauges summed when
   they add up (sessions, bytes, RSS: what the load test's sampler reads) or else kept per
   worker with a ``worker`` label (start time, limits).
 
@@ -39,9 +39,9 @@ from starlette.responses import Response
 from starlette.websockets import WebSocket
 
 from session.store.errors import StoreError
-from web.bodies import MAX_FORWARDED_BODY_BYTES, BodyRefused, read_body
 from web.deploy.replica import SESSION_SOCKETS, ReplicaMembership, membership_of
 from web.deploy.workers import worker_label
+from web.edge.bodies import MAX_FORWARDED_BODY_BYTES, BodyRefused, read_body
 from web.gateway.http_forward import HttpForwarder, ReplicaHttpUnreachable, to_response
 from web.gateway.relay import (
     ReplicaRefused,
@@ -196,7 +196,7 @@ class WorkerForward:
             return False
         scope = dict(scope, headers=[*scope["headers"], (FORWARDED, b"1")])
         request = Request(scope, receive)
-        try:  # bounded while reading (web/bodies.py)
+        try:  # bounded while reading (web/edge/bodies.py)
             body = await read_body(request, MAX_FORWARDED_BODY_BYTES)
         except BodyRefused as refused:
             await refused.response(scope, receive, send)
@@ -221,7 +221,7 @@ class WorkerForward:
         return True
 
     async def _metrics_all(self, replica: ReplicaMembership, scope: Any, send: Send) -> None:
-        from web.metrics import METRICS_CONTENT_TYPE, merge_worker_metrics
+        from web.server.metrics import METRICS_CONTENT_TYPE, merge_worker_metrics
 
         texts = [(worker_label(replica.replica_id), scope["app"].state.ctx.metrics.render().decode())]
         for replica_id, url in await self._siblings(replica):

@@ -48,15 +48,15 @@ from session.identity import ApiKeyMap
 from session.store.embedded import redis_connection
 from session.store.errors import StoreError
 from session.store.redis_store import redis_errors
-from web.auth import is_loopback_host
-from web.bodies import MAX_FORWARDED_BODY_BYTES, BodyRefused, read_body
-from web.cors import CorsMiddleware, origin_policy
 from web.deploy.replica import admin_denial, registry_json
+from web.edge.auth import is_loopback_host
+from web.edge.bodies import MAX_FORWARDED_BODY_BYTES, BodyRefused, read_body
+from web.edge.cors import CorsMiddleware, origin_policy
+from web.edge.uvicorn_guards import install
 from web.gateway.http_forward import ReplicaHttpUnreachable, to_response
 from web.gateway.routing import NoReplicaAvailable
 from web.gateway.state import Gateway, GatewaySettings
 from web.gateway.ws_endpoint import RealtimeRelayEndpoint, live_error, robot_error, world_error
-from web.uvicorn_guards import install
 
 log = logging.getLogger("omniduplex.gateway")
 
@@ -124,7 +124,7 @@ async def _forward_to(gw: Gateway, request: Request, body: bytes, replica: Repli
 
 
 async def _authorized_body(request: Request) -> tuple[Gateway, bytes] | Response:
-    """The gateway and the request's body (bounded while read, web/bodies.py), or the refusal
+    """The gateway and the request's body (bounded while read, web/edge/bodies.py), or the refusal
     (401 without a valid key, the body's own refusal)."""
     gw = gateway_of(request)
     if not await gw.authorized(request.headers.get("authorization"), []):
@@ -344,11 +344,11 @@ def uvicorn_config(settings: GatewaySettings, log_level: str = "info") -> uvicor
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
-    return install(config, http_timeout_s=10.0, ws_send_timeout_s=15.0)  # web/uvicorn_guards.py
+    return install(config, http_timeout_s=10.0, ws_send_timeout_s=15.0)  # web/edge/uvicorn_guards.py
 
 
 def key_count(spec: str) -> int:
-    """Configured API keys: ``","`` or ``" "`` is none (web/serve.py's rule)."""
+    """Configured API keys: ``","`` or ``" "`` is none (web/commands/serve.py's rule)."""
     try:
         return len(ApiKeyMap.parse(spec)) if spec.strip() else 0
     except ValueError:

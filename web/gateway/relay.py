@@ -54,7 +54,7 @@ HOP_HEADERS = frozenset(
         "sec-websocket-protocol",
         "sec-websocket-accept",
         # The edge (gateway, or the worker that took the connection) applied the origin policy
-        # (web/cors.py) and answers with the CORS headers; the replica behind it must not judge
+        # (web/edge/cors.py) and answers with the CORS headers; the replica behind it must not judge
         # the page's origin against its own Host again.
         "origin",
     }

@@ -24,7 +24,7 @@ class GatewaySettings:
     api_keys: str = ""  # when set, the gateway also refuses unauthenticated requests itself
     admin_key: str | None = None
     insecure: bool = False
-    cors_origins: str | None = None  # browser origins allowed (web/cors.py); None: loopback when open
+    cors_origins: str | None = None  # browser origins allowed (web/edge/cors.py); None: loopback when open
     connect_timeout_s: float = 2.0  # replica WebSocket handshake / HTTP connect
     lapse_wait_s: float = 6.0  # an unreachable owner: wait this long for its lease to lapse
     max_message_bytes: int = 2 * 1024 * 1024

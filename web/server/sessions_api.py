@@ -17,8 +17,8 @@ from session.robot.hosting import RobotHost
 from session.store.errors import SessionNotFound, StoreUnavailable
 from session.voice.hosting import SessionHost
 from session.world.hosting import WorldHost
-from web.context import ServerContext
-from web.realtime_ws import error_body
+from web.edge.refusals import error_body
+from web.server.context import ServerContext
 
 
 async def _principal(request: Request) -> Principal | None:

@@ -18,7 +18,7 @@ the token in ``session.started``'s ``session.omni``. Everything after the upgrad
 event must be ``session.start``) is the core's (:mod:`session.live.core`).
 
 The same service answers ``POST /v1/live/sessions`` with an SDP offer (a WebRTC call:
-:mod:`web.live_call`, refused before any peer connection exists, as above) and ``DELETE
+:mod:`web.transports.live_call`, refused before any peer connection exists, as above) and ``DELETE
 /v1/live/sessions/{call_id}`` (the call's ``Location``: its session ends).
 """
 
@@ -41,11 +41,11 @@ from session.live.driver import LiveDriver, LiveEntryPoint
 from session.live.events import DelegationTarget, LiveLimits
 from session.live.hosting import LiveHost, LiveSession
 from session.store.errors import SessionNotFound, StoreUnavailable
-from web.context import ServerContext
-from web.live_call import LiveCall, answer_offer, new_call_id, read_offer
-from web.omni_extensions import raw_headers, resume_headers, wants_extensions
-from web.realtime_ws import WebSocketTransport, offered_subprotocols, principal_for
-from web.refusals import STARTING, STORE_DOWN, UNAUTHORIZED, Denial, authorize_resume, open_admitted
+from web.edge.refusals import STARTING, STORE_DOWN, UNAUTHORIZED, Denial, authorize_resume, open_admitted
+from web.server.context import ServerContext
+from web.transports.live_call import LiveCall, answer_offer, new_call_id, read_offer
+from web.transports.omni_extensions import raw_headers, resume_headers, wants_extensions
+from web.transports.realtime_ws import WebSocketTransport, offered_subprotocols, principal_for
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,12 @@ import uvicorn
 
 from session.identity import ApiKeyMap
 from web.app import create_app
-from web.auth import is_loopback_host
 from web.deploy.allocator import fix_mmap_threshold
 from web.deploy.replica import DrainingServer
-from web.robot import RobotFrameLimit
+from web.edge.auth import is_loopback_host
+from web.edge.uvicorn_guards import install
 from web.settings import ServerSettings
-from web.uvicorn_guards import install
+from web.transports.robot import RobotFrameLimit
 
 log = logging.getLogger("omniduplex")
 
@@ -41,7 +41,7 @@ def check_bind(settings: ServerSettings) -> str | None:
 
 
 def uvicorn_config(settings: ServerSettings, log_level: str = "info") -> uvicorn.Config:
-    """uvicorn with the connection deadlines of `settings` (web/uvicorn_guards.py): request
+    """uvicorn with the connection deadlines of `settings` (web/edge/uvicorn_guards.py): request
     headers and bodies in time, idle keep-alive closed, WebSocket pings, and a WebSocket
     whose send buffer stays full closed with 1008."""
     config = uvicorn.Config(

@@ -13,7 +13,7 @@ for ``api_key``) or ``Bearer <key>`` → tenant; open mode (no keys) is tenant `
 Every refusal comes before the upgrade, as JSON with an HTTP status (401, 403, 404, 409, 429,
 503). A new session gets ``X-Omni-Session-Id`` / ``X-Omni-Resume-Token`` on its upgrade
 response, and, when it asks for the extensions (``?omni_extensions=1`` or
-``X-Omni-Extensions: 1``, web/omni_extensions.py), the same in the metadata map's
+``X-Omni-Extensions: 1``, web/transports/omni_extensions.py), the same in the metadata map's
 ``omni_session`` entry (openpi's client exposes only the metadata, and takes a URL with a
 query as its host); a dropped robot resumes with ``?session_id=…`` and the token in
 ``X-Omni-Resume-Token`` or ``?resume_token=`` (openpi's client cannot set headers but a URL).
@@ -40,9 +40,9 @@ from session.robot.driver import RobotDriver, RobotObserver, RuntimeProvider, Tr
 from session.robot.hosting import RobotHost, RobotSession
 from session.robot.wire import MAX_PAYLOAD_BYTES, pack
 from web.deploy.workers import reuseport_socket
-from web.frame_ws import WebSocketFrameTransport, serve_until_closed
-from web.omni_extensions import SESSION_ID_HEADER, raw_headers, resume_headers, wants_extensions
-from web.refusals import Denial, authorize_resume, identified, open_admitted
+from web.edge.refusals import Denial, authorize_resume, identified, open_admitted
+from web.transports.frame_ws import WebSocketFrameTransport, serve_until_closed
+from web.transports.omni_extensions import SESSION_ID_HEADER, raw_headers, resume_headers, wants_extensions
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class RobotService:
 
     def _opening(self, rs: RobotSession, token: str | None, extensions: bool) -> bytes:
         """The metadata frame; ``omni_session`` (the resume data) only for a client that asks
-        (web/omni_extensions.py): a stock openpi client gets the policy's metadata alone."""
+        (web/transports/omni_extensions.py): a stock openpi client gets the policy's metadata alone."""
         assert self.metadata is not None  # checked before the upgrade
         if not extensions:
             return pack(self.metadata)

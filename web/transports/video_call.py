@@ -4,7 +4,7 @@ A :class:`VideoCall` is one answered :class:`~media.video_rtc.VideoPeer` seen as
 of a world session, as a WebSocket is one: its ``transport`` (JSON events on ``controls``),
 its ``outlets`` (chunks onto its video track; aiortc encodes them) and :meth:`VideoCall.serve`
 (control messages into the session's driver until the peer or the session ends). It never ends
-the session itself: web/video.py hands the end to the host, which detaches or ends it.
+the session itself: web/transports/video.py hands the end to the host, which detaches or ends it.
 
 How a call ended (``disconnect_code``): the client closed the ``controls`` channel while the
 peer connection was up, a deliberate goodbye like a WebSocket close 1000; anything else (ICE

@@ -8,7 +8,7 @@ that can be refused is refused before the upgrade, as an HTTP answer with a JSON
   full, draining); 503 `store_unavailable` when Redis is down. A client that must wait is
   upgraded (and, if it asked for `omni.*` events, gets `omni.admission.queued {position,
   estimated_wait_ms}` updates), then either `session.created` or `error server_at_capacity`
-  and close 1013. The 101 carries the resume data as headers (web/omni_extensions.py);
+  and close 1013. The 101 carries the resume data as headers (web/transports/omni_extensions.py);
   `omni.session.resumable` follows `session.created` only for a client that asked;
 * resume (`?session_id=…&last_event_id=…`, token in `X-Omni-Resume-Token` or the
   `omni-resume-token.<token>` subprotocol): 403 `invalid_resume_token` for a missing or wrong
@@ -44,9 +44,7 @@ from session.resume import connection_event
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from session.store.event_ids import event_text
 from session.voice.hosting import AdmissionRefused, SessionElsewhere, SessionHost
-from web.context import ServerContext
-from web.omni_extensions import raw_headers, resume_headers, wants_extensions
-from web.refusals import (
+from web.edge.refusals import (
     BAD_TOKEN,
     STORE_DOWN,
     UNAUTHORIZED,
@@ -54,9 +52,11 @@ from web.refusals import (
     error_body,
     resume_denial,
 )
-from web.uvicorn_guards import SEND_NOWAIT, SET_RECEIVER
+from web.edge.uvicorn_guards import SEND_NOWAIT, SET_RECEIVER
+from web.server.context import ServerContext
+from web.transports.omni_extensions import raw_headers, resume_headers, wants_extensions
 
-__all__ = ["error_body", "initial_config", "realtime_endpoint"]
+__all__ = ["initial_config", "realtime_endpoint"]
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ buffer is full, for as long as the TCP connection stays up. 200 such connections
 * :class:`GuardedHttpToolsProtocol`: a request's headers must be complete within
   ``http_timeout_s`` of its first byte (or of the connection, for the first request), and at
   most :data:`MAX_HEADER_BYTES` long (431 past it); otherwise the connection is closed. A
-  body's own deadline is in web/bodies.py; idle keep-alive is uvicorn's ``timeout_keep_alive``.
+  body's own deadline is in web/edge/bodies.py; idle keep-alive is uvicorn's ``timeout_keep_alive``.
 * :class:`GuardedWebSocketProtocol`: once the send buffer has stayed full (the transport
   paused writing) for ``ws_send_timeout_s``, the connection is closed with 1008 ``client is
   not reading its events`` and dropped (a peer that reads nothing cannot receive the close
@@ -293,7 +293,7 @@ def install(config: uvicorn.Config, *, http_timeout_s: float, ws_send_timeout_s:
 
 def guarded_ws_protocol(chosen: Any) -> type[WebSocketsSansIOProtocol]:
     """The guarded protocol, on top of `chosen` when that is already a sans-I/O subclass
-    (e.g. the robot route's frame limit, web/robot.py), so both behaviours hold."""
+    (e.g. the robot route's frame limit, web/transports/robot.py), so both behaviours hold."""
     if isinstance(chosen, type) and issubclass(chosen, WebSocketsSansIOProtocol):
         if issubclass(chosen, GuardedWebSocketProtocol):
             return chosen

@@ -35,8 +35,8 @@ from session.link import ConnectionInfo, LinkEnd
 from session.live import events as ev
 from session.live.core import Emit
 from session.live.driver import LiveDriver
-from web.bodies import BodyRefused, read_body
-from web.peer_call import PeerCall
+from web.edge.bodies import BodyRefused, read_body
+from web.transports.peer_call import PeerCall
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ async def answer_offer(sdp: str, ice_servers: list[IceServer]) -> tuple[LivePeer
 
 async def read_offer(request: Request) -> str | Response:
     """The SDP offer of the request (``application/sdp``), or the error response."""
-    from web.refusals import Denial
+    from web.edge.refusals import Denial
 
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind not in ("application/sdp", "text/plain", ""):

@@ -1,8 +1,9 @@
 """What a WebRTC call as a session's transport shares, for a Realtime session
-(:class:`~web.webrtc_call.RealtimeCall`) and a GPT-Live one (:class:`~web.live_call.LiveCall`):
-its peer link, a bounded inbox of the client's events (filled by the data channel's callback),
-the :class:`~session.link.ConnectionInfo` its host reads once the link is done, and the
-``close`` and ``receive`` of the :class:`~session.link.Transport`."""
+(:class:`~web.transports.webrtc_call.RealtimeCall`) and a GPT-Live one
+(:class:`~web.transports.live_call.LiveCall`): its peer link, a bounded inbox of the client's
+events (filled by the data channel's callback), the :class:`~session.link.ConnectionInfo` its
+host reads once the link is done, and the ``close`` and ``receive`` of the
+:class:`~session.link.Transport`."""
 
 from __future__ import annotations
 

@@ -5,12 +5,12 @@ with parts `sdp` and `session`) with `201`, the SDP answer and `Location:
 /v1/realtime/calls/<call_id>`; `POST /v1/realtime/calls/<call_id>/hangup` ends the call and
 its session. A call is a hosted session like a WebSocket one (`ctx.host`: Redis record,
 resume token, admission slot, disconnect grace, retention, `GET`/`DELETE /v1/sessions/{id}`)
-on another transport (web/webrtc_call.py): JSON events on the `oai-events` data channel, mic
+on another transport (web/transports/webrtc_call.py): JSON events on the `oai-events` data channel, mic
 audio from the inbound track, model audio out on a paced track.
 
 The 201 of a new call carries `X-Omni-Session-Id` and `X-Omni-Resume-Token`; the data channel
 carries `omni.session.resumable` too when the offer asked for `omni.*` events
-(`?omni_extensions=1`, web/omni_extensions.py).
+(`?omni_extensions=1`, web/transports/omni_extensions.py).
 
 Resume: `POST /v1/realtime/calls?session_id=…&last_event_id=…` with the token in
 `X-Omni-Resume-Token` answers `201` and replays what was missed on the new data channel; a
@@ -61,19 +61,19 @@ from session.store.aio import cancel_and_wait
 from session.store.errors import ResumeTokenInvalid, SessionNotFound, StoreUnavailable
 from session.voice.driver import RealtimeDriver
 from session.voice.hosting import AdmissionRefused, SessionElsewhere, SessionHost
-from web.bodies import BodyRefused, read_body, replayed
-from web.context import ServerContext
-from web.omni_extensions import resume_headers, wants_extensions
-from web.realtime_ws import error_body, initial_config
-from web.refusals import CALL_NOT_FOUND, STORE_DOWN, UNAUTHORIZED, capacity
+from web.edge.bodies import BodyRefused, read_body, replayed
+from web.edge.refusals import CALL_NOT_FOUND, STORE_DOWN, UNAUTHORIZED, capacity, error_body
+from web.server.context import ServerContext
 from web.settings import ServerSettings
-from web.webrtc_call import RealtimeCall, append_rejection, too_large
+from web.transports.omni_extensions import resume_headers, wants_extensions
+from web.transports.realtime_ws import initial_config
+from web.transports.webrtc_call import RealtimeCall, append_rejection, too_large
 
 __all__ = ["DEMO_KEY_ENV", "RealtimeCall", "WebRtcService", "append_rejection", "too_large"]
 
 log = logging.getLogger(__name__)
 
-STATIC = Path(__file__).with_name("static")
+STATIC = Path(__file__).parents[1] / "static"
 DEMO_KEY_ENV = "OMNIDUPLEX_DEMO_KEY"
 CALL_PREFIX = "rtc_"
 MAX_REMEMBERED_CALLS = 4096  # call ids a late hangup can still name
@@ -404,7 +404,7 @@ async def _demo_tenant(ctx: ServerContext, request: Request) -> str | None:
 async def _read_offer(request: Request) -> tuple[str, dict[str, Any] | None] | Response:
     """The SDP offer and optional session config of a call request, or an error response."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    try:  # at most 2 × MAX_OFFER_BYTES read, whatever the framing (web/bodies.py)
+    try:  # at most 2 × MAX_OFFER_BYTES read, whatever the framing (web/edge/bodies.py)
         body = await read_body(request, 2 * MAX_OFFER_BYTES)
     except BodyRefused as refused:
         return refused.response

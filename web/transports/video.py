@@ -54,10 +54,8 @@ from session.world.core import VideoSessionCore
 from session.world.driver import RuntimeProvider, VideoSessionDriver
 from session.world.hosting import WorldHost, WorldSession
 from session.world.outlets import encoded_outlet
-from web.bodies import BodyRefused, read_body
-from web.frame_ws import WebSocketFrameTransport, serve_until_closed
-from web.omni_extensions import raw_headers, resume_headers, wants_extensions
-from web.refusals import (
+from web.edge.bodies import BodyRefused, read_body
+from web.edge.refusals import (
     CALL_NOT_FOUND,
     STARTING,
     STORE_DOWN,
@@ -67,7 +65,9 @@ from web.refusals import (
     create_admitted,
     identified,
 )
-from web.video_call import CALL_PREFIX, PeerVideoTransport, TrackOutlet, VideoCall
+from web.transports.frame_ws import WebSocketFrameTransport, serve_until_closed
+from web.transports.omni_extensions import raw_headers, resume_headers, wants_extensions
+from web.transports.video_call import CALL_PREFIX, PeerVideoTransport, TrackOutlet, VideoCall
 
 __all__ = ["Denial", "PeerVideoTransport", "TrackOutlet", "VideoCall", "VideoService"]
 
@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 REALTIME_SUBPROTOCOL = "realtime"
 DriverFactory = Callable[[VideoSessionCore], VideoSessionDriver]
 
-STATIC_WORLD = Path(__file__).with_name("static") / "world"
+STATIC_WORLD = Path(__file__).parents[1] / "static" / "world"
 
 
 # ---------------------------------------------------------------------------------- service
@@ -381,7 +381,7 @@ class VideoService:
 async def _accept(websocket: WebSocket, headers: dict[str, str] | None = None) -> None:
     """Accept, selecting ``realtime`` when offered: a browser that offers subprotocols (e.g.
     ``omni-resume-token.<token>``) fails the handshake unless the server selects one.
-    ``headers``: a new world's resume data on the 101 (web/omni_extensions.py)."""
+    ``headers``: a new world's resume data on the 101 (web/transports/omni_extensions.py)."""
     offered = offered_subprotocols(websocket)
     await websocket.accept(
         subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None,
@@ -415,7 +415,7 @@ async def _receive_frames(
 
 
 async def _read_offer(request: Request) -> str:
-    """The SDP offer, read with a byte limit and a deadline (web/bodies.py); `OfferError` if
+    """The SDP offer, read with a byte limit and a deadline (web/edge/bodies.py); `OfferError` if
     it is refused (400 invalid_offer: too large or too slow)."""
     try:
         body = await read_body(request, 2 * MAX_OFFER_BYTES)

@@ -2,7 +2,7 @@
 
 :class:`CoreFactory` turns the server's settings and the pipeline's capabilities into a core's
 options; :class:`DriverFactory` puts a driver on a core; :func:`build_host` builds the process's
-:class:`~session.voice.hosting.SessionHost` (store, admission, retention) from them. `web.context`
+:class:`~session.voice.hosting.SessionHost` (store, admission, retention) from them. `web.server.context`
 composes them once in the lifespan; nothing here reads the server context.
 """
 
@@ -26,7 +26,7 @@ from session.voice.driver_hooks import SessionLog
 from session.voice.hosting import HostSettings, SessionHost
 from session.voice.live_request import LiveEntry
 from session.voice.turn_gate import TurnGate
-from web.metrics import ServerMetrics
+from web.server.metrics import ServerMetrics
 from web.settings import ServerSettings
 
 

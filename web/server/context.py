@@ -29,8 +29,8 @@ from session.store.embedded import redis_connection
 from session.voice.driver import RealtimeDriver
 from session.voice.hosting import SessionHost
 from session.voice.turn_gate import TurnGate
-from web.metrics import ServerMetrics, loop_lag_watcher
-from web.session_factory import CoreFactory, DriverFactory, build_host
+from web.server.metrics import ServerMetrics, loop_lag_watcher
+from web.server.session_factory import CoreFactory, DriverFactory, build_host
 from web.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -139,10 +139,10 @@ async def audio_spool(settings: ServerSettings) -> AsyncIterator[SpoolAudioStore
 
 
 def build_orchestrator(settings: ServerSettings, spec: PipelineSpec, redis: Redis) -> Orchestrator:
-    """The pipeline's orchestrator; with `remote_stages`, those run on stage hosts (web/stages.py)."""
+    """The pipeline's orchestrator; with `remote_stages`, those run on stage hosts (web/deploy/stages.py)."""
     if not settings.remote_stages:
         return Orchestrator.from_spec(spec)
-    from web.stages import remote_orchestrator
+    from web.deploy.stages import remote_orchestrator
 
     return remote_orchestrator(settings, spec, redis)
 
@@ -184,7 +184,7 @@ async def server_context(settings: ServerSettings) -> AsyncIterator[ServerContex
         )
         metrics.bind_runtime(orchestrator.metrics)
         if settings.remote_stages:
-            from web.stages import bind_stage_metrics
+            from web.deploy.stages import bind_stage_metrics
 
             bind_stage_metrics(metrics.registry, orchestrator)
         metrics.bind_sessions(sessions.values)

@@ -9,7 +9,7 @@ for truncation on barge-in).
 
 How a call ends decides what happens to its session (see session/voice/hosting.py `_watch`):
 
-* hangup (`POST …/hangup`): the session is deleted (web/webrtc.py);
+* hangup (`POST …/hangup`): the session is deleted (web/transports/webrtc.py);
 * the client closes the `oai-events` channel while the peer connection is up: a clean close,
   like a WebSocket close 1000 (``disconnect_code``): the session is parked;
 * the peer vanishes (ICE consent lost, connection failed, DTLS/SCTP gone, `pc.close()` or a
@@ -34,7 +34,7 @@ from session.realtime.effects import CoreOutput, PlayAudio
 from session.realtime.ids import random_id
 from session.store.event_ids import event_text
 from session.voice.driver import RealtimeDriver
-from web.peer_call import PeerCall
+from web.transports.peer_call import PeerCall
 
 log = logging.getLogger(__name__)
 
