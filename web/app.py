@@ -184,19 +184,19 @@ def create_app(settings: ServerSettings) -> Starlette:
             app.state.started = started
             app.state.webrtc = webrtc
             # World sessions share the voice sessions' store, admission slots and binding.
-            world = video.host = app.state.world = WorldHost(ctx.host)
+            world = video.host = ctx.world = WorldHost(ctx.host)
             app.state.video = video
             ctx.metrics.bind_worlds(video.live_sessions)  # counted in metrics, /readyz, load
             await world.start()
             # Robot sessions too: same store, slots and binding; their policy runs in the pool.
             robots = RobotHost(ctx.host, robot.new_driver, pipeline=settings.robot_pipeline)
-            robot.host = app.state.robot = robots
+            robot.host = ctx.robot = robots
             app.state.robot_service = robot
             robot.observer = ctx.metrics
             robot.identify = robot_identify(ctx)
             ctx.metrics.bind_robots(lambda: len(robots.sessions))
             await robots.start()
-            live_host = app.state.live = live.build_host(ctx)  # None: the pipeline refuses them
+            live_host = ctx.live = live.build_host(ctx)  # None: the pipeline refuses them
             if live_host is not None:
                 ctx.metrics.bind_live(lambda: len(live_host.sessions))
                 await live_host.start()
@@ -207,7 +207,7 @@ def create_app(settings: ServerSettings) -> Starlette:
 
                 # Scale-out (web/deploy/replica.py): registry lease and SIGTERM drain; None when standalone.
                 async with replica_membership(settings, ctx.redis, load=load) as replica:
-                    app.state.replica = replica
+                    ctx.replica = app.state.replica = replica  # the app's for web/deploy's middleware
                     if replica is not None:  # admit and bind under the deployment's replica id
                         ctx.host.join_replica(replica.replica_id, replica.claim)
                         replica.on_lease_regained(ctx.host.recheck_bindings)  # fence moved sessions

@@ -88,7 +88,7 @@ async def live_requests(server: LiveServer) -> list[str]:
 
 async def world_stats(server: LiveServer) -> dict[str, int]:
     async def read() -> dict[str, int]:
-        stats: dict[str, int] = server.server.config.app.state.world.stats()
+        stats: dict[str, int] = server.server.config.app.state.ctx.world.stats()
         return stats
 
     return await on_server(server, read())

@@ -51,6 +51,7 @@ from starlette.routing import BaseRoute, Route
 from session.affinity import Binding, ReplicaInfo, ReplicaLease, ReplicaRegistry, SessionBinding
 from session.store.aio import cancel_and_wait, wait_event
 from session.store.errors import StoreError
+from web.edge.refusals import error_body
 from web.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -298,11 +299,15 @@ async def replica_membership(
 # --- ASGI: refuse new sessions while draining ----------------------------------------------------
 
 
-def membership_of(scope: Scope) -> ReplicaMembership | None:
-    app = scope.get("app")
-    state = getattr(app, "state", None)
-    replica = getattr(state, "replica", None) if state is not None else None
+def app_membership(app: object) -> ReplicaMembership | None:
+    """The membership an app's lifespan set (``app.state.replica``, also the server context's
+    ``replica``); None while standalone or before the lifespan ran."""
+    replica = getattr(getattr(app, "state", None), "replica", None)
     return replica if isinstance(replica, ReplicaMembership) else None
+
+
+def membership_of(scope: Scope) -> ReplicaMembership | None:
+    return app_membership(scope.get("app"))
 
 
 # voice, world, robot
@@ -392,10 +397,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     def _replica(self) -> ReplicaMembership | None:
-        app = getattr(self.config, "app", None)
-        state = getattr(app, "state", None)
-        replica = getattr(state, "replica", None)
-        return replica if isinstance(replica, ReplicaMembership) else None
+        return app_membership(self.config.app)
 
 
 # --- GET /v1/replicas (admin) ---------------------------------------------------------------------
@@ -417,25 +419,21 @@ async def registry_json(registry: ReplicaRegistry) -> Json:
     return {"object": "list", "data": [info_json(r) for r in replicas]}
 
 
-def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"type": kind, "code": code, "message": message}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 async def replicas_endpoint(request: Request) -> Response:
     """`GET /v1/replicas` on a replica: the registry as this replica sees it (admin key)."""
     admin_key = request.app.state.ctx.settings.admin_key
     denied = admin_denial(request.headers.get("authorization"), admin_key)
     if denied is not None:
-        return _error(*denied)
+        return error_body(*denied)
     replica = membership_of(request.scope)
     if replica is None:
-        return _error(404, "not_a_replica", "This server is not part of a deployment (no --advertise-url).")
+        return error_body(
+            404, "not_a_replica", "This server is not part of a deployment (no --advertise-url)."
+        )
     try:
         body = await registry_json(replica.registry)
     except StoreError as exc:
-        return _error(503, "store_unavailable", str(exc), {"Retry-After": "1"})
+        return error_body(503, "store_unavailable", str(exc), retry_after_s=1)
     body["self"] = replica.replica_id
     return JSONResponse(body)
 

@@ -24,11 +24,15 @@ from runtime.capabilities import PipelineCapabilities
 from runtime.orchestrator import Orchestrator
 from runtime.spec import PipelineSpec, load_pipeline
 from session.identity import ApiKeyMap, EphemeralKeys
+from session.live.hosting import LiveHost
 from session.realtime.audio_store import SpoolAudioStore
+from session.robot.hosting import RobotHost
 from session.store.embedded import redis_connection
 from session.voice.driver import RealtimeDriver
 from session.voice.hosting import SessionHost
 from session.voice.turn_gate import TurnGate
+from session.world.hosting import WorldHost
+from web.deploy.replica import ReplicaMembership
 from web.server.metrics import ServerMetrics, loop_lag_watcher
 from web.server.session_factory import CoreFactory, DriverFactory, build_host
 from web.settings import ServerSettings
@@ -116,6 +120,12 @@ class ServerContext:
     host: SessionHost  # the realtime sessions, WebSocket and WebRTC (resume, retention)
     sessions: dict[str, RealtimeDriver] = field(default_factory=dict)  # session id → live driver
     audio_spool: SpoolAudioStore | None = None  # conversations' spilled audio (None: kept in memory)
+    # The other session kinds' hosts and the deployment's membership, set by the app's lifespan
+    # once the context is up (they are built on `host`); None until then, or where not offered.
+    world: WorldHost | None = None  # world-model video sessions
+    robot: RobotHost | None = None  # robot policy sessions
+    live: LiveHost | None = None  # GPT-Live sessions (None: the pipeline does not take its own turns)
+    replica: ReplicaMembership | None = None  # scale-out: registry lease and drain (None: standalone)
     ready: bool = False
 
     @property

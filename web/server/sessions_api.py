@@ -44,15 +44,9 @@ async def session_endpoint(request: Request) -> Response:
     if principal is None:
         return error_body(401, "invalid_api_key", "Missing or invalid API key.")
     session_id = request.path_params["session_id"]
-    world = getattr(request.app.state, "world", None)  # session.world.hosting.WorldHost
-    if world is not None and world.live(principal.tenant, session_id) is not None:
-        host = world  # a world session live here: same describe/delete interface
-    robot = getattr(request.app.state, "robot", None)  # session.robot.hosting.RobotHost
-    if robot is not None and robot.live(principal.tenant, session_id) is not None:
-        host = robot  # likewise a robot session
-    live = getattr(request.app.state, "live", None)  # session.live.hosting.LiveHost
-    if live is not None and live.live(principal.tenant, session_id) is not None:
-        host = live  # and a GPT-Live session
+    for kind in (ctx.world, ctx.robot, ctx.live):  # a session of another kind live here
+        if kind is not None and kind.live(principal.tenant, session_id) is not None:
+            host = kind  # same describe/delete interface
     try:
         if not is_session_id(session_id):
             raise SessionNotFound(session_id)
@@ -66,7 +60,7 @@ async def session_endpoint(request: Request) -> Response:
         return _not_found()
     except StoreUnavailable:
         return error_body(503, "store_unavailable", "The session store is unavailable.", retry_after_s=1)
-    replica = getattr(request.app.state, "replica", None)
+    replica = ctx.replica
     if replica is not None:  # scale-out: where the session is bound (web/deploy/replica.py)
         try:
             body["replica"] = await replica.owner_json(session_id)

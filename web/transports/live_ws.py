@@ -1,7 +1,7 @@
 """``GET /v1/live/sessions``: OpenAI's GPT-Live protocol over WebSocket, for duplex pipelines.
 
 Only bytes ⇄ events here; sessions live in the :class:`~session.live.hosting.LiveHost`
-(``app.state.live``, built when the server's pipeline takes its own turns). Everything that can
+(``ServerContext.live``, built when the server's pipeline takes its own turns). Everything that can
 be refused before a session exists is refused before the upgrade, as an HTTP answer with a
 JSON body (what LiveKit's ``GPTLiveModel`` reports as a failed connection):
 
