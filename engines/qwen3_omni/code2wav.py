@@ -17,10 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from engines.qwen3_omni.code2wav_rows import decode_windows
 from engines.qwen3_omni.model import SAMPLE_RATE_OUT, ModelEngine
-from engines.rowbatch import RowExact
 from runtime.engine import EngineRequest, StepInput, StepOutput
 from runtime.payloads import AudioChunk, CodecCodes, Payload
+
+PAD_SLACK = 1.25  # padded frames of a decode call / its windows' own frames, at most
 
 
 @dataclass(slots=True)
@@ -46,31 +48,12 @@ def _frames(payloads: Sequence[Payload]) -> list[np.ndarray]:
     ]
 
 
-def decode_rows(code2wav: Any, codes: torch.Tensor) -> torch.Tensor:
-    """``code2wav(codes)`` for a batch ``[B, Q, T]`` with every row bit-identical to that row
-    decoded alone: the embedding and the transformer run batched under
-    :class:`~engines.rowbatch.RowExact`; the convolutional stages run per row (oneDNN picks
-    another convolution algorithm for another batch size or a short window: ~1e-12 differences
-    that a batched call would leave in the samples)."""
-    if codes.shape[1] != code2wav.config.num_quantizers:
-        raise ValueError(f"Expected {code2wav.config.num_quantizers} layer of codes, got {codes.shape[1]}")
-    with RowExact():
-        hidden = code2wav.code_embedding(codes + code2wav.code_offset).mean(1)
-        hidden = code2wav.pre_transformer(inputs_embeds=hidden).last_hidden_state
-    rows = []
-    for i in range(hidden.shape[0]):
-        wav = hidden[i : i + 1].clone().permute(0, 2, 1)
-        for blocks in code2wav.upsample:
-            for block in blocks:
-                wav = block(wav)
-        for block in code2wav.decoder:
-            wav = block(wav)
-        rows.append(wav.clamp(min=-1, max=1))
-    return torch.cat(rows, dim=0)
-
-
 class Code2WavEngine(ModelEngine):
-    """Batches equal-length windows of several requests into one forward."""
+    """Decodes the windows of several requests, of any lengths, in one call
+    (:func:`~engines.qwen3_omni.code2wav_rows.decode_windows`): every request's samples are
+    bit-identical to its window decoded alone. Windows are grouped by length so that padding
+    never costs more than :data:`PAD_SLACK` of the group's own frames (a 4-frame first chunk is
+    not padded to a 50-frame steady one)."""
 
     batchable = True
 
@@ -122,23 +105,35 @@ class Code2WavEngine(ModelEngine):
 
     def _decode(self, jobs: list[_Job], batch: Sequence[StepInput], outputs: list[StepOutput]) -> None:
         self.last_batch_shapes = []
-        by_length: dict[int, list[_Job]] = {}
-        for job in jobs:
-            by_length.setdefault(job.codes.shape[0], []).append(job)
         code2wav = self.loaded.model.code2wav
-        groups: list[list[_Job]] = []
-        for same in by_length.values():
-            rows = max(1, self.max_batch_frames // same[0].codes.shape[0])
-            groups += [same[i : i + rows] for i in range(0, len(same), rows)]
-        for group in groups:
-            codes = torch.from_numpy(np.stack([j.codes.T for j in group]))  # [B, Q, T]
-            self.last_batch_shapes.append(tuple(codes.shape))
-            wav = decode_rows(code2wav, codes).float()[:, 0]  # [B, samples]
-            for row, job in enumerate(group):
-                samples = wav[row, job.trim :].numpy()
+        for group in self._groups(jobs):
+            windows = [torch.from_numpy(np.ascontiguousarray(j.codes.T)) for j in group]
+            longest = max(w.shape[1] for w in windows)
+            self.last_batch_shapes.append((len(group), windows[0].shape[0], longest))
+            wavs = decode_windows(code2wav, windows)
+            for job, wav in zip(group, wavs, strict=True):
+                samples = wav.float()[job.trim :].numpy()
                 if self.gain != 1.0:
                     samples = np.clip(samples * self.gain, -1.0, 1.0)
                 samples = np.ascontiguousarray(samples, dtype=np.float32)
                 state: Code2WavState = batch[job.index].state
                 state.samples_out += samples.shape[0]
                 outputs[job.index].client.append(AudioChunk(samples=samples, sample_rate=SAMPLE_RATE_OUT))
+
+    def _groups(self, jobs: list[_Job]) -> list[list[_Job]]:
+        """Jobs by length, shortest first; a group grows while its padded frames stay within
+        ``max_batch_frames`` and :data:`PAD_SLACK` times its own frames."""
+        groups: list[list[_Job]] = []
+        group: list[_Job] = []
+        frames = 0
+        for job in sorted(jobs, key=lambda j: j.codes.shape[0]):
+            n = job.codes.shape[0]  # the longest so far: jobs come shortest first
+            padded = (len(group) + 1) * n
+            if group and (padded > self.max_batch_frames or padded > PAD_SLACK * (frames + n)):
+                groups.append(group)
+                group, frames = [], 0
+            group.append(job)
+            frames += n
+        if group:
+            groups.append(group)
+        return groups

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
+from engines.qwen3_omni.code2wav_rows import decode_windows
+from runtime.engine import EdgeChunk, EngineRequest, StepInput
+from runtime.payloads import AudioChunk, CodecCodes
 from tests.engines_qwen.batch_driver import Member, run_batched
 from tests.engines_qwen.driver import Engines, Run, run_pipeline
 
@@ -70,3 +74,44 @@ def test_joining_and_cancelled_requests_leave_the_others_unchanged(
     assert 0 < len(cancelled.tokens) < TOKENS
     assert cancelled.tokens == alone[2].tokens[: len(cancelled.tokens)]  # same prefix until cancelled
     assert max(members[1].batch_sizes) >= 3
+
+
+def test_code2wav_windows_of_any_lengths_decode_in_one_call_bitwise(engines: Engines) -> None:
+    """Windows of different lengths (a first chunk, steady chunks with their context) decode
+    together, padded in one call; each is bit for bit the model's forward on it alone."""
+    code2wav = engines.code2wav.loaded.model.code2wav
+    rng = np.random.default_rng(3)
+    lengths = [4, 5, 29, 29, 54, 16, 4]
+    windows = [torch.from_numpy(rng.integers(0, 128, size=(16, n))) for n in lengths]
+    with torch.inference_mode():
+        together = decode_windows(code2wav, windows)
+        for window, got in zip(windows, together, strict=True):
+            alone = code2wav(window[None])[0, 0]
+            assert got.shape == alone.shape == (window.shape[1] * 1920 - 555,)
+            assert got.numpy().tobytes() == alone.numpy().tobytes()
+
+
+def test_code2wav_engine_steps_requests_of_different_chunk_lengths_together(engines: Engines) -> None:
+    c2w = engines.code2wav
+    rng = np.random.default_rng(4)
+    sizes = [4, 5, 5, 4]  # close lengths: one padded call (padding within PAD_SLACK)
+
+    def chunk(n: int) -> EdgeChunk:
+        return EdgeChunk(items=[CodecCodes(rng.integers(0, 128, size=(1, 16))) for _ in range(n)])
+
+    chunks = [chunk(n) for n in sizes]
+    alone = []
+    for i, ch in enumerate(chunks):
+        state = c2w.start(EngineRequest(f"alone{i}", {}))
+        alone.append(c2w.step([StepInput(state=state, chunks=[ch])])[0].client[0])
+    states = [c2w.start(EngineRequest(f"together{i}", {})) for i in range(len(sizes))]
+    outs = c2w.step([StepInput(state=s, chunks=[ch]) for s, ch in zip(states, chunks, strict=True)])
+    assert c2w.last_batch_shapes == [(4, 16, 5)]
+    for single, out in zip(alone, outs, strict=True):
+        got = out.client[0]
+        assert isinstance(single, AudioChunk) and isinstance(got, AudioChunk)
+        assert got.samples.tobytes() == single.samples.tobytes()
+    # A 4-frame first chunk is not padded to a 54-frame window: two calls.
+    states = [c2w.start(EngineRequest(f"mixed{i}", {})) for i in range(2)]
+    c2w.step([StepInput(state=states[0], chunks=[chunk(4)]), StepInput(state=states[1], chunks=[chunk(54)])])
+    assert c2w.last_batch_shapes == [(1, 16, 4), (1, 16, 54)]
