@@ -27,6 +27,9 @@ class PipelineCapabilities:
     input_rate: int = 16000  # AudioInput rate for the live request
     live: frozenset[str] = field(default_factory=frozenset)  # provided through the live entry
     responses: frozenset[str] = field(default_factory=frozenset)  # ... through the main entry
+    # The gated edge (source, target) into the live entry's end-of-turn stage: a session opens
+    # it while it uses semantic_vad (session.voice.turn_feed). None: no such gate.
+    end_of_turn_gate: tuple[str, str] | None = None
 
     @property
     def voice_activity(self) -> bool:

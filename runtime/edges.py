@@ -112,3 +112,22 @@ def make_collector(mode: str, policy: ChunkPolicy) -> AsyncChunker[T] | FullColl
     if mode == "full":
         return FullCollector()
     raise ValueError(f"unknown edge mode {mode!r}")
+
+
+class EdgeGate(Generic[T]):
+    """One request's switch on a gated edge (``EdgeSpec.gated``): closed at admission. While it
+    is closed, what the upstream stage hands the edge goes nowhere (``admit`` returns nothing
+    and names the items to release at once): the downstream stage is neither given the items
+    nor stepped for them. The request's owner opens and closes it (``Orchestrator.open_edge``);
+    items already handed over stay where they are."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.dropped = 0  # items not handed over while closed
+
+    def admit(self, items: list[T]) -> tuple[list[T], list[T]]:
+        """(items to hand over, items to release now)."""
+        if self.open:
+            return items, []
+        self.dropped += len(items)
+        return [], items

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.capabilities import PipelineCapabilities
+from runtime.capabilities import END_OF_TURN, PipelineCapabilities
 from runtime.connector_registry import make_connectors
 from runtime.connectors import Connector, Handle
-from runtime.edges import AsyncChunker, Chunk, FullCollector, make_collector
+from runtime.edges import AsyncChunker, Chunk, EdgeGate, FullCollector, make_collector
 from runtime.engine import Engine, EngineRequest
 from runtime.metrics import RuntimeMetrics
 from runtime.payloads import Conditioning, Payload
@@ -48,6 +48,7 @@ class _EdgeRun:
     target: Replica
     produced: int = 0  # items the upstream put on this edge
     taken: int = 0  # items the downstream has taken into a step
+    gate: EdgeGate[Handle] | None = None  # a gated edge's switch for this request
 
     @property
     def out_of_credit(self) -> bool:
@@ -118,12 +119,19 @@ class Orchestrator:
             return frozenset().union(*(self._provides.get(name, frozenset()) for name in stages))
 
         live = spec.entries.get("live")
+        reachable = spec.reachable(live) if live is not None else ()
+        gates = [
+            (e.source, e.target)
+            for e in spec.edges
+            if e.gated and e.source in reachable and END_OF_TURN in self._provides.get(e.target, ())
+        ]
         return PipelineCapabilities(
             live_entry=live,
             transcribe_entry=spec.entries.get("transcribe"),
             input_rate=spec.input_rate,
             live=provided(live),
             responses=provided(spec.entry),
+            end_of_turn_gate=gates[0] if gates else None,
         )
 
     @property
@@ -234,7 +242,8 @@ class Orchestrator:
             if edge.source not in replicas:
                 continue
             collector: AsyncChunker[Handle] | FullCollector[Handle] = make_collector(edge.mode, edge.chunk)
-            edge_run = _EdgeRun(edge, collector, replicas[edge.target])
+            gate: EdgeGate[Handle] | None = EdgeGate() if edge.gated else None
+            edge_run = _EdgeRun(edge, collector, replicas[edge.target], gate=gate)
             run.edges_out.setdefault(edge.source, []).append(edge_run)
             run.edges_by_key[(edge.source, edge.target)] = edge_run
         self._runs[request_id] = run
@@ -274,6 +283,19 @@ class Orchestrator:
             return False
         delivered = [replica.add_update(request_id, update) for replica in run.replicas.values()]
         return any(delivered)
+
+    def open_edge(self, request_id: str, source: str, target: str, open_: bool = True) -> bool:
+        """Open (or close) the gated edge ``source -> target`` for a live request: from now on
+        what ``source`` hands it goes to ``target`` (or nowhere). False when the request is not
+        live; ValueError when the request has no such gated edge."""
+        run = self._runs.get(request_id)
+        if run is None:
+            return False
+        edge = run.edges_by_key.get((source, target))
+        if edge is None or edge.gate is None:
+            raise ValueError(f"request {request_id!r} has no gated edge {source}->{target}")
+        edge.gate.open = open_
+        return True
 
     async def cancel(self, request_id: str) -> bool:
         """Stop every stage of a live request and free its connector data; False if not live."""
@@ -330,6 +352,9 @@ class Orchestrator:
         if result.downstream:
             for edge in edges:
                 handles = result.downstream.get(edge.spec.connector, [])
+                if edge.gate is not None:
+                    handles, closed = edge.gate.admit(handles)
+                    self._release(closed)
                 edge.produced += len(handles)
                 for chunk in edge.collector.extend(handles):
                     self._deliver(run, edge, chunk)

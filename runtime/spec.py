@@ -136,6 +136,10 @@ class EdgeSpec(_Spec):
     # fewer than ``max_ahead`` of the items it put on this edge have not yet been taken in by a
     # downstream step. None: no credit limit (only the orchestrator's inbox_limit applies).
     max_ahead: Positive | None = None
+    # A gated edge hands a request's items over only while that request has opened it
+    # (`Orchestrator.open_edge`; closed at admission): a branch only some requests need (a
+    # voice session's end-of-turn stage, for sessions on semantic_vad) gets nothing of the rest.
+    gated: bool = False
 
     @property
     def key(self) -> str:

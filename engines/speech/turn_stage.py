@@ -13,7 +13,10 @@ come from (the replica pool gathers the sessions with input ready, ``gather_ms``
 whose stretch has not all arrived yet waits for it (the VAD stage hands audio on before the
 control that follows it, so this is rare). Audio is held as int16, at most ``max_audio_s``
 (8 s: what the model sees) per session, ~256 KB; ``TurnControl("clear")`` forgets it (the
-timeline goes on at its ``at``).
+timeline goes on at its ``at``), and so does audio that does not continue what is held.
+
+The edge into this stage is gated in voice-cascade (``EdgeSpec.gated``): a session's audio
+comes here only while it uses ``semantic_vad`` (``session.voice.turn_feed``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ class TurnState:
         return held_span(self.audio, start, end, np.int16).astype(np.float32) / 32768.0
 
     def add(self, start: int, samples: np.ndarray, limit: int) -> None:
+        if self.held and start != self.end:
+            # Not the audio after what is held (the edge was closed between: the session left
+            # semantic_vad and came back): what is held is another stretch of the timeline.
+            self.audio.clear()
+            self.held = 0
         pcm = np.clip(np.round(samples * 32768.0), -32768, 32767).astype(np.int16)
         self.audio.append((start, pcm))
         self.held += len(pcm)

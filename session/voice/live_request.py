@@ -57,6 +57,7 @@ from runtime.payloads import (
 from runtime.progress import RequestStatus
 from session.realtime.core import RealtimeSessionCore
 from session.realtime.effects import CoreOutput, DetectSpeech, LiveAudio, LiveControl
+from session.voice.turn_feed import TurnModelFeed
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class LiveEntry:
     input_rate: int
     frames: bool = False
     transcribes: bool = False  # a live ASR stage follows the VAD (`LiveControl`, `transcribe`)
+    # The gated edge into an end-of-turn stage (`TurnModelFeed`): open only for semantic_vad.
+    turn_gate: tuple[str, str] | None = None
 
 
 @dataclass(slots=True)
@@ -134,6 +137,13 @@ class LiveRequest:
         self.opened = 0  # live requests opened (1 + reopens after failures)
         self.failures = 0
         self.dropped_bytes = 0
+        self.turn_feed: TurnModelFeed | None = None
+        if entry.turn_gate is not None:
+            self.turn_feed = TurnModelFeed(orch, entry.turn_gate, self._semantic)
+
+    def _semantic(self) -> bool:
+        td = self._core.config.turn_detection
+        return td is not None and td.type == "semantic_vad"
 
     @property
     def queued_bytes(self) -> int:
@@ -291,6 +301,8 @@ class LiveRequest:
                 if event_id is not None:
                     self._appended_event_id = event_id
                 payload: AudioInput | TurnControl
+                if self.turn_feed is not None:
+                    self.turn_feed.sync(request_id)
                 if isinstance(item, Conditioning):
                     await self._orch.update(request_id, item)  # False: ended (the reader sees it)
                     continue

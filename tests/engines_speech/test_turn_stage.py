@@ -96,3 +96,18 @@ async def test_sessions_scored_together_get_their_own_answers() -> None:
         assert decisions == 2
     finally:
         await orch.close()
+
+
+def test_audio_that_does_not_continue_what_is_held_replaces_it() -> None:
+    from engines.speech.turn_stage import TurnState
+
+    state = TurnState()
+    state.add(0, np.full(512, 0.25, np.float32), limit=16_000)
+    state.add(512, np.full(512, 0.5, np.float32), limit=16_000)
+    assert state.held == 1024 and state.end == 1024
+    np.testing.assert_allclose(state.span(0, 1024)[[0, 600]], [0.25, 0.5])
+    # The gated edge was closed for a while (the session left semantic_vad and came back):
+    # what comes next is another stretch of the timeline, and only it is held.
+    state.add(8192, np.full(512, -0.5, np.float32), limit=16_000)
+    assert state.held == 512 and state.end == 8704
+    np.testing.assert_allclose(state.span(8192, 8704), -0.5)

@@ -76,7 +76,8 @@ class CoreFactory:
         if caps.live_responses or caps.turn_detection:
             return LiveEntry(caps.live_entry, caps.input_rate)
         if caps.voice_activity and self.settings.vad:
-            return LiveEntry(caps.live_entry, 16000, frames=True, transcribes=self.live_asr())
+            gate = caps.end_of_turn_gate if self.live_turn_model() else None
+            return LiveEntry(caps.live_entry, 16000, frames=True, transcribes=self.live_asr(), turn_gate=gate)
         return None
 
     def live_asr(self) -> bool:
