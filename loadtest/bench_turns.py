@@ -68,7 +68,7 @@ MAX_WAIT_S = {
 }
 
 
-def pipeline(folder: Path, transcripts: bool = False) -> Path:
+def pipeline(folder: Path, transcripts: bool = False, gated: bool = True) -> Path:
     doc: dict[str, Any] = {
         "name": "null-turns",
         "entry": "respond",
@@ -95,7 +95,7 @@ def pipeline(folder: Path, transcripts: bool = False) -> Path:
             },
         ],
         "edges": [{"from": "vad", "to": "end_of_turn", "mode": "async_chunk", "connector": "inproc",
-                   "chunk": {"first": 1, "steady": 1, "left_context": 0}}],
+                   "chunk": {"first": 1, "steady": 1, "left_context": 0}, "gated": gated}],
     }  # fmt: skip
     if transcripts:  # voice-cascade's live ASR too: semantic_vad's second cue (TurnCues)
         asr_options = {"compute_type": "int8", "cpu_threads": 1, "num_workers": 1}
@@ -145,6 +145,7 @@ class ClipResult:
     answered_once: bool = False
     latency_ms: float | None = None
     stops: list[int] = field(default_factory=list)  # clip-relative ms
+    turn_end_lag_ms: int | None = None  # answered once: where the turn ended after the speech (timeline)
     stopped_after_ms: list[float] = field(default_factory=list)  # speech_stopped, after speech end
     responses: int = 0
 
@@ -272,6 +273,8 @@ def _score(
         hi = lo + 150 + int(clip.pause_s * 1000) + 50
         res.cut_off = any(lo <= s <= hi for s in res.stops)
     res.answered_once = len(res.stops) == 1 and res.stops[0] >= end_ms - 300 and len(created) == 1
+    if res.answered_once:
+        res.turn_end_lag_ms = res.stops[0] - end_ms
     if res.answered_once and t_end is not None:
         res.latency_ms = round((created[0] - t_end) * 1000, 1)
     return res
@@ -297,11 +300,23 @@ def cpu_per_decision(clips: list[Clip], n: int = 30) -> dict[str, Any]:
     return {"cpu_ms": summarize(one), "cpu_ms_batch8_each": round(batch8, 1)}
 
 
-def _spawn(folder: Path, port: int, transcripts: bool) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "web.cli", "serve", "--pipeline", str(pipeline(folder, transcripts)),
+def _spawn(folder: Path, port: int, transcripts: bool, gated: bool) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "web.cli", "serve", "--pipeline", str(pipeline(folder, transcripts, gated)),
            "--port", str(port), "--data-dir", str(folder / "data"), "--log-level", "warning",
            "--max-sessions", "256"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+
+
+def _metric(metrics: str, name: str, stage: str | None = None) -> float:
+    """A metric's value from /metrics text (the `stage` label's, when given); 0 if absent."""
+    label = r"\{[^}]*stage=\"" + re.escape(stage) + r"\"[^}]*\}" if stage else r"(?:\{[^}]*\})?"
+    found = re.search("^" + re.escape(name) + label + r" ([0-9.e+-]+)$", metrics, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def _mean_ms(metrics: str, histogram: str, stage: str | None = None) -> float:
+    count = _metric(metrics, f"{histogram}_count", stage)
+    return round(1000 * _metric(metrics, f"{histogram}_sum", stage) / max(1.0, count), 1)
 
 
 def _counter(metrics: str, name: str) -> float:
@@ -319,7 +334,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         port = free_port()
-        server = _spawn(folder, port, args.transcripts)
+        server = _spawn(folder, port, args.transcripts, not args.ungated)
         try:
             await wait_ready(f"http://127.0.0.1:{port}", 180, server)
             url = f"ws://127.0.0.1:{port}/v1/realtime"
@@ -330,6 +345,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     share = clips[s :: args.sessions]
                     jobs.append(run_session(url, config, share, results))
             load_before = os.getloadavg()
+            async with httpx.AsyncClient() as http:
+                metrics_before = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
             began = time.monotonic()
             seconds = await asyncio.gather(*jobs)
             wall = time.monotonic() - began
@@ -344,6 +361,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     semantic_s = sum(s for s, kind in zip(seconds, kinds, strict=True) if kind.startswith("semantic"))
     per_s = decisions / semantic_s if semantic_s else 0.0
     cpu_p50 = cpu["cpu_ms"]["p50"] or 0.0
+    cpu_metric = "process_cpu_seconds_total"
+    cpu_used = _metric(metrics, cpu_metric) - _metric(metrics_before, cpu_metric)
     report: dict[str, Any] = {
         "clips": len(clips),
         "sessions_per_config": args.sessions,
@@ -355,6 +374,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "server_model_wall_ms_per_decision": round(model_ms / decisions, 1) if decisions else None,
         **cpu,
         "sessions_per_core": round(1000.0 / (per_s * cpu_p50), 0) if per_s and cpu_p50 else None,
+        "end_of_turn_gated": not args.ungated,
+        "server_cpu_s": round(cpu_used, 1),
+        "stage_steps": {
+            stage: {
+                "steps": int(_metric(metrics, "omniduplex_stage_step_seconds_count", stage)),
+                "mean_ms": _mean_ms(metrics, "omniduplex_stage_step_seconds", stage),
+            }
+            for stage in ("vad", "end_of_turn", "live_asr")
+        },
+        "event_loop_lag_mean_ms": _mean_ms(metrics, "omniduplex_event_loop_lag_seconds"),
         "configs": {},
     }
     if args.details:
@@ -370,6 +399,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "paused_answered_once_whole": f"{sum(r.answered_once for r in paused)}/{len(paused)}",
             "finished_answered_once": f"{sum(r.answered_once for r in finished)}/{len(finished)}",
             "finished_eos_to_created_ms": summarize(r.latency_ms for r in finished),
+            # Of that: where the turn ended on the audio timeline after the speech (the VAD's
+            # silence onset, which speech_stopped reports); the rest is deciding (wall time).
+            "finished_turn_end_after_speech_ms": summarize(
+                r.turn_end_lag_ms for r in finished if r.latency_ms is not None
+            ),
             "paused_eos_to_created_ms": summarize(r.latency_ms for r in paused),
         }
     return report
@@ -388,6 +422,11 @@ def main(argv: list[str] | None = None) -> None:
         help="voice-cascade's live ASR and an ASR before the answer: semantic_vad decides on the words too",
     )
     p.add_argument("--details", action="store_true", help="every clip's events in the report")
+    p.add_argument(
+        "--ungated",
+        action="store_true",
+        help="the edge into the end-of-turn stage not gated: every session's audio reaches it (as before)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     args = p.parse_args(argv)
     report = asyncio.run(main_async(args))

@@ -2,15 +2,20 @@
 evaluation set's cached clips (:mod:`loadtest.turn_set`), without a server.
 
 Each clip is seen as the session sees it at its first candidate pause: a paused sentence's
-first half (up to the inserted pause), a finished sentence whole, each followed by the 200 ms
-of silence the session waits before asking. For each it takes Smart Turn v3.2's probability
-(``engines.speech.smart_turn``, over the half/whole plus the silence, as the end-of-turn stage
-scores it) and Whisper's transcript of the speech (``engines.speech.asr``, tiny.en, as the live
-ASR transcribes a pause ahead); both are cached (``.omniduplex/loadtest-cache``). Then, per
-rule: false cut-offs (paused clips the rule ends at the pause) and finished sentences ended at
-once, on the two voices a threshold is tuned on and on the held-out third.
+first half (up to the inserted pause), a finished sentence whole, after 0.4 s of silence and
+followed by silence. Silero VAD and the session's `SpeechDetector` find where the pause begins
+(the VAD's silence onset, a frame or two after the speech ends); Smart Turn v3.2
+(``engines.speech.smart_turn``) scores the speech up to `tail` ms after that onset, for each
+tail in `TAILS` (what the end-of-turn stage is sent: 32 ms now, 200 ms before), and Whisper
+tiny.en (``engines.speech.asr``, as the live ASR transcribes a pause ahead) transcribes the
+speech. All of it is cached (``.omniduplex/loadtest-cache``). Then, per rule: false cut-offs
+(paused clips the rule ends at the pause: the decision comes in the first tenth of a second of
+the pause, so the same for every pause length) and finished sentences ended at once.
 
-    python -m loadtest.score_turns [--tune joe-0.85,joe-1.0] [--out results.json]
+Held out: the threshold of the cues is tuned on half the sentences (s00-s09, all three
+renditions) and every rule is reported on both halves (s10-s19 never seen by the tuning).
+
+    python -m loadtest.score_turns [--out results.json]
 """
 
 from __future__ import annotations
@@ -24,14 +29,36 @@ from typing import Any
 import numpy as np
 
 from loadtest.turn_set import CACHE, RATE, spec_key, turn_set
-from session.realtime.semantic_turn import CANDIDATE_MS, FINISHED, TurnCues, transcript_cue
+from session.realtime.semantic_turn import FINISHED, TAIL_MS, THRESHOLDS, TurnCues, transcript_cue
 
 Row = dict[str, Any]
+TAILS = (0, 32, 64, 200, 800)  # ms of silence after the VAD's onset the model hears
+LEAD_S = 0.4
+TUNE = range(0, 10)  # sentences the threshold is tuned on (s00-s09); s10-s19 are held out
+
+
+def _pause_onset(audio: np.ndarray, speech_end: int) -> tuple[int, int]:
+    """(speech start, silence onset) as the session's VAD finds them in `audio`."""
+    from engines.speech.vad import SileroVad
+    from session.realtime.turns import SpeechDetector
+
+    n = len(audio) // 512
+    probs = SileroVad().new_stream().speech_probs(audio[: n * 512])
+    detector = SpeechDetector(0.5, 60_000)
+    start = None
+    for k, p in enumerate(probs):
+        detector.feed(k * 512, p)
+        if detector.speaking and start is None:
+            start = k * 512
+        onset = detector.silence_start
+        if onset is not None and k * 512 >= speech_end - 2000:
+            return start or 0, onset
+    return start or 0, n * 512
 
 
 def observations(cache_dir: Path = CACHE) -> list[Row]:
-    """(clip, voice, paused, probability, transcript) per clip, made once and cached."""
-    path = cache_dir / f"turn-scores-{spec_key()}.json"
+    """Per clip: voice, sentence, paused, the VAD's lag, P(finished) per tail, transcript."""
+    path = cache_dir / f"turn-scores-vad-{spec_key()}.json"
     if path.exists():
         rows: list[Row] = json.loads(path.read_text())
         return rows
@@ -39,43 +66,66 @@ def observations(cache_dir: Path = CACHE) -> list[Row]:
     from engines.speech.smart_turn import SmartTurn
 
     model, asr = SmartTurn(threads=1), WhisperAsr(AsrConfig(cpu_threads=1))
-    silence = np.zeros(CANDIDATE_MS * RATE // 1000, np.float32)
+    lead = int(LEAD_S * RATE)
     rows = []
     for clip in turn_set(cache_dir):
         speech = clip.audio[: clip.pause_at] if clip.paused else clip.audio
-        p = model.scores([np.concatenate([speech, silence])])[0]
-        text = asr.transcribe(speech)
+        audio = np.concatenate([np.zeros(lead, np.float32), speech, np.zeros(RATE, np.float32)])
+        start, onset = _pause_onset(audio, lead + len(speech))
+        spans = [audio[max(0, start - 4800) : onset + t * RATE // 1000] for t in TAILS]
         rows.append(
             {
                 "clip": clip.name,
+                "sentence": int(clip.name[1:3]),
                 "text": clip.text,
                 "voice": clip.voice,
                 "paused": clip.paused,
                 "pause_s": clip.pause_s,
-                "probability": float(p),
-                "transcript": text,
+                "vad_lag_ms": (onset - lead - len(speech)) * 1000 // RATE,
+                "probability": {str(t): float(p) for t, p in zip(TAILS, model.scores(spans), strict=True)},
+                "transcript": asr.transcribe(speech),
             }
         )
     path.write_text(json.dumps(rows, indent=1))
     return rows
 
 
-def rules(threshold: float) -> dict[str, Callable[[float, str | None], bool]]:
-    """Each rule: (probability, transcript) -> end the turn at this pause?"""
-    return {
-        "model alone (p >= 0.5)": lambda p, t: p >= 0.5,
-        f"model alone (p >= {threshold:.2f})": lambda p, t: p >= threshold,
-        "transcript alone (closed)": lambda p, t: transcript_cue(t) == "closed",
-        f"cues (TurnCues {FINISHED:g}: the default)": lambda p, t: TurnCues().finished(p, t),
-        f"cues (TurnCues {threshold:g}: tuned)": lambda p, t: TurnCues(threshold).finished(p, t),
+Rule = Callable[[Row], bool]
+
+
+def _before(row: Row) -> bool:
+    """The rule before (16e1128): asked 200 ms into the pause; open words never end the turn,
+    a period ends it from 0.5, anything else from 0.5."""
+    return row["probability"]["200"] >= FINISHED and transcript_cue(row["transcript"]) != "open"
+
+
+def cues(threshold: float, tail: int = TAIL_MS) -> Rule:
+    return lambda r: TurnCues(threshold).finished(r["probability"][str(tail)], r["transcript"])
+
+
+def alone(threshold: float, tail: int = TAIL_MS) -> Rule:
+    return lambda r: r["probability"][str(tail)] >= threshold
+
+
+def rules(tuned: float) -> dict[str, Rule]:
+    out: dict[str, Rule] = {
+        "before: 200 ms, model alone, p >= 0.5": alone(0.5, 200),
+        "before: 200 ms, cues (0.5, a period from 0.5)": _before,
     }
+    for eagerness in ("high", "auto", "low"):
+        t = THRESHOLDS[eagerness]
+        out[f"now: {TAIL_MS} ms, model alone, p >= {t:g} ({eagerness}, no transcript)"] = alone(t)
+        out[f"now: {TAIL_MS} ms, cues, p >= {t:g} ({eagerness})"] = cues(t)
+    out[f"tuned on s00-s09: {TAIL_MS} ms, cues, p >= {tuned:g}"] = cues(tuned)
+    out["re-scored at 800 ms, cues, p >= 0.7"] = cues(0.7, 800)
+    return out
 
 
-def score(rows: list[Row], rule: Callable[[float, str | None], bool]) -> dict[str, Any]:
+def score(rows: list[Row], rule: Rule) -> dict[str, Any]:
     paused = [r for r in rows if r["paused"]]
     finished = [r for r in rows if not r["paused"]]
-    cut = sum(rule(r["probability"], r["transcript"]) for r in paused)
-    ended = sum(rule(r["probability"], r["transcript"]) for r in finished)
+    cut = sum(map(rule, paused))
+    ended = sum(map(rule, finished))
     return {
         "false_cutoffs": f"{cut}/{len(paused)}",
         "false_cutoff_pct": round(100 * cut / max(1, len(paused)), 1),
@@ -88,44 +138,29 @@ def tune(rows: list[Row], target_pct: float = 5.0) -> float:
     """The cues' threshold on the rows: the most finished sentences ended at once with false
     cut-offs within `target_pct` (none within it: the fewest; ties: the higher threshold)."""
     grid = [round(x, 2) for x in np.arange(0.05, 0.96, 0.05)]
-    results = [(t, score(rows, TurnCues(t).finished)) for t in grid]
+    results = [(t, score(rows, cues(t))) for t in grid]
     bound = max(target_pct, min(r["false_cutoff_pct"] for _, r in results))
     ok = [(r["finished_pct"], t) for t, r in results if r["false_cutoff_pct"] <= bound]
     return max(ok)[1]
 
 
-def curve(rows: list[Row]) -> dict[str, dict[str, str]]:
-    """The cues at each threshold: (false cut-offs, finished at once)."""
-    out = {}
-    for t in (0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95):
-        s = score(rows, TurnCues(t).finished)
-        out[f"{t:g}"] = {"false_cutoffs": s["false_cutoffs"], "finished_at_once": s["finished_at_once"]}
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--tune", default="joe-0.85,joe-1.0", help="voices the threshold is tuned on")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    rows = observations()  # the decision comes 200 ms into a pause: the same for every length
-    tuned_on = set(args.tune.split(","))
-    tune_rows = [r for r in rows if r["voice"] in tuned_on]
-    held = [r for r in rows if r["voice"] not in tuned_on]
+    rows = observations()
+    tune_rows = [r for r in rows if r["sentence"] in TUNE]
+    held = [r for r in rows if r["sentence"] not in TUNE]
     threshold = tune(tune_rows)
-    report: dict[str, Any] = {"threshold": threshold, "tuned_on": sorted(tuned_on), "rules": {}}
+    report: dict[str, Any] = {"tuned_threshold": threshold, "tuned_on": "s00-s09", "rules": {}}
     for name, rule in rules(threshold).items():
-        report["rules"][name] = {
-            "tuned": score(tune_rows, rule),
-            "held_out": score(held, rule),
-            "all": score(rows, rule),
-        }
-    cues: dict[str, int] = {}
-    for r in rows:
-        key = f"{'paused' if r['paused'] else 'finished'}:{transcript_cue(r['transcript'])}"
-        cues[key] = cues.get(key, 0) + 1
-    report["transcript_cues"] = cues
-    report["curve"] = {"tuned": curve(tune_rows), "held_out": curve(held)}
+        report["rules"][name] = {"tuning": score(tune_rows, rule), "held_out": score(held, rule)}
+    lags = [r["vad_lag_ms"] for r in rows]
+    report["vad_lag_ms"] = {"p50": float(np.median(lags)), "max": max(lags)}
+    report["curve"] = {
+        f"{t:g}": {"tuning": score(tune_rows, cues(t)), "held_out": score(held, cues(t))}
+        for t in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
+    }
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps({**report, "clips": rows}, indent=1))

@@ -2,14 +2,25 @@
 
 Sans-I/O, on the session's 16 kHz input timeline (the same clock as server VAD: samples of
 scored audio, so a test drives it with frame positions alone). Server VAD ends a turn after a
-fixed silence. Here the VAD's silence is only a *candidate* pause: once it has lasted
-`candidate_ms` the turn so far is scored by the end-of-turn model (`ScoreTurn`; the pipeline's
-end-of-turn stage answers with a probability). A turn the model calls finished
-(p >= `threshold`) ends at once, on that answer; an unfinished one waits, and ends after the
-eagerness's maximum pause anyway (OpenAI's: low 8 s, medium 4 s, high 2 s; auto = medium),
-which the core's `SpeechDetector` counts as its silence duration (`max_pause_ms`). Speech
-resuming during the wait makes the pause stale: its score is ignored, the next pause is scored
-afresh. One score per pause; an answer that never comes (the stage failed) leaves the maximum.
+fixed silence. Here the VAD's silence is only a *candidate* pause: once it has lasted `ask_ms`
+the turn so far is scored by the end-of-turn model (`ScoreTurn`, the speech up to `tail_ms`
+into the pause; the pipeline's end-of-turn stage answers with a probability). The turn ends
+on that answer when it is finished: the probability reaches the eagerness's threshold
+(`THRESHOLDS`) and the words of the turn so far, when they are being transcribed, do not end
+mid-clause (`TurnCues`: the transcript only vetoes). It never ends on a silence shorter than
+`min_pause_ms` (a score that comes sooner is held for the frame that gets there). An unfinished
+turn waits, and ends after the eagerness's maximum pause anyway (OpenAI's: low 8 s, medium
+4 s, high 2 s; auto = medium), which the core's `SpeechDetector` counts as its silence duration
+(`max_pause_ms`). Speech resuming during the wait makes the pause stale: its score is ignored,
+the next pause is scored afresh. One score per pause; an answer that never comes (the stage
+failed) leaves the maximum.
+
+Why these numbers (docs/benchmarks.md, "End of turn"): Smart Turn separates finished sentences
+from mid-clause first halves best on the speech *just* after the VAD's silence onset (with 32 ms
+of it 34/60 finished >= 0.7 against 14/60 first halves; with 200 ms 42/60 against 26/60; with
+800 ms the halves score as high as the sentences, so re-scoring a longer silence does not
+help); asking at 64 ms (when the transcript is prepared too) rather than after 200 ms takes
+~140 ms off every finished turn.
 
 Without an end-of-turn model in the pipeline, `semantic_vad` stays what it was before: server
 VAD with an eagerness-based silence (`TurnDetection.effective_silence_ms`).
@@ -23,8 +34,13 @@ from session.realtime.input_audio import SAMPLES_PER_MS
 
 # OpenAI's maximum pause per eagerness (docs: "low" waits up to 8 s, "medium" 4 s, "high" 2 s).
 MAX_PAUSE_MS = {"low": 8000, "medium": 4000, "high": 2000, "auto": 4000}
-CANDIDATE_MS = 200  # silence before the model is asked (pipecat's Smart Turn default: 200 ms)
-FINISHED = 0.5  # P(finished) from which the turn ends at once (the model's own cut)
+# P(finished) from which a turn ends at once, per eagerness: a ladder around the model's own
+# cut (0.5), fewer cut-offs the lower the eagerness.
+THRESHOLDS = {"low": 0.9, "medium": 0.7, "high": 0.5, "auto": 0.7}
+FINISHED = 0.5  # the model's own cut
+ASK_MS = 64  # silence before the model is asked (the transcript is prepared at 64 ms too)
+TAIL_MS = 32  # of that silence, what the model hears after the VAD's silence onset
+MIN_PAUSE_MS = 96  # the shortest silence a turn ends on
 
 # Words a clause cannot end on: articles/determiners, conjunctions, prepositions, auxiliaries
 # and modals, "to" (a transcript ending on one is mid-clause, whatever the model says).
@@ -59,22 +75,21 @@ def max_pause_ms(eagerness: str) -> int:
     return MAX_PAUSE_MS.get(eagerness, MAX_PAUSE_MS["auto"])
 
 
+def threshold_for(eagerness: str) -> float:
+    return THRESHOLDS.get(eagerness, THRESHOLDS["auto"])
+
+
 @dataclass(frozen=True, slots=True)
 class TurnCues:
     """Whether a pause ends the turn, from the model's probability and the transcript of the
-    turn so far: words ending mid-clause ("open") never end it; sentence-final punctuation
-    ("closed") ends it from `threshold`; words with neither, or no transcript, from the
-    model's own cut (`FINISHED`) or `threshold`, whichever is higher."""
+    turn so far: the model decides (p >= `threshold`); words ending mid-clause ("open") veto
+    it. Sentence-final punctuation does not lower the bar (Whisper writes a period after a
+    first half it completes with a word of its own: "a flight to me.")."""
 
     threshold: float = FINISHED
 
     def finished(self, probability: float, transcript: str | None) -> bool:
-        cue = transcript_cue(transcript)
-        if cue == "open":
-            return False
-        if cue == "closed":
-            return probability >= self.threshold
-        return probability >= max(self.threshold, FINISHED)
+        return probability >= self.threshold and transcript_cue(transcript) != "open"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,22 +112,36 @@ class EndTurn:
 
 class SemanticTurn:
     """One session's end-of-turn decisions (see the module docstring). With `transcript_coming`
-    at the ask (the pause is being transcribed ahead, `PrepareTranscript`), the decision takes
-    both cues (`TurnCues`): a score that comes before the transcript waits for it."""
+    at the ask (the pause is being transcribed ahead, `PrepareTranscript`), a score that comes
+    before the words waits for them (they may veto it)."""
 
-    def __init__(self, *, candidate_ms: int = CANDIDATE_MS, threshold: float = FINISHED) -> None:
-        self.candidate_ms = candidate_ms
+    def __init__(
+        self,
+        *,
+        ask_ms: int = ASK_MS,
+        tail_ms: int = TAIL_MS,
+        min_pause_ms: int = MIN_PAUSE_MS,
+        threshold: float = THRESHOLDS["auto"],
+    ) -> None:
+        self.ask_ms = ask_ms
+        self.tail_ms = min(tail_ms, ask_ms)
+        self.min_pause_ms = min_pause_ms
         self.cues = TurnCues(threshold)
         self._asked: tuple[str, int] | None = None  # (item id, pause start) being scored
         self._ref: str | None = None
         self._coming = False  # the asked pause's transcript is on its way
         self._text: tuple[tuple[str, int], str | None] | None = None  # the last pause's words
         self._held: float | None = None  # the asked pause's score, waiting for its transcript
+        self._due: EndTurn | None = None  # decided finished, waiting for `min_pause_ms`
         self.scores: list[float] = []  # the answers, in order (the last few)
 
     @property
     def threshold(self) -> float:
         return self.cues.threshold
+
+    def configure(self, eagerness: str) -> None:
+        """The session's eagerness (at the start and after each `session.update`)."""
+        self.cues = TurnCues(threshold_for(eagerness))
 
     def on_frame(
         self,
@@ -122,26 +151,33 @@ class SemanticTurn:
         frame_end: int,
         *,
         transcript_coming: bool = False,
-    ) -> ScoreTurn | None:
+    ) -> ScoreTurn | EndTurn | None:
         """A scored frame ending at `frame_end` while the user item `item_id` is spoken;
         `pause`: where the current silence began (None: they are speaking). Asks once per
-        pause, when it has lasted `candidate_ms`."""
-        if item_id is None or pause is None or frame_end - pause < self.candidate_ms * SAMPLES_PER_MS:
+        pause, when it has lasted `ask_ms`; ends a turn decided finished once the silence has
+        lasted `min_pause_ms`."""
+        if item_id is None or pause is None:
             return None
         key = (item_id, pause)
-        if self._asked == key:
+        due = self._due
+        if due is not None and (due.item_id, due.pause) == key:
+            return self._end() if frame_end - pause >= self.min_pause_ms * SAMPLES_PER_MS else None
+        if frame_end - pause < self.ask_ms * SAMPLES_PER_MS or self._asked == key:
             return None
         self._asked = key
         self._ref = f"{item_id}@{pause}"
         self._coming = transcript_coming
         self._held = None
-        return ScoreTurn(self._ref, speech_start, frame_end)
+        self._due = None
+        end = min(frame_end, pause + self.tail_ms * SAMPLES_PER_MS)
+        return ScoreTurn(self._ref, speech_start, end)
 
     def on_score(
-        self, ref: str, probability: float, item_id: str | None, pause: int | None
+        self, ref: str, probability: float, item_id: str | None, pause: int | None, at: int
     ) -> EndTurn | None:
-        """The model's answer for `ref`; the turn ends now if it is the current pause's (still
-        silent, same item) and finished by the cues (its transcript's, once it is there)."""
+        """The model's answer for `ref` (`at`: the end of the audio scored by the VAD so far);
+        the turn ends now if it is the current pause's (still silent, same item), finished by
+        the cues (its transcript's, once it is there) and the silence long enough."""
         if ref != self._ref or self._asked is None:
             return None  # an older pause's, or after a reset
         self.scores = [*self.scores[-15:], probability]
@@ -151,10 +187,10 @@ class SemanticTurn:
         if text is _PENDING:
             self._held = probability  # decided when the transcript comes
             return None
-        return self._decide(probability, text if isinstance(text, str) else None)
+        return self._decide(probability, text if isinstance(text, str) else None, at)
 
     def on_transcript(
-        self, key: tuple[str, int], text: str | None, item_id: str | None, pause: int | None
+        self, key: tuple[str, int], text: str | None, item_id: str | None, pause: int | None, at: int
     ) -> EndTurn | None:
         """The words of the turn up to the pause `key` (None: not transcribed); a score held
         for them is decided now if that pause is still the current one."""
@@ -164,26 +200,35 @@ class SemanticTurn:
         probability, self._held = self._held, None
         if (item_id, pause) != key:
             return None
-        return self._decide(probability, text)
+        return self._decide(probability, text, at)
 
     def _words(self, key: tuple[str, int]) -> object:
         if self._text is not None and self._text[0] == key:
             return self._text[1]
         return _PENDING if self._coming else None
 
-    def _decide(self, probability: float, text: str | None) -> EndTurn | None:
+    def _decide(self, probability: float, text: str | None, at: int) -> EndTurn | None:
         if not self.cues.finished(probability, text):
             return None  # unfinished: the maximum pause ends it, unless they go on
         assert self._asked is not None
         item_id, pause = self._asked
+        self._due = EndTurn(item_id, pause, probability)
+        if at - pause < self.min_pause_ms * SAMPLES_PER_MS:
+            return None  # the frame that makes the silence long enough ends it (`on_frame`)
+        return self._end()
+
+    def _end(self) -> EndTurn:
+        due = self._due
+        assert due is not None
         self.reset()
-        return EndTurn(item_id, pause, probability)
+        return due
 
     def reset(self) -> None:
         self._asked = None
         self._ref = None
         self._held = None
         self._coming = False
+        self._due = None
 
 
 _PENDING = object()  # a transcript on its way

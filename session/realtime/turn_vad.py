@@ -56,6 +56,7 @@ class VadTurns:
             self.idle.deadline = None
         else:
             self.vad.configure(td.threshold, self.silence_ms(td))
+            self.semantic.configure(td.eagerness)
 
     def on_audio(self, samples: np.ndarray | None, pcm: np.ndarray | None, rate: int) -> None:
         """Appended audio is scored through the VAD frames the buffer hands out."""
@@ -113,7 +114,8 @@ class VadTurns:
         td = self.state.config.turn_detection
         if td is None or not self.semantic_turns(td):
             return
-        end = self.semantic.on_score(ref, probability, self.speech_item_id, self.vad.silence_start)
+        at = self.user.input.first_unscored
+        end = self.semantic.on_score(ref, probability, self.speech_item_id, self.vad.silence_start, at)
         self._end_turn(end, td, now)
 
     def on_turn_transcript(self, key: tuple[str, int], text: str | None, now: float) -> None:
@@ -122,7 +124,8 @@ class VadTurns:
         td = self.state.config.turn_detection
         if td is None or not self.semantic_turns(td):
             return
-        end = self.semantic.on_transcript(key, text, self.speech_item_id, self.vad.silence_start)
+        at = self.user.input.first_unscored
+        end = self.semantic.on_transcript(key, text, self.speech_item_id, self.vad.silence_start, at)
         self._end_turn(end, td, now)
 
     def _end_turn(self, end: EndTurn | None, td: TurnDetection, now: float) -> None:
@@ -132,13 +135,19 @@ class VadTurns:
             self._on_speech_stopped(SpeechStopped(end.pause, buffer.first_unscored), td, now)
             buffer.drop_before(buffer.first_unscored - td.prefix_padding_ms * SAMPLES_PER_MS)
 
-    def _maybe_score_turn(self, frame_end: int) -> None:
+    def _maybe_score_turn(self, frame_end: int, td: TurnDetection, now: float) -> bool:
+        """Ask the model at a candidate pause; True when a turn decided finished ended now
+        (its silence became long enough)."""
         pause, item_id = self.vad.silence_start, self.speech_item_id
         coming = item_id is not None and pause is not None and self.prepared == (item_id, pause)
         ask = self.semantic.on_frame(item_id, self.speech_start, pause, frame_end, transcript_coming=coming)
+        if isinstance(ask, EndTurn):
+            self._end_turn(ask, td, now)
+            return True
         if ask is not None:
             params = {"ref": ask.ref, "start": ask.start, "end": ask.end}
             self.state.out.effect(LiveControl("score_turn", params))
+        return False
 
     def tick(self, now: float) -> None:
         """The idle timeout: a silence this long after a response is a turn of its own."""
@@ -185,7 +194,7 @@ class VadTurns:
                 self._maybe_prepare_transcript(frame_start + FRAME, td)
                 self._maybe_respond_ahead(frame_start + FRAME, td)
                 if self.semantic_turns(td):
-                    self._maybe_score_turn(frame_start + FRAME)
+                    self._maybe_score_turn(frame_start + FRAME, td, now)
         if not self.vad.speaking:
             buffer.drop_before(buffer.first_unscored - td.prefix_padding_ms * SAMPLES_PER_MS)
 

@@ -12,6 +12,7 @@ from session.realtime import LiveControl, PrepareTranscript
 from session.realtime.input_audio import SAMPLES_PER_MS
 from session.realtime.semantic_turn import (
     MAX_PAUSE_MS,
+    THRESHOLDS,
     EndTurn,
     ScoreTurn,
     SemanticTurn,
@@ -26,35 +27,69 @@ MS = SAMPLES_PER_MS
 
 
 def test_asks_once_per_pause_after_the_candidate_window() -> None:
-    turn = SemanticTurn(candidate_ms=200)
+    turn = SemanticTurn(ask_ms=64, tail_ms=32)
     assert turn.on_frame("item_1", 0, None, 3200 * MS) is None  # speaking
-    assert turn.on_frame("item_1", 0, 3000 * MS, 3190 * MS) is None  # a 190 ms pause: not yet
-    ask = turn.on_frame("item_1", 0, 3000 * MS, 3200 * MS)
-    assert ask == ScoreTurn("item_1@48000", 0, 3200 * MS)
+    assert turn.on_frame("item_1", 0, 3000 * MS, 3060 * MS) is None  # a 60 ms pause: not yet
+    ask = turn.on_frame("item_1", 0, 3000 * MS, 3064 * MS)
+    # The model hears the speech and the first 32 ms of the pause (it tells finished turns
+    # from first halves best on the speech just after the silence onset).
+    assert ask == ScoreTurn("item_1@48000", 0, 3032 * MS)
     assert turn.on_frame("item_1", 0, 3000 * MS, 3400 * MS) is None  # once per pause
-    again = turn.on_frame("item_1", 0, 4000 * MS, 4300 * MS)  # a later pause is asked afresh
-    assert again is not None and again.ref != ask.ref
+    again = turn.on_frame("item_1", 0, 4000 * MS, 4100 * MS)  # a later pause is asked afresh
+    assert isinstance(again, ScoreTurn) and again.ref != ask.ref
     assert turn.on_frame(None, 0, 4000 * MS, 4300 * MS) is None  # no item being spoken
 
 
 def test_a_finished_score_of_the_current_pause_ends_the_turn() -> None:
-    turn = SemanticTurn(candidate_ms=200, threshold=0.5)
-    ask = turn.on_frame("item_1", 0, 1000 * MS, 1200 * MS)
-    assert ask is not None
-    assert turn.on_score(ask.ref, 0.93, "item_1", 1000 * MS) == EndTurn("item_1", 1000 * MS, 0.93)
-    assert turn.on_score(ask.ref, 0.93, "item_1", 1000 * MS) is None  # answered once
+    turn = SemanticTurn(threshold=0.5)
+    ask = turn.on_frame("item_1", 0, 1000 * MS, 1064 * MS)
+    assert isinstance(ask, ScoreTurn)
+    end = turn.on_score(ask.ref, 0.93, "item_1", 1000 * MS, 1200 * MS)
+    assert end == EndTurn("item_1", 1000 * MS, 0.93)
+    assert turn.on_score(ask.ref, 0.93, "item_1", 1000 * MS, 1200 * MS) is None  # answered once
+
+
+def test_a_score_sooner_than_the_shortest_pause_ends_the_turn_on_the_frame_that_gets_there() -> None:
+    turn = SemanticTurn(ask_ms=64, min_pause_ms=96, threshold=0.5)
+    ask = turn.on_frame("item_1", 0, 1000 * MS, 1064 * MS)
+    assert isinstance(ask, ScoreTurn)
+    assert turn.on_score(ask.ref, 0.9, "item_1", 1000 * MS, 1064 * MS) is None  # 64 ms: too short
+    assert turn.on_frame("item_1", 0, 1000 * MS, 1090 * MS) is None
+    assert turn.on_frame("item_1", 0, 1000 * MS, 1096 * MS) == EndTurn("item_1", 1000 * MS, 0.9)
+    # Speech resuming before that makes the decision stale.
+    ask = turn.on_frame("item_1", 0, 2000 * MS, 2064 * MS)
+    assert isinstance(ask, ScoreTurn)
+    assert turn.on_score(ask.ref, 0.9, "item_1", 2000 * MS, 2064 * MS) is None
+    assert turn.on_frame("item_1", 0, None, 2096 * MS) is None  # speaking again
+    later = turn.on_frame("item_1", 0, 2200 * MS, 2300 * MS)  # the next pause: asked afresh
+    assert isinstance(later, ScoreTurn)
 
 
 def test_unfinished_stale_and_unknown_scores_leave_the_turn_open() -> None:
-    turn = SemanticTurn(candidate_ms=200, threshold=0.5)
+    turn = SemanticTurn(threshold=0.5)
     ask = turn.on_frame("item_1", 0, 1000 * MS, 1200 * MS)
-    assert ask is not None
-    assert turn.on_score(ask.ref, 0.2, "item_1", 1000 * MS) is None  # unfinished: wait
+    assert isinstance(ask, ScoreTurn)
+    assert turn.on_score(ask.ref, 0.2, "item_1", 1000 * MS, 1200 * MS) is None  # unfinished: wait
     ask = turn.on_frame("item_1", 0, 2000 * MS, 2200 * MS)
-    assert ask is not None
-    assert turn.on_score(ask.ref, 0.9, "item_1", None) is None  # they spoke again meanwhile
-    assert turn.on_score("item_9@1", 0.9, "item_1", 2000 * MS) is None  # not asked
+    assert isinstance(ask, ScoreTurn)
+    assert turn.on_score(ask.ref, 0.9, "item_1", None, 2200 * MS) is None  # they spoke again
+    assert turn.on_score("item_9@1", 0.9, "item_1", 2000 * MS, 2200 * MS) is None  # not asked
     assert turn.scores == [0.2, 0.9]
+
+
+def test_eagerness_sets_the_threshold() -> None:
+    turn = SemanticTurn()
+    for eagerness, threshold in (("low", 0.9), ("medium", 0.7), ("auto", 0.7), ("high", 0.5)):
+        turn.configure(eagerness)
+        assert turn.threshold == THRESHOLDS[eagerness] == threshold
+        ask = turn.on_frame("item_1", 0, 1000 * MS, 1064 * MS)
+        assert isinstance(ask, ScoreTurn)
+        below = turn.on_score(ask.ref, threshold - 0.01, "item_1", 1000 * MS, 1200 * MS)
+        assert below is None, eagerness
+        turn.reset()
+        ask = turn.on_frame("item_1", 0, 1000 * MS, 1064 * MS)
+        assert isinstance(ask, ScoreTurn)
+        assert turn.on_score(ask.ref, threshold, "item_1", 1000 * MS, 1200 * MS) is not None, eagerness
 
 
 def _semantic(eagerness: str = "auto", **options: Any) -> Harness:
@@ -72,7 +107,7 @@ def test_core_ends_a_finished_turn_on_the_score_not_on_silence() -> None:
     h = _semantic()
     h.append(silence(0.2))
     h.append(tone(1.0))
-    h.append(silence(0.3))  # past the 200 ms candidate window: asked, not ended
+    h.append(silence(0.3))  # past the 64 ms candidate window: asked, not ended
     assert "input_audio_buffer.speech_stopped" not in types(h.events)
     (ask,) = _asks(h)
     assert ask.params["start"] == 0 and ask.params["end"] > ask.params["start"]
@@ -86,6 +121,32 @@ def test_core_ends_a_finished_turn_on_the_score_not_on_silence() -> None:
     assert "response.created" in kinds
     stopped = out.events[0]
     assert abs(stopped["audio_end_ms"] - 1200) <= 64  # where the pause began
+
+
+def test_core_asks_early_and_ends_no_sooner_than_the_shortest_pause() -> None:
+    h = _semantic()
+    h.append(tone(1.0))
+    while not _asks(h):  # 20 ms appends until the silence has lasted 64 ms (scored)
+        h.append(silence(0.02))
+    (ask,) = _asks(h)
+    pause = int(ask.params["ref"].split("@")[1])
+    assert ask.params["end"] == pause + 32 * MS  # the speech and the first 32 ms of the pause
+    h.take(h.core.on_turn_score(ask.params["ref"], 0.9, h.now))  # finished, but only 64 ms
+    assert "input_audio_buffer.speech_stopped" not in types(h.events)
+    h.append(silence(0.04))  # the frame that makes it 96 ms ends the turn
+    kinds = types(h.events)
+    assert kinds.count("input_audio_buffer.speech_stopped") == 1 and "response.created" in kinds
+
+
+def test_core_eagerness_sets_how_sure_the_model_must_be() -> None:
+    for eagerness, ends in (("high", True), ("auto", False), ("low", False)):
+        h = _semantic(eagerness)
+        h.append(tone(1.0))
+        h.append(silence(0.2))
+        (ask,) = _asks(h)
+        h.take(h.core.on_turn_score(ask.params["ref"], 0.6, h.now))  # >= 0.5, < 0.7
+        stopped = "input_audio_buffer.speech_stopped" in types(h.events)
+        assert stopped == ends, eagerness
 
 
 def test_core_waits_for_the_eagerness_maximum_on_an_unfinished_turn() -> None:
@@ -166,48 +227,55 @@ def test_transcript_cue_reads_where_the_words_stop() -> None:
     assert transcript_cue(None) == "unknown" and transcript_cue("  ") == "unknown"
 
 
-def test_cues_words_mid_clause_outweigh_the_model() -> None:
-    cues = TurnCues(threshold=0.3)
-    assert not cues.finished(0.99, "I would like to book a flight to")  # open: never ends
-    assert cues.finished(0.35, "Book a flight to Madrid.")  # closed: from the threshold
-    assert not cues.finished(0.25, "Book a flight to Madrid.")
-    assert not cues.finished(0.35, "book a flight to Madrid")  # plain: the model's own cut
-    assert cues.finished(0.6, "book a flight to Madrid")
-    assert not cues.finished(0.35, None) and cues.finished(0.5, None)  # no words: the model
+def test_cues_the_model_decides_and_words_mid_clause_veto_it() -> None:
+    cues = TurnCues(threshold=0.7)
+    assert not cues.finished(0.99, "I would like to book a flight to")  # open: vetoed
+    assert cues.finished(0.75, "Book a flight to Madrid.")
+    # A period does not lower the bar (Whisper completes first halves: "a flight to me.").
+    assert not cues.finished(0.6, "I would like to book a flight to me.")
+    assert cues.finished(0.7, "book a flight to Madrid") and not cues.finished(0.69, "book a flight")
+    assert not cues.finished(0.69, None) and cues.finished(0.7, None)  # no words: the model alone
 
 
-def test_a_score_waits_for_the_pause_transcript_then_decides_on_both() -> None:
-    turn = SemanticTurn(candidate_ms=200, threshold=0.3)
+def test_a_score_waits_for_the_pause_transcript_which_may_veto_it() -> None:
+    turn = SemanticTurn(threshold=0.7)
     ask = turn.on_frame("item_1", 0, 1000 * MS, 1200 * MS, transcript_coming=True)
-    assert ask is not None
-    assert turn.on_score(ask.ref, 0.4, "item_1", 1000 * MS) is None  # held for the words
-    end = turn.on_transcript(("item_1", 1000 * MS), "Book it.", "item_1", 1000 * MS)
-    assert end == EndTurn("item_1", 1000 * MS, 0.4)
+    assert isinstance(ask, ScoreTurn)
+    assert turn.on_score(ask.ref, 0.8, "item_1", 1000 * MS, 1200 * MS) is None  # held for the words
+    end = turn.on_transcript(("item_1", 1000 * MS), "Book it.", "item_1", 1000 * MS, 1300 * MS)
+    assert end == EndTurn("item_1", 1000 * MS, 0.8)
     # An open transcript keeps a confident score from ending the turn.
     ask = turn.on_frame("item_1", 0, 2000 * MS, 2200 * MS, transcript_coming=True)
-    assert ask is not None
-    assert turn.on_score(ask.ref, 0.97, "item_1", 2000 * MS) is None
-    assert turn.on_transcript(("item_1", 2000 * MS), "Book a flight to", "item_1", 2000 * MS) is None
+    assert isinstance(ask, ScoreTurn)
+    assert turn.on_score(ask.ref, 0.97, "item_1", 2000 * MS, 2200 * MS) is None
+    words = "Book a flight to"
+    assert turn.on_transcript(("item_1", 2000 * MS), words, "item_1", 2000 * MS, 2300 * MS) is None
+    # Words with a period do not end a turn the model calls unfinished.
+    ask = turn.on_frame("item_1", 0, 3000 * MS, 3200 * MS, transcript_coming=True)
+    assert isinstance(ask, ScoreTurn)
+    assert turn.on_score(ask.ref, 0.4, "item_1", 3000 * MS, 3200 * MS) is None
+    words = "I would like to book a flight to me."
+    assert turn.on_transcript(("item_1", 3000 * MS), words, "item_1", 3000 * MS, 3300 * MS) is None
 
 
 def test_a_transcript_before_the_score_is_used_and_a_missing_one_leaves_the_model() -> None:
-    turn = SemanticTurn(candidate_ms=200, threshold=0.3)
-    assert turn.on_transcript(("item_1", 1000 * MS), "Book it.", "item_1", 1000 * MS) is None
+    turn = SemanticTurn(threshold=0.7)
+    assert turn.on_transcript(("item_1", 1000 * MS), "Book it.", "item_1", 1000 * MS, 1100 * MS) is None
     ask = turn.on_frame("item_1", 0, 1000 * MS, 1200 * MS, transcript_coming=True)
-    assert ask is not None
-    assert turn.on_score(ask.ref, 0.35, "item_1", 1000 * MS) == EndTurn("item_1", 1000 * MS, 0.35)
+    assert isinstance(ask, ScoreTurn)
+    end = turn.on_score(ask.ref, 0.75, "item_1", 1000 * MS, 1200 * MS)
+    assert end == EndTurn("item_1", 1000 * MS, 0.75)
     ask = turn.on_frame("item_2", 0, 3000 * MS, 3200 * MS, transcript_coming=True)
-    assert ask is not None
-    assert turn.on_score(ask.ref, 0.7, "item_2", 3000 * MS) is None
-    # Not transcribed (the ASR failed): the model's own cut decides.
-    assert turn.on_transcript(("item_2", 3000 * MS), None, "item_2", 3000 * MS) == EndTurn(
-        "item_2", 3000 * MS, 0.7
-    )
+    assert isinstance(ask, ScoreTurn)
+    assert turn.on_score(ask.ref, 0.8, "item_2", 3000 * MS, 3200 * MS) is None
+    # Not transcribed (the ASR failed): the model decides alone.
+    end = turn.on_transcript(("item_2", 3000 * MS), None, "item_2", 3000 * MS, 3300 * MS)
+    assert end == EndTurn("item_2", 3000 * MS, 0.8)
     # The user spoke again before the words came: the held score is stale.
     ask = turn.on_frame("item_2", 0, 4000 * MS, 4200 * MS, transcript_coming=True)
-    assert ask is not None
-    assert turn.on_score(ask.ref, 0.9, "item_2", 4000 * MS) is None
-    assert turn.on_transcript(("item_2", 4000 * MS), "Done.", "item_2", None) is None
+    assert isinstance(ask, ScoreTurn)
+    assert turn.on_score(ask.ref, 0.9, "item_2", 4000 * MS, 4200 * MS) is None
+    assert turn.on_transcript(("item_2", 4000 * MS), "Done.", "item_2", None, 4300 * MS) is None
 
 
 def _prepares(h: Harness) -> list[PrepareTranscript]:
