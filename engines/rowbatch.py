@@ -56,6 +56,62 @@ class RowKV(list[torch.Tensor]):
     """Per-row key (or value) states ``[1, heads, len_i, dim]`` of one layer in a batched step."""
 
 
+class SegmentKV(list[torch.Tensor]):
+    """Per-request key (or value) states of one layer in a packed prefill: entry i is request
+    i's own cache after its segment ``bounds[i]`` of the packed sequence was appended."""
+
+    def __init__(self, bounds: Sequence[tuple[int, int]]) -> None:
+        super().__init__()
+        self.bounds = list(bounds)
+
+
+class SegmentsCache:
+    """The caches of the requests of one packed prefill: several prompts concatenated along the
+    sequence (``[1, S, H]``, request i at ``bounds[i]``), each segment appended to its request's
+    own (empty) cache. Passed as the model's ``cache`` with a ready 4-D mask marker, like
+    :class:`RowsCache`; :func:`rows_attention` then runs each segment causally over its own keys,
+    the call its prompt alone makes."""
+
+    def __init__(self, rows: Sequence[DynamicCache], lengths: Sequence[int]) -> None:
+        self.rows = list(rows)
+        self.bounds: list[tuple[int, int]] = []
+        start = 0
+        for n in lengths:
+            self.bounds.append((start, start + n))
+            start += n
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[SegmentKV, SegmentKV]:
+        keys, values = SegmentKV(self.bounds), SegmentKV(self.bounds)
+        for cache, (a, b) in zip(self.rows, self.bounds, strict=True):
+            k, v = cache.update(key_states[:, :, a:b], value_states[:, :, a:b], layer_idx)
+            keys.append(k)
+            values.append(v)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # only fresh caches are packed
+
+
+class Segments:
+    """While active (on this thread), the MoE experts of :func:`install_rows_experts` run once
+    per segment of the packed token sequence (``lengths``), as each prompt alone runs them; every
+    other layer runs once over all tokens (per-token layers, and products whose rows keep their
+    bits for any row count of at least :data:`MIN_GEMM_ROWS`)."""
+
+    def __init__(self, lengths: Sequence[int]) -> None:
+        self.lengths = list(lengths)
+
+    def __enter__(self) -> Segments:
+        self._outer = getattr(_local, "segments", None)
+        _local.segments = self.lengths
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.segments = self._outer
+
+
 class RowsCache:
     """The caches of the rows of one batched step, updated row by row.
 
@@ -102,6 +158,13 @@ def rows_attention(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    if isinstance(key, SegmentKV):
+        assert isinstance(value, SegmentKV)
+        segments = [
+            sdpa_attention_forward(module, query[:, :, a:b], key[i], value[i], None, **kwargs)[0]
+            for i, (a, b) in enumerate(key.bounds)
+        ]
+        return torch.cat(segments, dim=1), None
     if not isinstance(key, RowKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[arg-type]
     assert isinstance(value, RowKV)
@@ -128,6 +191,18 @@ def rows_experts(
     :class:`RowExact` step with several tokens, the same arithmetic with each (token, expert)
     product computed as that token alone computes it (a one-row group), so a token's result does
     not depend on who else was routed to the same expert."""
+    segments = getattr(_local, "segments", None)
+    if segments is not None and not getattr(_local, "exact", False):
+        parts, start = [], 0
+        for n in segments:
+            end = start + n
+            parts.append(
+                grouped_mm_experts_forward(
+                    self, hidden_states[start:end], top_k_index[start:end], top_k_weights[start:end]
+                )
+            )
+            start = end
+        return torch.cat(parts, dim=0)
     if not getattr(_local, "exact", False) or hidden_states.shape[0] <= 1:
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     experts: Any = self

@@ -1,8 +1,10 @@
-"""Batched decode forwards of the thinker, the talker and the code predictor (engines.rowbatch).
+"""Batched forwards of the thinker and the talker (engines.rowbatch).
 
-Each takes one new position per request (its own cache, its own position) and runs the
-``transformers`` module once for all of them under :class:`~engines.rowbatch.RowExact`, so
-every row's result has the same bits as the same request's unbatched call.
+Decodes take one new position per request (its own cache, its own position) and run the
+``transformers`` module once for all of them under :class:`~engines.rowbatch.RowExact`;
+prefills pack the prompts of several new requests along the sequence (:class:`SegmentsCache`,
+:class:`Segments`) and run the module once for all of them. Either way every request's result
+has the same bits as the same request's unbatched call.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from engines.qwen3_omni.model import LoadedModel
-from engines.rowbatch import RowExact, RowsCache, rows_mask_marker
+from engines.rowbatch import MIN_GEMM_ROWS, RowExact, RowsCache, Segments, SegmentsCache, rows_mask_marker
 
 
 def _positions(starts: Sequence[int]) -> torch.Tensor:
@@ -53,3 +55,49 @@ def talker_hidden(
             use_cache=True,
         )
     return out.last_hidden_state[:, -1:]
+
+
+def packable(prompt_length: int) -> bool:
+    """Whether a prompt of this length may be packed with others: each product over a packed
+    prompt keeps its rows' bits only when the prompt alone also has at least MIN_GEMM_ROWS rows."""
+    return prompt_length >= MIN_GEMM_ROWS
+
+
+def _packed_positions(lengths: Sequence[int]) -> torch.Tensor:
+    """``[4, 1, S]`` positions 0..L_i-1 of every packed prompt (text only: every channel equal)."""
+    return torch.cat([torch.arange(n) for n in lengths]).view(1, 1, -1).expand(4, 1, -1)
+
+
+def _packed(
+    model: torch.nn.Module, embeds: Sequence[torch.Tensor], caches: Sequence[DynamicCache]
+) -> torch.Tensor:
+    """The last hidden state of each prompt ``[B, 1, D]``, prompts ``[1, L_i, H]`` prefilled
+    from position 0 into their own empty caches in one forward."""
+    lengths = [int(e.shape[1]) for e in embeds]
+    with Segments(lengths):
+        out = model(
+            inputs_embeds=torch.cat(list(embeds), dim=1),
+            position_ids=_packed_positions(lengths),
+            cache=SegmentsCache(caches, lengths),
+            attention_mask=rows_mask_marker(1),
+            use_cache=True,
+        )
+    ends = torch.tensor(lengths).cumsum(0) - 1
+    return out.last_hidden_state[0, ends].unsqueeze(1)
+
+
+def thinker_prefill_logits(
+    loaded: LoadedModel, embeds: Sequence[torch.Tensor], caches: Sequence[DynamicCache]
+) -> torch.Tensor:
+    """Next-token logits ``[B, vocab]`` after each prompt, all prefilled in one forward."""
+    thinker = loaded.model.thinker
+    last = _packed(thinker.model.language_model, embeds, caches)
+    with RowExact():
+        return thinker.lm_head(last)[:, -1]
+
+
+def talker_prefill_hidden(
+    loaded: LoadedModel, embeds: Sequence[torch.Tensor], caches: Sequence[DynamicCache]
+) -> torch.Tensor:
+    """The talker's last hidden state ``[B, 1, D]`` after each prefill, all in one forward."""
+    return _packed(loaded.model.talker.model, embeds, caches)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
-from engines.qwen3_omni.batched import talker_hidden
+from engines.qwen3_omni.batched import packable, talker_hidden, talker_prefill_hidden
 from engines.qwen3_omni.model import ModelEngine
 from engines.qwen3_omni.sampling import (
     SamplingParams,
@@ -69,6 +69,7 @@ class TalkerEngine(ModelEngine):
         super().__init__(options)
         self._tts_pad: torch.Tensor | None = None
         self._banned: torch.Tensor | None = None
+        self.packed_prefills = 0  # requests prefilled in a packed forward (tests read it)
 
     def load(self) -> None:
         loaded = self.loaded
@@ -109,17 +110,19 @@ class TalkerEngine(ModelEngine):
         )
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
-        """One frame per request. Prefills run per request; the talker decode rows of every
-        request with its next input ready run in one batched forward, and so does the code
-        predictor (15 of the 16 passes of a frame); every row bit-identical to the request alone
-        (engines.rowbatch)."""
+        """One frame per request. The prefills of the requests that join in this step run in one
+        packed forward, the talker decode rows of every request with its next input ready in one
+        batched forward, and so does the code predictor (15 of the 16 passes of a frame); every
+        row bit-identical to the request alone (engines.rowbatch)."""
         outputs: list[StepOutput | None] = [None] * len(batch)
         framing: list[tuple[int, TalkerState, int]] = []
         with torch.inference_mode():
             talking: list[tuple[int, torch.Tensor]] = []
+            for item in batch:
+                self._ingest(item.state, item)
+            self._prefill_packed([item.state for item in batch])
             for i, item in enumerate(batch):
                 state: TalkerState = item.state
-                self._ingest(state, item)
                 out, embeds = self._advance(state)
                 if embeds is not None:
                     talking.append((i, embeds))
@@ -156,6 +159,25 @@ class TalkerEngine(ModelEngine):
         for i, state in enumerate(states):
             state.position += 1
             state.hidden = hidden[i : i + 1]
+
+    def _prefill_packed(self, states: Sequence[TalkerState]) -> None:
+        """Prefill every state whose prefill arrived (two or more) in one packed forward."""
+        ready = [
+            s
+            for s in states
+            if not s.done and s.cache is None and s.prefill is not None and packable(s.prefill.shape[1])
+        ]
+        if len(ready) < 2:
+            return
+        caches = [self.loaded.talker_cache() for _ in ready]
+        embeds = [s.prefill for s in ready if s.prefill is not None]
+        hidden = talker_prefill_hidden(self.loaded, embeds, caches)
+        for i, (state, cache) in enumerate(zip(ready, caches, strict=True)):
+            state.cache = cache
+            state.position = embeds[i].shape[1]
+            state.hidden = hidden[i : i + 1]
+            state.prefill = None
+        self.packed_prefills += len(ready)
 
     def _ingest(self, state: TalkerState, item: StepInput) -> None:
         dtype = self.loaded.dtype

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
-from engines.qwen3_omni.batched import thinker_logits
+from engines.qwen3_omni.batched import packable, thinker_logits, thinker_prefill_logits
 from engines.qwen3_omni.model import ModelEngine
 from engines.qwen3_omni.prompt import Prompt, build_prompt
 from engines.qwen3_omni.sampling import SamplingParams, make_generator, mask_tokens, select_token
@@ -80,7 +80,12 @@ class ThinkerEngine(ModelEngine):
         budget = self.options.get("session_kv_bytes")
         self._private_store = SessionKVStore(int(budget)) if budget is not None else None
         #: Counters of the last request that started (tests read them), and totals.
-        self.stats: dict[str, int] = {"prefill_tokens": 0, "reused_tokens": 0, "requests": 0}
+        self.stats: dict[str, int] = {
+            "prefill_tokens": 0,
+            "reused_tokens": 0,
+            "requests": 0,
+            "packed_prefills": 0,
+        }
         self._tts_eos: np.ndarray | None = None
 
     @property
@@ -160,31 +165,61 @@ class ThinkerEngine(ModelEngine):
     # -- compute -------------------------------------------------------------------------------
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
-        """Prefill (and finished requests) one by one; every request past its prefill decodes in
-        one batched forward (continuous batching: requests join after their prefill step and
-        leave when done), each row bit-identical to the request stepped alone."""
+        """Every request past its prefill decodes in one batched forward, and the new requests'
+        text prompts prefill together in one packed forward (continuous batching: requests join
+        in the step they arrive and leave when done); the rest (audio prompts, prompts on a
+        reused session cache, a lone prefill) one by one. Every row is bit-identical to the
+        request stepped alone."""
         outputs: list[StepOutput | None] = [None] * len(batch)
-        decoding = [
-            i for i, item in enumerate(batch) if item.state.generated and not item.state.finished
-        ]
+        decoding = [i for i, item in enumerate(batch) if item.state.generated and not item.state.finished]
         if len(decoding) < 2:
             decoding = []
+        packing = [i for i, item in enumerate(batch) if self._packable(item.state)]
+        if len(packing) < 2:
+            packing = []
         with torch.inference_mode():
+            if packing:
+                states = [batch[i].state for i in packing]
+                logits = self._batch_guarded(states, self._prefill_packed)
+                self.stats["packed_prefills"] += len(states)
+                for row, i in enumerate(packing):
+                    select = functools.partial(self._select, logits=logits[row])
+                    outputs[i] = self._guarded(states[row], select)
             for i, item in enumerate(batch):
-                if i not in decoding:
+                if i not in decoding and outputs[i] is None:
                     outputs[i] = self._guarded(item.state, self._advance)
             if decoding:
-                states: list[ThinkerState] = [batch[i].state for i in decoding]
-                try:
-                    logits = self._decode_batch(states)
-                except BaseException:
-                    for state in states:
-                        state.broken = True
-                    raise
+                states = [batch[i].state for i in decoding]
+                logits = self._batch_guarded(states, self._decode_batch)
                 for row, i in enumerate(decoding):
                     select = functools.partial(self._select, logits=logits[row])
                     outputs[i] = self._guarded(states[row], select)
         return [out if out is not None else StepOutput() for out in outputs]
+
+    @staticmethod
+    def _batch_guarded(
+        states: list[ThinkerState], fn: Callable[[list[ThinkerState]], torch.Tensor]
+    ) -> torch.Tensor:
+        try:
+            return fn(states)
+        except BaseException:
+            for state in states:
+                state.broken = True
+            raise
+
+    def _packable(self, state: ThinkerState) -> bool:
+        """A fresh request whose whole prompt is text (no audio features to merge, no reused
+        session cache): its prefill may share a packed forward."""
+        if state.generated or state.finished or state.keys or state.prompt.input_features is not None:
+            return False
+        return packable(len(state.prompt.ids))
+
+    def _prefill_packed(self, states: list[ThinkerState]) -> torch.Tensor:
+        embeds = []
+        for state in states:
+            embeds.append(thinker_embed(self.loaded, state.prompt.ids))
+            state.keys.extend(state.prompt.keys)
+        return thinker_prefill_logits(self.loaded, embeds, [s.cache for s in states])
 
     @staticmethod
     def _guarded(state: ThinkerState, fn: Callable[[ThinkerState], StepOutput]) -> StepOutput:

@@ -47,8 +47,12 @@ def assert_same(batched: Run, single: Run) -> None:
 
 
 def test_batched_outputs_are_bitwise_the_outputs_alone(engines: Engines, alone: dict[int, Run]) -> None:
+    packed = engines.thinker.stats["packed_prefills"], engines.talker.packed_prefills
     members = run_batched(engines, [Member(params(i)) for i in range(6)])
     assert max(max(m.batch_sizes) for m in members) == 6  # the thinker really stepped them together
+    # ... and prefilled the six prompts (different lengths) in one packed forward, the talker too
+    assert engines.thinker.stats["packed_prefills"] - packed[0] == 6
+    assert engines.talker.packed_prefills - packed[1] == 6
     for i, m in enumerate(members):
         assert m.run.code_matrix.shape == (FRAMES, 16)
         assert m.run.samples.size == FRAMES * 1920 - 555
@@ -58,6 +62,7 @@ def test_batched_outputs_are_bitwise_the_outputs_alone(engines: Engines, alone: 
 def test_joining_and_cancelled_requests_leave_the_others_unchanged(
     engines: Engines, alone: dict[int, Run]
 ) -> None:
+    packed = engines.thinker.stats["packed_prefills"]
     members = run_batched(
         engines,
         [
@@ -65,11 +70,12 @@ def test_joining_and_cancelled_requests_leave_the_others_unchanged(
             Member(params(1), join_at=3),  # joins while 0 decodes
             Member(params(2), cancel_at=6),  # cancelled mid-batch
             Member(params(3), join_at=9, cancel_at=20),
-            Member(params(4), join_at=12),
+            Member(params(4), join_at=9),  # joins with 3: one packed prefill beside the decodes
         ],
     )
     for i in (0, 1, 4):
         assert_same(members[i].run, alone[i])
+    assert engines.thinker.stats["packed_prefills"] - packed >= 2
     cancelled = members[2].run
     assert 0 < len(cancelled.tokens) < TOKENS
     assert cancelled.tokens == alone[2].tokens[: len(cancelled.tokens)]  # same prefix until cancelled
