@@ -1,9 +1,15 @@
 """Stages on other hosts, measured on one machine (loopback): the data plane, then the pipeline.
 
-1. **Transfer**: a payload of 16 KiB, 1 MiB, 8 MiB and 64 MiB put by another process, pulled
-   through the mooncake connector (``get``: transfer engine read + decode), the transfer engine
-   read alone, and the same bytes over a raw TCP socket to the same process (one connection
-   kept open, a length asked for and received into a preallocated buffer). Interleaved per rep.
+1. **Transfer**: a payload (an ``AudioChunk``) of 16 KiB, 1 MiB, 8 MiB and 64 MiB put by another
+   process, pulled through the mooncake connector (``get``: transfer engine read + decode, and
+   the same as it was before the zero-copy change, ``get_before``), the transfer engine read
+   alone (the connector's read: blocking up to 256 KiB, polled above; and the engine's own
+   spinning ``transfer_sync_read``),
+   and over a raw TCP socket to the same process (one connection kept open): ``raw_bytes``
+   moves the bytes only, into one reused buffer; ``raw_object`` has the same semantics as the
+   connector (the owner pickles the object, arrays out of band; the reader receives into a
+   fresh buffer and unpickles). ``connector_put`` is a put (+ release) in the reader itself.
+   Interleaved per rep, in an order that rotates.
 2. **Pipeline**: qwen3-omni-tiny with every stage local against talker and code2wav on two
    ``omniduplex stage`` processes (a real redis-server, the registry, the zmq control plane),
    TTFA and RTF per request at each concurrency, in interleaved pairs (local, remote, local, ...).
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import copy
 import json
 import os
 import pickle
@@ -36,7 +43,7 @@ from redis.asyncio import Redis
 from loadtest.bench_qwen import RequestTiming, summarize, wave
 from runtime.connectors import Handle
 from runtime.orchestrator import Orchestrator
-from runtime.remote.connector import MooncakeConnector
+from runtime.remote.connector import MooncakeConnector, decode
 from runtime.remote.orchestrator import RemoteOrchestrator
 from runtime.remote.transfer import TransferEndpoint
 from runtime.spec import load_pipeline
@@ -50,23 +57,34 @@ OWNER = """
 import base64, pickle, socket, sys, threading
 import numpy as np
 from runtime.payloads import AudioChunk
-from runtime.remote.connector import MooncakeConnector
+from runtime.remote.connector import MooncakeConnector, decode
 from runtime.remote.transfer import TransferEndpoint
 sizes = [int(s) for s in sys.argv[1:]]
 conn = MooncakeConnector(TransferEndpoint("127.0.0.1", 2 * sum(sizes) + (1 << 20)), inline_max=0)
 raw = np.random.default_rng(0).integers(0, 255, max(sizes), dtype=np.uint8)
+chunks = {n: AudioChunk(raw[: n // 4 * 4].view(np.float32), 24_000) for n in sizes}
 server = socket.create_server(("127.0.0.1", 0))
 def serve():
     while True:
         c, _ = server.accept()
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         while True:
-            head = c.recv(8, socket.MSG_WAITALL)
-            if len(head) < 8:
+            head = c.recv(9, socket.MSG_WAITALL)
+            if len(head) < 9:
                 break
-            c.sendall(memoryview(raw)[: int.from_bytes(head, "big")])
+            n = int.from_bytes(head[1:], "big")
+            if head[0] == 0:  # bytes: the first n bytes of the array
+                c.sendall(memoryview(raw)[:n])
+                continue
+            buffers = []  # object: the chunk pickled as the connector does (arrays out of band)
+            header = pickle.dumps(chunks[n], protocol=5, buffer_callback=buffers.append)
+            data = [b.raw() for b in buffers]
+            c.sendall(b"".join(x.to_bytes(8, "big") for x in (len(header), *(d.nbytes for d in data), 0)))
+            c.sendall(header)
+            for d in data:
+                c.sendall(d)
 threading.Thread(target=serve, daemon=True).start()
-handles = [conn.put("bench", str(n), AudioChunk(raw[: n // 4 * 4].view(np.float32), 24_000)) for n in sizes]
+handles = [conn.put("bench", str(n), chunks[n]) for n in sizes]
 print(server.getsockname()[1], base64.b64encode(pickle.dumps(handles)).decode(), flush=True)
 sys.stdin.read()
 """
@@ -74,6 +92,110 @@ sys.stdin.read()
 
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2"}
+
+
+class RawClient:
+    """The baseline: one kept-open TCP connection to the owner, plain ``socket`` calls."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sink = bytearray(max(SIZES))
+
+    def _recv_into(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            n = self.sock.recv_into(view[got:])
+            if not n:
+                raise ConnectionError("owner closed the raw socket")
+            got += n
+
+    def read_bytes(self, size: int) -> None:
+        """``size`` bytes into one preallocated buffer, nothing decoded (reused every call)."""
+        self.sock.sendall(b"\0" + size.to_bytes(8, "big"))
+        self._recv_into(memoryview(self.sink)[:size])
+
+    def read_object(self, size: int) -> Any:
+        """The owner's payload pickled (protocol 5, arrays out of band) and sent; received into a
+        fresh buffer (the object outlives the call, as a connector's does) and unpickled."""
+        self.sock.sendall(b"\1" + size.to_bytes(8, "big"))
+        lengths: list[int] = []
+        while not lengths or lengths[-1]:
+            head = bytearray(8)
+            self._recv_into(memoryview(head))
+            lengths.append(int.from_bytes(head, "big"))
+        lengths.pop()
+        data = np.empty(sum(lengths), np.uint8)
+        self._recv_into(data.data)
+        view, spans, at = data.data, [], 0
+        for n in lengths:
+            spans.append(view[at : at + n])
+            at += n
+        return pickle.loads(spans[0], buffers=spans[1:])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def get_before(conn: MooncakeConnector, handle: Handle) -> Any:
+    """The connector's pull as it was before the change (kept here for the before/after pair):
+    the engine's blocking ``transfer_sync_read`` (which spins on the status), a copy of the
+    scratch slice out into a ``bytearray``, decode, free the slice."""
+    ref, pool = handle.ref, conn.endpoint.pool
+    scratch = pool.alloc(ref.nbytes)
+    try:
+        rc = conn.endpoint._engine.transfer_sync_read(
+            ref.owner, conn.endpoint.address(scratch), ref.address, ref.nbytes
+        )
+        if rc < 0:
+            raise RuntimeError(f"transfer_sync_read: {rc}")
+        data = bytearray(conn.endpoint.view(scratch, ref.nbytes))
+    finally:
+        pool.free(scratch)
+    return decode(data, ref)
+
+
+def measure_size(
+    reader: MooncakeConnector, raw: RawClient, size: int, handle: Handle, reps: int
+) -> dict[str, Any]:
+    ref = handle.ref
+    scratch = reader.endpoint.pool.alloc(ref.nbytes)
+    local = copy.deepcopy(reader.get(handle))  # the same payload in this process, to put it
+    cases: dict[str, Any] = {
+        "connector_get": lambda: reader.get(handle),
+        "connector_get_before": lambda: get_before(reader, handle),
+        "engine_read": lambda: reader.endpoint.read(ref.owner, ref.address, scratch, ref.nbytes),
+        "engine_sync_read": lambda: reader.endpoint._engine.transfer_sync_read(
+            ref.owner, reader.endpoint.address(scratch), ref.address, ref.nbytes
+        ),
+        "raw_bytes": lambda: raw.read_bytes(size),
+        "raw_object": lambda: raw.read_object(size),
+        "connector_put": lambda: reader.release(reader.put("bench", "p", local)),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    names = list(cases)
+    for rep in range(reps + 1):  # the first of each is a warm-up (connection, segment lookup)
+        # the order rotates every rep: no case is always the one that wakes the owner up
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            call = cases[name]
+            t = time.perf_counter()
+            got = call()
+            elapsed = time.perf_counter() - t
+            del got
+            if rep:
+                samples[name].append(elapsed)
+    assert reader.health()["lent_bytes"] == 0, "a pulled payload kept its slice"
+    reader.endpoint.pool.free(scratch)
+    out: dict[str, Any] = {"reps": reps, "bytes": ref.nbytes}
+    for name, values in samples.items():
+        p50 = statistics.median(values)
+        out[name] = {
+            "p50_us": p50 * 1e6,
+            "gib_s": size / p50 / 2**30,
+            "p10_us": float(np.percentile(values, 10)) * 1e6,
+            "p90_us": float(np.percentile(values, 90)) * 1e6,
+        }
+    return out
 
 
 def transfer_bench(reps: int) -> dict[str, Any]:
@@ -90,43 +212,14 @@ def transfer_bench(reps: int) -> dict[str, Any]:
         assert owner.stdout is not None
         port, blob = owner.stdout.readline().split()
         handles: list[Handle] = pickle.loads(base64.b64decode(blob))
-        reader = MooncakeConnector(TransferEndpoint("127.0.0.1", 2 * max(SIZES) + (1 << 20)))
-        sock = socket.create_connection(("127.0.0.1", int(port)))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sink = bytearray(max(SIZES))
+        # 256 MiB + 1 MiB: the default pool (--pool-mb), so a quarter (lend_max) holds 64 MiB
+        reader = MooncakeConnector(TransferEndpoint("127.0.0.1", (256 << 20) + (1 << 20)))
+        raw = RawClient(int(port))
         out: dict[str, Any] = {}
         for size, handle in zip(SIZES, handles, strict=True):
-            n = reps if size <= 1 << 20 else max(3, reps // 10)
-            get_s, read_s, raw_s = [], [], []
-            scratch = reader.endpoint.pool.alloc(handle.ref.nbytes)
-            for rep in range(n + 1):  # the first of each is a warm-up (connection, segment lookup)
-                t = time.perf_counter()
-                reader.get(handle)
-                t1 = time.perf_counter()
-                reader.endpoint.read(handle.ref.owner, handle.ref.address, scratch, handle.ref.nbytes)
-                t2 = time.perf_counter()
-                sock.sendall(size.to_bytes(8, "big"))
-                view, got = memoryview(sink), 0
-                while got < size:
-                    got += sock.recv_into(view[got:size])
-                t3 = time.perf_counter()
-                if rep:
-                    get_s.append(t1 - t)
-                    read_s.append(t2 - t1)
-                    raw_s.append(t3 - t2)
-            reader.endpoint.pool.free(scratch)
-
-            def figures(samples: list[float], size: int = size) -> dict[str, float]:
-                p50 = statistics.median(samples)
-                return {"p50_us": p50 * 1e6, "gib_s": size / p50 / 2**30}
-
-            out[str(size)] = {
-                "reps": n,
-                "connector_get": figures(get_s),
-                "engine_read": figures(read_s),
-                "raw_socket": figures(raw_s),
-            }
-        sock.close()
+            n = reps if size <= 1 << 20 else max(5, reps // 5) if size <= 8 << 20 else max(3, reps // 10)
+            out[str(size)] = measure_size(reader, raw, size, handle, n)
+        raw.close()
         reader.close()
         return out
     finally:
@@ -238,17 +331,23 @@ async def pipeline_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
+    def cell(row: dict[str, Any]) -> str:
+        return f"{row['p50_us']:.0f} µs ({row['gib_s']:.2f} GiB/s)"
+
     lines = [
-        "| size | connector get p50 | engine read p50 | raw socket p50 | get / raw throughput |",
-        "|---|---|---|---|---|",
+        "| size | connector get | get, before | engine read | engine sync read | raw bytes | raw object"
+        " | get / raw bytes | get / raw object | before / raw bytes | connector put |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, row in report["transfer"].items():
-        g, r, s = row["connector_get"], row["engine_read"], row["raw_socket"]
         label = f"{int(size) >> 10} KiB" if int(size) < 1 << 20 else f"{int(size) >> 20} MiB"
+        g, b = row["connector_get"]["gib_s"], row["connector_get_before"]["gib_s"]
+        rb, ro = row["raw_bytes"]["gib_s"], row["raw_object"]["gib_s"]
         lines.append(
-            f"| {label} | {g['p50_us']:.0f} µs ({g['gib_s']:.2f} GiB/s)"
-            f" | {r['p50_us']:.0f} µs ({r['gib_s']:.2f} GiB/s)"
-            f" | {s['p50_us']:.0f} µs ({s['gib_s']:.2f} GiB/s) | {g['gib_s'] / s['gib_s']:.0%} |"
+            f"| {label} | {cell(row['connector_get'])} | {cell(row['connector_get_before'])}"
+            f" | {cell(row['engine_read'])} | {cell(row['engine_sync_read'])} | {cell(row['raw_bytes'])}"
+            f" | {cell(row['raw_object'])} | {g / rb:.0%} | {g / ro:.0%} | {b / rb:.0%}"
+            f" | {row['connector_put']['p50_us']:.0f} µs |"
         )
     if "pipeline" in report:
         lines += [
@@ -272,18 +371,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, help="write the JSON report here")
-    parser.add_argument("--reps", type=int, default=50, help="pulls per size (a tenth for 8 and 64 MiB)")
+    parser.add_argument(
+        "--reps", type=int, default=50, help="pulls per size (a fifth for 8 MiB, a tenth for 64 MiB)"
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--pairs", type=int, default=3, help="interleaved local/remote waves per concurrency")
     parser.add_argument("--tokens", type=int, default=30)
     parser.add_argument("--frames", type=int, default=60)
     parser.add_argument("--skip-pipeline", action="store_true")
+    parser.add_argument("--skip-transfer", action="store_true")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    report: dict[str, Any] = {"load_before": os.getloadavg(), "transfer": transfer_bench(args.reps)}
+    report: dict[str, Any] = {"load_before": os.getloadavg(), "transfer": {}}
+    if not args.skip_transfer:
+        report["transfer"] = transfer_bench(args.reps)
     if not args.skip_pipeline:
         report["pipeline"] = asyncio.run(pipeline_bench(args))
     report["load_after"] = os.getloadavg()

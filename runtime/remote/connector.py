@@ -3,8 +3,11 @@
 ``put`` pickles a payload (protocol 5: array bytes out of band) and copies it into one slice of
 this process's pool; the handle names the owner (``host:port`` of its transfer engine), the
 slice's address and size. ``get`` in the owner copies the slice out; anywhere else it pulls the
-slice into a scratch slice of its own pool through the transfer engine, then decodes. Payloads
-of at most ``inline_max`` bytes ride inline in the handle (the control message) instead.
+slice into a scratch slice of its own pool through the transfer engine and decodes it there: the
+payload's arrays are views of that slice, which returns to the pool when the last of them is
+gone (at most ``lend_max`` bytes lent so, and only slices of ``LEND_MIN`` bytes or more; else the
+arrays are copied out once and the slice freed at once). Payloads of at most ``inline_max``
+bytes ride inline in the handle (the control message) instead.
 
 Ownership: the owner frees a slice after its last release, or on a cleanup of its request, or
 when the reaper finds it older than ``ttl_s`` (abandoned: its consumer died). Releases and
@@ -14,9 +17,11 @@ plane); the server's connector sends them, a stage host's receives them.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,9 +30,12 @@ from runtime.connectors import Connector, ConnectorError, Handle, drop_reference
 from runtime.payloads import Payload
 from runtime.remote.histogram import Histogram
 from runtime.remote.slices import ALIGN, PoolFull
-from runtime.remote.transfer import TransferEndpoint, TransferError
+from runtime.remote.transfer import TransferEndpoint, TransferError, TransferTimeout
+
+log = logging.getLogger(__name__)
 
 INLINE_MAX = 4096  # bytes: a handle carries payloads this small itself
+LEND_MIN = 64 << 10  # a pulled slice smaller than this is copied out (cheaper than lending it)
 DEFAULT_TTL_S = 600.0
 
 
@@ -82,12 +90,16 @@ class MooncakeConnector(Connector):
         owners: RemoteOwners | None = None,
         inline_max: int = INLINE_MAX,
         ttl_s: float = DEFAULT_TTL_S,
+        lend_max: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.endpoint = endpoint
         self.owners = owners
         self.inline_max = inline_max
         self.ttl_s = ttl_s
+        # bytes of pulled slices a process lets decoded payloads keep (a quarter of the pool)
+        self.lend_max = endpoint.pool.size // 4 if lend_max is None else lend_max
+        self._lent = 0
         self._clock = clock
         self._lock = threading.Lock()
         # request -> key -> [slice offset, refs, nbytes, created]
@@ -107,7 +119,7 @@ class MooncakeConnector(Connector):
         total, spans = _layout(header, buffers)
         if total <= self.inline_max:
             self.stats["inline"] += 1
-            inline = pickle.dumps(payload, protocol=5)
+            inline = pickle.dumps(payload, protocol=5) if buffers else header
             return Handle(self.kind, request_id, key, MooncakeRef("", nbytes=len(inline), inline=inline))
         pool = self.endpoint.pool
         try:
@@ -149,24 +161,55 @@ class MooncakeConnector(Connector):
         except PoolFull as exc:
             raise ConnectorError(f"mooncake: no room to receive {ref.nbytes} B: {exc}") from None
         with self._lock:
-            latency, moved = self.pulls.setdefault(ref.owner, (Histogram(), [0, 0]))
+            found = self.pulls.get(ref.owner)
+            if found is None:
+                found = self.pulls[ref.owner] = (Histogram(), [0, 0])
+            latency, moved = found
         started = time.perf_counter()
         try:
             self.endpoint.read(ref.owner, ref.address, scratch, ref.nbytes)
-            data = bytearray(self.endpoint.view(scratch, ref.nbytes))
         except TransferError as exc:
+            if isinstance(exc, TransferTimeout):  # the engine may still write there: never reused
+                log.warning("mooncake: %d B slice kept out of the pool after a timed-out pull", ref.nbytes)
+            else:
+                pool.free(scratch)
             with self._lock:
                 self.stats["failures"] += 1
                 moved[1] += 1
             raise ConnectorError(f"mooncake: {handle.request_id}/{handle.key}: {exc}") from None
-        finally:
-            pool.free(scratch)
         latency.observe(time.perf_counter() - started)
         with self._lock:
             self.stats["pulls"] += 1
             self.stats["bytes_pulled"] += ref.nbytes
             moved[0] += ref.nbytes
-        return decode(data, ref)
+        return self._unpack(scratch, ref)
+
+    def _unpack(self, scratch: int, ref: MooncakeRef) -> Payload:
+        """Decode a pulled slice where it landed. Its out-of-band buffers (array bytes) stay in
+        the slice, which goes back to the pool when the payload's last array is gone, while
+        ``lend_max`` bytes allow; past that they are copied out once and the slice freed."""
+        pool = self.endpoint.pool
+        with self._lock:
+            lend = bool(ref.buffers) and LEND_MIN <= ref.nbytes <= self.lend_max - self._lent
+            if lend:
+                self._lent += ref.nbytes
+        if not lend:
+            try:
+                view = self.endpoint.view(scratch, ref.nbytes)
+                if not ref.buffers:  # all in band: unpickling copies what it keeps
+                    payload: Payload = pickle.loads(view[: ref.header])
+                    return payload
+                return decode(bytearray(view), ref)
+            finally:
+                pool.free(scratch)
+        backing = self.endpoint.array(scratch, ref.nbytes)
+        weakref.finalize(backing, self._give_back, scratch, ref.nbytes)
+        return decode(backing.data, ref)
+
+    def _give_back(self, scratch: int, nbytes: int) -> None:
+        with self._lock:
+            self._lent -= nbytes
+        self.endpoint.pool.free(scratch)
 
     def release(self, handle: Handle) -> bool:
         ref = handle.ref
@@ -235,6 +278,7 @@ class MooncakeConnector(Connector):
             "bytes": sum(e[2] for e in entries),
             "pool_bytes": pool.size,
             "pool_used_bytes": pool.used_bytes,
+            "lent_bytes": self._lent,
             **self.stats,
         }
 

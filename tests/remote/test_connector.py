@@ -105,6 +105,52 @@ def test_the_pool_bounds_what_a_process_holds_and_the_reaper_frees_abandoned_sli
     conn.close()
 
 
+def test_a_pulled_payload_is_decoded_in_place_and_its_slice_returns_when_it_is_gone() -> None:
+    owner = MooncakeConnector(TransferEndpoint("127.0.0.1", 8 << 20))
+    # split_min 256 KiB: a 1 MiB pull goes as 4 concurrent parts, reassembled in order
+    reader = MooncakeConnector(TransferEndpoint("127.0.0.1", 8 << 20, split_min=256 << 10))
+    samples = np.random.default_rng(1).standard_normal(1 << 18).astype(np.float32)  # 1 MiB
+    handle = owner.put("r", "k", AudioChunk(samples, 24_000))
+    got = reader.get(handle)
+    assert isinstance(got, AudioChunk) and np.array_equal(got.samples, samples)
+    health = reader.health()
+    assert health["lent_bytes"] == handle.ref.nbytes and health["pool_used_bytes"] >= handle.ref.nbytes
+    # the array is a view of the reader's registered pool: no copy was made
+    base = reader.endpoint.array(0, reader.endpoint.pool.size)
+    assert np.shares_memory(got.samples, base)
+    view = got.samples[10:20]
+    del got
+    assert reader.health()["lent_bytes"] > 0  # a slice of the array still holds it
+    del view
+    assert reader.health()["lent_bytes"] == 0 and reader.health()["pool_used_bytes"] == 0
+    assert reader.endpoint.reads == 1
+    owner.close()
+    reader.close()
+
+
+def test_past_lend_max_a_pulled_payload_is_copied_out_and_the_slice_freed_at_once() -> None:
+    owner = MooncakeConnector(TransferEndpoint("127.0.0.1", 4 << 20))
+    reader = MooncakeConnector(TransferEndpoint("127.0.0.1", 4 << 20), lend_max=300_000)
+    chunks = [owner.put("r", str(i), AudioChunk(np.full(50_000, i, np.float32), 24_000)) for i in range(3)]
+    kept = [reader.get(h) for h in chunks]  # 200 KB each: the first is lent, the rest copied
+    assert [float(k.samples[0]) for k in kept if isinstance(k, AudioChunk)] == [0.0, 1.0, 2.0]
+    health = reader.health()
+    assert health["lent_bytes"] == chunks[0].ref.nbytes
+    assert health["pool_used_bytes"] == -(-chunks[0].ref.nbytes // 64) * 64
+    del kept
+    assert reader.health()["pool_used_bytes"] == 0
+    owner.close()
+    reader.close()
+
+
+def test_a_bad_transfer_timeout_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime.remote.transfer import TransferError
+
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "soon")
+    with pytest.raises(TransferError, match="MC_TRANSFER_TIMEOUT='soon' is not a number"):
+        TransferEndpoint("127.0.0.1", 1 << 20)
+
+
 OWNER = """
 import sys, time, numpy as np
 from runtime.payloads import AudioChunk
