@@ -4,12 +4,11 @@
    process, pulled through the mooncake connector (``get``: transfer engine read + decode, and
    the same as it was before the zero-copy change, ``get_before``), the transfer engine read
    alone (the connector's read: blocking up to 256 KiB, polled above; and the engine's own
-   spinning ``transfer_sync_read``),
-   and over a raw TCP socket to the same process (one connection kept open): ``raw_bytes``
-   moves the bytes only, into one reused buffer; ``raw_object`` has the same semantics as the
-   connector (the owner pickles the object, arrays out of band; the reader receives into a
-   fresh buffer and unpickles). ``connector_put`` is a put (+ release) in the reader itself.
-   Interleaved per rep, in an order that rotates.
+   spinning ``transfer_sync_read``), and over a raw TCP socket to the same process (one
+   connection kept open): ``raw_bytes`` moves the bytes only, into one reused buffer;
+   ``raw_object`` has the same semantics as the connector (the owner pickles the object, arrays
+   out of band; the reader receives into a fresh buffer and unpickles). ``connector_put`` is a
+   put (+ release) in the reader itself. Interleaved per rep, in an order that rotates.
 2. **Pipeline**: qwen3-omni-tiny with every stage local against talker and code2wav on two
    ``omniduplex stage`` processes (a real redis-server, the registry, the zmq control plane),
    TTFA and RTF per request at each concurrency, in interleaved pairs (local, remote, local, ...).

@@ -57,7 +57,9 @@ class _EdgeRun:
 
 
 @dataclass(eq=False, slots=True)
-class _Run:
+class RequestRun:
+    """One live request: its replicas, edges and handle (a subclass may end and reopen it)."""
+
     request_id: str
     handle: RequestHandle
     spec: PipelineSpec  # with this request's edge modes
@@ -91,7 +93,7 @@ class Orchestrator:
         self._stream_buffer = stream_buffer
         self._inbox_limit = inbox_limit
         self._input_limit = input_limit
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, RequestRun] = {}
         self._provides: dict[str, frozenset[str]] = {}  # stage → what its engine provides
         self._started = False
         self._closed = False
@@ -233,11 +235,25 @@ class Orchestrator:
             raise AdmissionError(
                 f"pipeline {spec.name} is full: {self._main_runs} live requests (max_concurrency {capacity})"
             )
+        handle = RequestHandle(request_id, self._stream_buffer, on_drain=lambda: self._wake(request_id))
+        self._open_run(spec, request_id, params, session_key, entry, handle)
+        return handle
+
+    def _open_run(
+        self,
+        spec: PipelineSpec,
+        request_id: str,
+        params: Mapping[str, Any],
+        session_key: str | None,
+        entry: str,
+        handle: RequestHandle,
+    ) -> None:
+        """Assign the request's stages and open it on their replicas; its output goes to
+        ``handle`` (a new one, or one whose run ended before anything reached it: a re-run)."""
         names = spec.reachable(entry)
         replicas = {name: self.stages[name].assign(session_key) for name in names}
         now = self._clock()
-        handle = RequestHandle(request_id, self._stream_buffer, on_drain=lambda: self._wake(request_id))
-        run = _Run(request_id, handle, spec, replicas, now, entry, pending=set(replicas))
+        run = RequestRun(request_id, handle, spec, replicas, now, entry, pending=set(replicas))
         for edge in spec.edges:
             if edge.source not in replicas:
                 continue
@@ -260,7 +276,6 @@ class Orchestrator:
                 incoming=len(incoming),
                 admitted_at=now,
             )
-        return handle
 
     async def append_input(self, request_id: str, payload: Payload) -> bool:
         """Streaming input (audio, text, actions) for the entry stage of a live request.
@@ -393,7 +408,7 @@ class Orchestrator:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _deliver(self, run: _Run, edge: _EdgeRun, chunk: Chunk[Handle]) -> None:
+    def _deliver(self, run: RequestRun, edge: _EdgeRun, chunk: Chunk[Handle]) -> None:
         ref = ChunkRef(
             chunk.items, chunk.context, chunk.finished, chunk.index, edge.spec.source, chunk.release
         )
@@ -407,7 +422,7 @@ class Orchestrator:
             if connector is not None:
                 connector.release(handle)
 
-    def _release_upstream(self, run: _Run, stage: str) -> None:
+    def _release_upstream(self, run: RequestRun, stage: str) -> None:
         """``stage`` finished the request before its upstream stages: they may be paused on its
         inbox (``can_step``) or its flow credits, which nothing else would ever free. Wake them;
         from now on what they hand to ``stage`` is released on delivery."""
@@ -421,13 +436,19 @@ class Orchestrator:
             for replica in run.replicas.values():
                 replica.wake()
 
-    def _finalize(self, run: _Run, status: FinalStatus, error: str | None) -> None:
+    def _detach(self, run: RequestRun, status: FinalStatus) -> bool:
+        """End ``run`` on its replicas and free its connector data; False if it had ended."""
         if self._runs.pop(run.request_id, None) is None:
-            return
+            return False
         for replica in run.replicas.values():
             replica.close_request(run.request_id, outcome=status)
         for connector in self.connectors.values():
             connector.cleanup(run.request_id)
+        return True
+
+    def _finalize(self, run: RequestRun, status: FinalStatus, error: str | None) -> None:
+        if not self._detach(run, status):
+            return
         now = self._clock()
         first_client = None if run.first_client_at is None else (run.first_client_at - run.admitted_at) * 1e3
         run.handle._close(

@@ -8,19 +8,25 @@ client progress) is the plain :class:`~runtime.orchestrator.Orchestrator`'s.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+import logging
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from runtime.connector_registry import make_connectors
 from runtime.connectors import Connector
 from runtime.engine import Engine
-from runtime.orchestrator import Orchestrator
+from runtime.orchestrator import Orchestrator, RequestRun
+from runtime.payloads import Conditioning, Payload
+from runtime.progress import AdmissionError, FinalStatus, RequestHandle, RequestStatus
 from runtime.remote.auth import CurveKeys
 from runtime.remote.connector import MooncakeConnector
+from runtime.remote.rerun import RERUN_SUFFIX, Reruns
 from runtime.remote.stages import Lister, RemoteStage, RemoteStages
 from runtime.remote.transfer import TransferEndpoint
 from runtime.spec import PipelineSpec, StageSpec
 from runtime.stage import Stage
+
+log = logging.getLogger(__name__)
 
 KIND = MooncakeConnector.kind
 
@@ -61,6 +67,7 @@ class RemoteOrchestrator(Orchestrator):
         self.remote = RemoteStages(self.spec.name, lister, keys)
         self._transfer_host = transfer_host
         self._pool_bytes = pool_bytes
+        self.reruns = Reruns()
 
     def _make_connectors(self, kinds: Collection[str]) -> dict[str, Connector]:
         connectors = make_connectors(set(kinds) - {KIND})
@@ -89,5 +96,65 @@ class RemoteOrchestrator(Orchestrator):
 
     def health(self) -> dict[str, Any]:
         health = super().health()
-        health["remote"] = {"registry_error": self.remote.registry_error, "replicas": self.remote.snapshot()}
+        health["remote"] = {
+            "registry_error": self.remote.registry_error,
+            "replicas": self.remote.snapshot(),
+            "reruns": dict(self.reruns.counts),
+        }
         return health
+
+    # -- re-running a request whose remote stage lost its host (runtime/remote/rerun.py) -------
+
+    async def submit(self, params: Mapping[str, Any], **kwargs: Any) -> RequestHandle:
+        handle = await super().submit(params, **kwargs)
+        self.reruns.submitted(handle.request_id, params, kwargs.get("session_key"))
+        return handle
+
+    async def append_input(self, request_id: str, payload: Payload) -> bool:
+        request_id = self.reruns.current(request_id)
+        self.reruns.streamed(request_id)
+        return await super().append_input(request_id, payload)
+
+    async def update(self, request_id: str, update: Conditioning) -> bool:
+        request_id = self.reruns.current(request_id)
+        self.reruns.streamed(request_id)
+        return await super().update(request_id, update)
+
+    async def cancel(self, request_id: str) -> bool:
+        return await super().cancel(self.reruns.current(request_id))
+
+    def _wake(self, request_id: str) -> None:
+        super()._wake(self.reruns.current(request_id))
+
+    def on_failed(self, stage: str, request_id: str, error: str) -> None:
+        run = self._runs.get(request_id)
+        if run is None or not self._rerun(run, stage, error):
+            super().on_failed(stage, request_id, error)
+
+    def _finalize(self, run: RequestRun, status: FinalStatus, error: str | None) -> None:
+        self.reruns.ended(run.handle.request_id, run.request_id)
+        super()._finalize(run, status, error)
+
+    def _rerun(self, run: RequestRun, stage: str, error: str) -> bool:
+        origin = self.reruns.candidate(run.request_id, stage, error, run.first_client_at is not None)
+        remote = self.remote.stages.get(stage)
+        if origin is None or remote is None or not remote.serves_elsewhere(run.replicas.get(stage)):
+            return False
+        self._detach(run, "failed")
+        new_id = run.handle.request_id + RERUN_SUFFIX
+        try:
+            self._open_run(run.spec, new_id, origin.params, origin.session_key, run.entry, run.handle)
+        except AdmissionError as exc:  # no room on the other replicas after all: fail as before
+            log.warning("request %s: not re-run (%s); failing it", run.handle.request_id, exc)
+            self.reruns.ended(run.handle.request_id, run.request_id)
+            run.handle._close(RequestStatus("failed", error, run.timings, run.request_id))
+            return True
+        self.reruns.moved(run.handle.request_id, run.request_id, new_id, stage)
+        log.warning(
+            "request %s: stage %s lost its host before anything reached the client; running it again "
+            "on another replica (%s)",
+            run.handle.request_id,
+            stage,
+            error,
+        )
+        return True

@@ -121,6 +121,13 @@ class RemoteStage(Stage):
                 self._sticky_ids.popitem(last=False)
         return member.replica
 
+    def serves_elsewhere(self, replica: Replica | None) -> bool:
+        """Another replica than ``replica`` is ready and serving (a re-run could go there)."""
+        return any(
+            m.replica is not replica and m.replica.ready and m.entry.state == "SERVING"
+            for m in self.members.values()
+        )
+
     def replica_id_for(self, session_key: str) -> str | None:
         return self._sticky_ids.get(session_key)
 

@@ -148,6 +148,46 @@ async def test_a_host_killed_mid_response_fails_it_naming_the_stage_and_a_replac
             assert audio_bytes(turn) > 24_000
 
 
+async def test_a_host_killed_before_a_response_sent_anything_has_it_re_run_on_another_replica(
+    tmp_path: Path, pipeline: Path, redis_url: str, stage_key: str, hosts: list[StageHostProcess]
+) -> None:
+    """The thinker on two hosts. The session's host is frozen (SIGSTOP) before the second turn,
+    so the turn's first work call waits there and nothing of it can reach the client; then it is
+    killed: the turn runs again on the other host and completes, the client never sees a failure."""
+    hosts += [start_host(pipeline, "thinker", redis_url), start_host(pipeline, "thinker", redis_url)]
+    with qwen_server(tmp_path, pipeline, redis_url, "thinker") as server:
+        assert isinstance(server, LiveServer)
+        orchestrator = server.ctx.orchestrator
+        stage = orchestrator.remote.stages["thinker"]
+        await wait_members(orchestrator, {"thinker": 2})
+        async with sdk_session(server, model="qwen3-omni-tiny") as (conn, events):
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"]})
+            turn = await audio_turn(conn, events, "hello there")
+            assert turn[-1].event.response.status == "completed", turn[-1].raw
+            (sticky,) = [m for m in stage.members.values() if m.worker.calls > 0]  # the session's host
+            (other,) = [m for m in stage.members.values() if m is not sticky]
+            (frozen,) = [h for h in hosts if sticky.entry.url == f"{h.control}/0"]
+            calls_before = other.worker.calls
+            frozen.proc.send_signal(signal.SIGSTOP)
+            await conn.conversation.item.create(
+                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+            )
+            await conn.response.create()
+            # well within the 3 s heartbeat timeout: the turn went to the frozen host
+            await until(lambda: sticky.replica.load > 0, 2, "the turn on the frozen host")
+            frozen.kill()
+            turn = await events.collect_until("response.done", within_s=120)
+            assert turn[-1].event.response.status == "completed", turn[-1].raw
+            assert audio_bytes(turn) > 24_000
+            assert not [r for r in turn if r.type == "error"], [r.raw for r in turn if r.type == "error"]
+            assert orchestrator.reruns.counts == {"thinker": 1}
+            assert other.worker.calls > calls_before and not orchestrator.reruns.aliases
+            # the next turn sticks to the surviving host
+            turn = await audio_turn(conn, events, "still there?")
+            assert turn[-1].event.response.status == "completed", turn[-1].raw
+        assert orchestrator.health()["remote"]["reruns"] == {"thinker": 1}
+
+
 async def test_a_host_with_another_key_never_gets_work(
     tmp_path: Path, pipeline: Path, redis_url: str, stage_key: str, hosts: list[StageHostProcess]
 ) -> None:
