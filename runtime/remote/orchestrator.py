@@ -120,6 +120,11 @@ class RemoteOrchestrator(Orchestrator):
         self.reruns.streamed(request_id)
         return await super().update(request_id, update)
 
+    def open_edge(self, request_id: str, source: str, target: str, open_: bool = True) -> bool:
+        request_id = self.reruns.current(request_id)
+        self.reruns.streamed(request_id)  # a gate's state is not replayed by a re-run
+        return super().open_edge(request_id, source, target, open_)
+
     async def cancel(self, request_id: str) -> bool:
         return await super().cancel(self.reruns.current(request_id))
 

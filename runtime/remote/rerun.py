@@ -2,12 +2,12 @@
 
 A request qualifies when the failure is a lost host (``stage_unavailable: stage X lost its
 host``), the request has not pushed one client-visible payload (no text, no audio), it was
-submitted whole (no streamed inputs or conditioning updates since: those cannot be replayed),
-it is not a re-run already (one retry at most), and another replica of that stage is ready and
-serving. The orchestrator then ends the run on its replicas and opens it again, under a new
+submitted whole (no streamed inputs, conditioning updates or gated-edge changes since: those
+are not replayed), it is not a re-run already (one retry at most), and another replica of that
+stage is ready and serving. The orchestrator then ends the run on its replicas and opens it again, under a new
 request id (so that the cleanup of the old run, which reaches the hosts asynchronously, cannot
 touch the new one), with the same parameters and the same :class:`RequestHandle`: the client
-never sees the first attempt. Calls by the old id (cancel, inputs) follow the new one.
+never sees the first attempt. Calls by the old id (cancel, inputs, gates) follow the new one.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Origin:
 
     params: Mapping[str, Any]
     session_key: str | None
-    streamed: bool = False  # inputs or updates arrived after the submit: not replayable
+    streamed: bool = False  # inputs, updates or edge gates changed after the submit: not replayable
     rerun: bool = False  # this run is the re-run
 
 
