@@ -23,7 +23,6 @@ this host is its :class:`~session.lifecycle.KindHooks` for live sessions.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -32,30 +31,20 @@ from typing import Any
 
 from session.identity import secret_digest
 from session.kind_host import KindHost
-from session.lifecycle import (
-    CLEAN_CLOSE,
-    EXPIRED_CLOSE,
-    AdmissionRefused,
-    HostedSession,
-    KindSpec,
-    SessionElsewhere,
-    SessionLifecycle,
-    SharedParts,
-)
+from session.lifecycle import CLEAN_CLOSE, EXPIRED_CLOSE, HostedSession, SharedParts
 from session.link import Transport
 from session.live.core import Phase
 from session.live.driver import LiveDriver
-from session.store.errors import SessionNotFound, StoreError
+from session.store.errors import StoreError
 
 log = logging.getLogger(__name__)
 
 KIND = "live"
-SPEC = KindSpec(KIND, expire_when_gone=True)
 
 # (session id, expires_at, resume data for session.started or None) → a driver
 DriverFactory = Callable[[str, int, dict[str, Any] | None], LiveDriver]
 
-__all__ = ["KIND", "AdmissionRefused", "LiveHost", "LiveSession", "SessionElsewhere"]
+__all__ = ["KIND", "LiveHost", "LiveSession"]
 
 
 @dataclass(eq=False, slots=True)
@@ -78,7 +67,7 @@ class LiveHost(KindHost[LiveSession]):
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(SessionLifecycle(sessions, SPEC, self, wall=wall, clock=clock))
+        super().__init__(sessions, KIND, self, expire_when_gone=True, wall=wall, clock=clock)
         self.pipeline = pipeline
         self._new_driver = new_driver
 
@@ -96,15 +85,10 @@ class LiveHost(KindHost[LiveSession]):
         """After :meth:`admit`: the record (kind ``live``) and its resume token (shown once),
         the binding, the writer, the driver (its session starts with the client's
         ``session.start``; ``announce``: ``session.started`` carries the resume data). Raises
-        ``StoreUnavailable`` or :class:`SessionElsewhere`; the caller forfeits the slot."""
+        ``StoreUnavailable`` or ``SessionElsewhere``; the caller forfeits the slot."""
         config = {"kind": KIND, "transport": transport_kind, "pipeline": self.pipeline}
-        record, token = await self.life.store.create_session(tenant, config, session_id=session_id)
-        try:
-            writer = await self.life.new_writer(record, await self.life.bind_new(session_id))
-        except BaseException:
-            with contextlib.suppress(StoreError):
-                await self.life.store.delete_session(session_id)
-            raise
+        async with self.new_record(tenant, config, session_id) as (record, token, epoch):
+            writer = await self.life.new_writer(record, epoch)
         resume = {"resume_token": token} if announce else None
         driver = self._new_driver(session_id, int(record.expires_at), resume)
         s = LiveSession(
@@ -130,26 +114,8 @@ class LiveHost(KindHost[LiveSession]):
     async def authorize(self, tenant: str, session_id: str, token: str | None) -> LiveSession:
         """Before the upgrade: the live session, or ``SessionNotFound`` (unknown, ended, another
         tenant's, another kind's, or one whose process is gone), ``ResumeTokenInvalid``,
-        :class:`SessionElsewhere` (scale-out: live on another replica), ``StoreUnavailable``."""
-        s = self.life.live_authorized(tenant, session_id, token)
-        if s is not None:
-            return s
-        record = await self.life.store.authorize_resume(tenant, session_id, token)
-        if record.config.get("kind") != KIND:
-            raise SessionNotFound(session_id)
-        shared = self.life.shared
-        bound = await shared.binding.get(session_id)
-        if bound is not None and bound.replica_id != shared.replica_id:
-            if shared.claim is None:
-                raise SessionElsewhere(bound)
-            # Scale-out: its owner's lease lapsed (else claim names the owner). The model context
-            # died with that process: give back its slot and record, and answer 404.
-            claimed = await shared.claim(session_id)
-            if claimed.replica_id != shared.replica_id:
-                raise SessionElsewhere(claimed)
-            await self.life.release(session_id)
-            await self.life.delete_record(session_id)
-        raise SessionNotFound(session_id)
+        ``SessionElsewhere`` (scale-out: live on another replica), ``StoreUnavailable``."""
+        return await self.authorize_here(tenant, session_id, token)  # its model context is here
 
     async def resume(self, s: LiveSession, transport: Transport, *, kind: str | None = None) -> bool:
         """Attach a resuming connection (one still attached is closed, 4000): it gets
@@ -169,22 +135,16 @@ class LiveHost(KindHost[LiveSession]):
         """``transport`` ended (``code``: the client's close code, None: we closed it): a
         session that was closed (``session.close``, a refused start) or cleanly left (1000),
         or never started, ends; any other loss detaches it for the grace."""
-        async with s.lock:
-            if s.ending or (s.opened and s.connection is not transport):
-                return  # already ending, or replaced by a resume (one never opened ends here)
-            s.connection = None
+
+        def cause() -> str | None:
             driver = s.driver
             if driver.closed.is_set():
-                cause = "client_closed" if driver.core.phase is Phase.CLOSED else "closed"
-            elif code == CLEAN_CLOSE:
-                cause = "client_closed"
-            elif driver.core.phase is Phase.AWAITING_START:
-                cause = "never_started"
-            else:
-                driver.detach()
-                self.life.detached(s)
-                return
-        await self.life.end(s, cause)
+                return "client_closed" if driver.core.phase is Phase.CLOSED else "closed"
+            if code == CLEAN_CLOSE:
+                return "client_closed"
+            return "never_started" if driver.core.phase is Phase.AWAITING_START else None
+
+        await self.end_or_detach(s, transport, cause)
 
     # --- retention (the hooks of SessionLifecycle) -------------------------------------------
 

@@ -36,16 +36,7 @@ from typing import Any
 
 from session.identity import secret_digest
 from session.kind_host import KindHost
-from session.lifecycle import (
-    CLEAN_CLOSE,
-    EXPIRED_CLOSE,
-    AdmissionRefused,
-    HostedSession,
-    KindSpec,
-    SessionElsewhere,
-    SessionLifecycle,
-    SharedParts,
-)
+from session.lifecycle import CLEAN_CLOSE, EXPIRED_CLOSE, HostedSession, SharedParts
 from session.robot.core import Dialect, PolicyContext
 from session.robot.driver import RobotDriver, RobotTransport
 from session.store import SessionRecord
@@ -54,12 +45,11 @@ from session.store.errors import SessionNotFound, StoreError
 log = logging.getLogger(__name__)
 
 KIND = "robot"
-SPEC = KindSpec(KIND, expire_when_gone=False)
 
 # (session id, tenant, context, dialect) → a driver for a new or rebuilt session
 DriverFactory = Callable[[str, PolicyContext, Dialect], RobotDriver]
 
-__all__ = ["KIND", "AdmissionRefused", "RobotHost", "RobotSession", "SessionElsewhere"]
+__all__ = ["KIND", "RobotHost", "RobotSession"]
 
 
 @dataclass(eq=False, slots=True)
@@ -84,7 +74,7 @@ class RobotHost(KindHost[RobotSession]):
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(SessionLifecycle(sessions, SPEC, self, wall=wall, clock=clock))
+        super().__init__(sessions, KIND, self, expire_when_gone=False, wall=wall, clock=clock)
         self.pipeline = pipeline
         self.persist_s = persist_s
         self._new_driver = new_driver
@@ -106,14 +96,8 @@ class RobotHost(KindHost[RobotSession]):
         slot on any error (``StoreUnavailable``, ``SessionElsewhere``)."""
         context = PolicyContext()
         config = self._config(context)
-        record, token = await self.life.store.create_session(tenant, config, session_id=session_id)
-        try:
-            epoch = await self.life.bind_new(session_id)
+        async with self.new_record(tenant, config, session_id) as (record, token, epoch):
             rs = await self._host(record, tenant, context, dialect, epoch, secret_digest(token))
-        except BaseException:
-            with contextlib.suppress(StoreError):
-                await self.life.store.delete_session(session_id)
-            raise
         self.counts["opened"] += 1
         return rs, token
 
@@ -201,7 +185,7 @@ class RobotHost(KindHost[RobotSession]):
                 return False
             if not await rs.driver.attach(transport, opening):
                 rs.connection = None
-                self._detached(rs)
+                self.detach(rs)
                 return False
             self.life.reattached(rs)
         return True
@@ -211,20 +195,16 @@ class RobotHost(KindHost[RobotSession]):
     async def connection_ended(self, rs: RobotSession, transport: RobotTransport, code: int | None) -> None:
         """``transport`` ended (``code``: the client's close code; None: we closed it): a clean
         close ends the session, anything else detaches it for the grace."""
-        async with rs.lock:
-            if rs.ending or (rs.opened and rs.connection is not transport):
-                return  # already ending, or replaced by a resume
-            rs.connection = None
-            if not rs.opened:
-                cause = "never_opened"  # the client left before its upgrade completed
-            elif code == CLEAN_CLOSE:
-                cause = "client_closed"
-            else:
-                self._detached(rs)
-                return
-        await self.life.end(rs, cause)
 
-    def _detached(self, rs: RobotSession) -> None:
+        def cause() -> str | None:
+            if not rs.opened:
+                return "never_opened"  # the client left before its upgrade completed
+            return "client_closed" if code == CLEAN_CLOSE else None
+
+        await self.end_or_detach(rs, transport, cause)
+
+    def detach(self, rs: RobotSession) -> None:
+        """As every kind detaches, with the context persisted at once."""
         rs.driver.detach()
         self._persist(rs, force=True)
         self.life.detached(rs)

@@ -34,7 +34,6 @@ drivers' activity clocks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -43,26 +42,16 @@ from typing import Any
 
 from session.identity import secret_digest
 from session.kind_host import KindHost
-from session.lifecycle import (
-    CLEAN_CLOSE,
-    EXPIRED_CLOSE,
-    AdmissionRefused,
-    HostedSession,
-    KindSpec,
-    SessionElsewhere,
-    SessionLifecycle,
-    SharedParts,
-)
-from session.store.errors import SessionNotFound, StoreError
+from session.lifecycle import CLEAN_CLOSE, EXPIRED_CLOSE, HostedSession, SharedParts
+from session.store.errors import StoreError
 from session.world.driver import OutletFactory, TransportClosed, VideoSessionDriver, VideoTransport
 from session.world.events import ErrorCode, SessionResumable
 
 log = logging.getLogger(__name__)
 
 KIND = "world"
-SPEC = KindSpec(KIND, expire_when_gone=True)
 
-__all__ = ["KIND", "AdmissionRefused", "SessionElsewhere", "WorldHost", "WorldSession"]
+__all__ = ["KIND", "WorldHost", "WorldSession"]
 
 
 @dataclass(eq=False, slots=True)
@@ -83,7 +72,7 @@ class WorldHost(KindHost[WorldSession]):
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(SessionLifecycle(sessions, SPEC, self, wall=wall, clock=clock))
+        super().__init__(sessions, KIND, self, expire_when_gone=True, wall=wall, clock=clock)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -98,15 +87,10 @@ class WorldHost(KindHost[WorldSession]):
     ) -> tuple[WorldSession, str]:
         """After :meth:`admit`: the Redis record (kind ``world``) with its resume token (shown
         once), the binding to this replica when scaled out, the writer and retention timer.
-        Raises ``StoreUnavailable`` or :class:`SessionElsewhere`; the caller forfeits the slot."""
+        Raises ``StoreUnavailable`` or ``SessionElsewhere``; the caller forfeits the slot."""
         config = {"kind": KIND, "transport": transport_kind}
-        record, token = await self.life.store.create_session(tenant, config, session_id=session_id)
-        try:
-            writer = await self.life.new_writer(record, await self.life.bind_new(session_id))
-        except BaseException:
-            with contextlib.suppress(StoreError):
-                await self.life.store.delete_session(session_id)
-            raise
+        async with self.new_record(tenant, config, session_id) as (record, token, epoch):
+            writer = await self.life.new_writer(record, epoch)
         timer = self.life.new_timer(record)
         ws = WorldSession(session_id, tenant, driver, writer, timer, record, secret_digest(token))
         ws.transport_kind = transport_kind
@@ -147,26 +131,8 @@ class WorldHost(KindHost[WorldSession]):
     async def authorize(self, tenant: str, session_id: str, token: str | None) -> WorldSession:
         """Before the upgrade: the live world, or ``SessionNotFound`` (unknown, ended, another
         tenant's, a voice session, or a world whose process is gone), ``ResumeTokenInvalid``,
-        :class:`SessionElsewhere` (scale-out: live on another replica), ``StoreUnavailable``."""
-        ws = self.life.live_authorized(tenant, session_id, token)
-        if ws is not None:
-            return ws
-        record = await self.life.store.authorize_resume(tenant, session_id, token)
-        if record.config.get("kind") != KIND:
-            raise SessionNotFound(session_id)
-        bound = await self.life.shared.binding.get(session_id)
-        if bound is not None and bound.replica_id != self.life.shared.replica_id:
-            if self.life.shared.claim is None:
-                raise SessionElsewhere(bound)
-            # Scale-out: `claim` binds it here only when its owner's lease has lapsed. A world
-            # dies with its process (its rolling context was there), so a dead owner's world is
-            # gone: give back its slot and record, and answer 404 as the gateway does.
-            claimed = await self.life.shared.claim(session_id)
-            if claimed.replica_id != self.life.shared.replica_id:
-                raise SessionElsewhere(claimed)
-            await self.life.release(session_id)
-            await self.life.delete_record(session_id)
-        raise SessionNotFound(session_id)  # its world ran in a process that is gone
+        ``SessionElsewhere`` (scale-out: live on another replica), ``StoreUnavailable``."""
+        return await self.authorize_here(tenant, session_id, token)  # its rolling context is here
 
     async def resume(
         self,
@@ -190,7 +156,7 @@ class WorldHost(KindHost[WorldSession]):
                 await ws.driver.attach(transport, [resumed.to_json()], outlets)
             except TransportClosed:
                 ws.connection = None
-                self._detached(ws)
+                self.detach(ws)
                 return False
             if kind is not None:
                 ws.transport_kind = kind
@@ -202,24 +168,17 @@ class WorldHost(KindHost[WorldSession]):
     async def connection_ended(self, ws: WorldSession, transport: VideoTransport, code: int | None) -> None:
         """The connection ``transport`` ended (``code``: its close code, None if we ended it):
         detach a generating world, end the session otherwise."""
-        async with ws.lock:
-            if ws.ending or (ws.opened and ws.connection is not transport):
-                return  # already ending, or replaced by a resume
-            ws.connection = None  # (never opened: the client left before the upgrade completed)
-            if ws.driver.closed:
-                cause = "closed"  # stalled client, or ended by the driver
-            elif code == CLEAN_CLOSE:
-                cause = "client_closed"
-            elif not ws.driver.retain or not ws.driver.core.generating:
-                cause = "client_gone"  # nothing running to keep
-            else:
-                self._detached(ws)
-                return
-        await self.life.end(ws, cause)
 
-    def _detached(self, ws: WorldSession) -> None:
-        ws.driver.detach()
-        self.life.detached(ws)
+        def cause() -> str | None:  # (never opened: the client left before the upgrade completed)
+            if ws.driver.closed:
+                return "closed"  # stalled client, or ended by the driver
+            if code == CLEAN_CLOSE:
+                return "client_closed"
+            if not ws.driver.retain or not ws.driver.core.generating:
+                return "client_gone"  # nothing running to keep
+            return None
+
+        await self.end_or_detach(ws, transport, cause)
 
     # --- retention (the hooks of SessionLifecycle) -------------------------------------------
 
