@@ -31,6 +31,8 @@ import uuid
 from pathlib import Path
 from typing import Literal, Protocol
 
+from session.store.embedded import pid_alive
+
 log = logging.getLogger(__name__)
 
 # Where a handle's bytes are. PENDING: queued for the writer, still in memory. WRITTEN: in
@@ -322,7 +324,7 @@ def remove_stale_spools(base: Path) -> list[Path]:
             fd = os.open(lock_path(entry), os.O_RDWR)
         except FileNotFoundError:
             pid = int(match.group(1))
-            if pid == os.getpid() or _process_alive(pid):
+            if pid == os.getpid() or pid_alive(pid):
                 continue
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
@@ -342,12 +344,3 @@ def remove_stale_spools(base: Path) -> list[Path]:
             os.close(fd)
     return removed
 
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True

@@ -39,32 +39,31 @@ class ContentIn(WireModel):
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class MessageItemIn(WireModel):
-    type: Literal["message"]
-    role: Literal["user", "assistant", "system"]
-    content: list[ContentIn]
+class ItemFieldsIn(WireModel):
+    """What every kind of item a client sends may carry besides its own fields."""
+
     id: str | None = None
     object: Literal["realtime.item"] | None = None
     status: ItemStatus | None = None
 
 
-class FunctionCallItemIn(WireModel):
+class MessageItemIn(ItemFieldsIn):
+    type: Literal["message"]
+    role: Literal["user", "assistant", "system"]
+    content: list[ContentIn]
+
+
+class FunctionCallItemIn(ItemFieldsIn):
     type: Literal["function_call"]
     name: str
     arguments: str
     call_id: str | None = None
-    id: str | None = None
-    object: Literal["realtime.item"] | None = None
-    status: ItemStatus | None = None
 
 
-class FunctionCallOutputItemIn(WireModel):
+class FunctionCallOutputItemIn(ItemFieldsIn):
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    object: Literal["realtime.item"] | None = None
-    status: ItemStatus | None = None
 
 
 class ItemReferenceIn(WireModel):

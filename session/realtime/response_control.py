@@ -19,6 +19,7 @@ from session.realtime.prompt import build_submit_params
 from session.realtime.response_request import ResponseRequest, resolve_response_request
 from session.realtime.responses import (
     CancelReason,
+    Outcome,
     PromptStats,
     ResponseRun,
     ResponseSettings,
@@ -148,23 +149,14 @@ class ResponseControl:
     def cancel_active(self, reason: CancelReason, now: float) -> None:
         run = self.active
         assert run is not None
-        self.end("cancelled", now, reason=reason)
+        self.end(Outcome("cancelled", reason=reason), now)
         self.state.out.effect(CancelResponse(run.id))
 
-    def end(
-        self,
-        status: ResponseStatus,
-        now: float,
-        *,
-        reason: CancelReason | None = None,
-        error: str | None = None,
-        usage: dict[str, Any] | None = None,
-        error_code: str = "pipeline_failed",
-    ) -> None:
+    def end(self, outcome: Outcome, now: float, *, usage: dict[str, Any] | None = None) -> None:
         state = self.state
         run = self.active
         assert run is not None
-        run.finish(status, now=now, reason=reason, error=error, error_code=error_code, reported_usage=usage)
+        run.finish(outcome, now=now, reported_usage=usage)
         self.active = None
         if run.audio_started_at is not None:
             self.voice_locked = True
@@ -216,7 +208,7 @@ class ResponseControl:
             code = E.CONTEXT_LENGTH_EXCEEDED
             message = error[error.index(code) :].removeprefix(f"{code}: ")
             self.state.out.error(ProtocolError(code, f"Context length exceeded: {message}"))
-        self.end(final, now, reason="client_cancelled", error=error, usage=usage, error_code=code)
+        self.end(Outcome(final, "client_cancelled", error, code), now, usage=usage)
 
     def on_playout(self, response_id: str, played_ms: float) -> None:
         if self.playing is not None and self.playing.id == response_id:

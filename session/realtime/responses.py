@@ -25,6 +25,33 @@ ResponseStatus = Literal["in_progress", "completed", "cancelled", "failed", "inc
 CancelReason = Literal["turn_detected", "client_cancelled"]
 
 
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a response ended: its status and, for a cancelled or a failed one, why."""
+
+    status: ResponseStatus
+    reason: CancelReason | None = None  # cancelled
+    error: str | None = None  # failed: the message
+    error_code: str = "pipeline_failed"
+
+    def details(self) -> dict[str, Any] | None:
+        """The response's ``status_details``."""
+        if self.status == "cancelled":
+            return {"type": "cancelled", "reason": self.reason or "client_cancelled"}
+        if self.status == "failed":
+            return {
+                "type": "failed",
+                "error": {
+                    "type": "server_error",
+                    "code": self.error_code,
+                    "message": self.error or "The response failed.",
+                },
+            }
+        if self.status == "incomplete":
+            return {"type": "incomplete", "reason": "max_output_tokens"}
+        return None
+
+
 @dataclass(slots=True)
 class ResponseSettings:
     """Per-response settings, fixed when the response starts."""
@@ -150,20 +177,12 @@ class ResponseRun:
             self._resampler = StreamingResampler(rate, self._format.rate)
         self._emit_audio(self._resampler.process(samples), now)
 
-    def finish(
-        self,
-        status: ResponseStatus,
-        *,
-        now: float,
-        reason: CancelReason | None = None,
-        error: str | None = None,
-        error_code: str = "pipeline_failed",
-        reported_usage: dict[str, Any] | None = None,
-    ) -> None:
+    def finish(self, outcome: Outcome, *, now: float, reported_usage: dict[str, Any] | None = None) -> None:
         """Close open parts and emit `response.done`. Cancelled/failed output is dropped
         where it was still buffered (only audio already sent is kept)."""
         if not self.active:
             return
+        status = outcome.status
         if status == "completed" and self.settings.audio:
             if self._resampler is not None:
                 self._emit_audio(self._resampler.flush(), now, final=True)
@@ -178,7 +197,7 @@ class ResponseRun:
         self._out.event(
             "response.done",
             response=self._response_object(
-                status_details=self._status_details(status, reason, error, error_code),
+                status_details=outcome.details(),
                 reported_usage=reported_usage,
             ),
         )
@@ -281,25 +300,6 @@ class ResponseRun:
             previous = _previous_id(self._conversation, self.item.id)
             self._out.event("conversation.item.done", previous_item_id=previous, item=wire)
 
-    @staticmethod
-    def _status_details(
-        status: ResponseStatus, reason: CancelReason | None, error: str | None, error_code: str
-    ) -> dict[str, Any] | None:
-        if status == "cancelled":
-            return {"type": "cancelled", "reason": reason or "client_cancelled"}
-        if status == "failed":
-            return {
-                "type": "failed",
-                "error": {
-                    "type": "server_error",
-                    "code": error_code,
-                    "message": error or "The response failed.",
-                },
-            }
-        if status == "incomplete":
-            return {"type": "incomplete", "reason": "max_output_tokens"}
-        return None
-
     def _response_object(
         self, *, status_details: dict[str, Any] | None = None, reported_usage: dict[str, Any] | None = None
     ) -> dict[str, Any]:
@@ -357,7 +357,7 @@ def end_orphaned_responses(
             conversation=conversation,
             conversation_id=conversation_id,
         )
-        run.finish("failed", now=now, error=message, error_code=error_code)
+        run.finish(Outcome("failed", error=message, error_code=error_code), now=now)
     response_id = str((open_response or {}).get("id") or "")
     if response_id and response_id not in ended:
         run = ResponseRun(
@@ -369,7 +369,7 @@ def end_orphaned_responses(
             conversation_id=conversation_id,
             prompt=PromptStats(),
         )
-        run.finish("failed", now=now, error=message, error_code=error_code)
+        run.finish(Outcome("failed", error=message, error_code=error_code), now=now)
 
 
 def _format_wire(fmt: WireFormat) -> dict[str, Any]:

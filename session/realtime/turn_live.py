@@ -77,10 +77,10 @@ class TurnTaking(Protocol):
     def tick(self, now: float) -> None: ...
 
 
-class LiveTurns:
-    """The pipeline's turns (see the module docstring)."""
-
-    speaking = False  # no server VAD
+class TurnParts:
+    """What each kind of turn-taking works on: the core's state, the user's audio, the
+    responses and the idle timeout; and the item being spoken (None between turns), from
+    which sample of the input on."""
 
     def __init__(
         self, state: CoreState, user: UserAudio, responses: ResponseControl, idle: IdleTimeout
@@ -89,8 +89,14 @@ class LiveTurns:
         self.user = user
         self.responses = responses
         self.idle = idle
-        self.speech_item_id: str | None = None  # the item the pipeline hears being spoken
+        self.speech_item_id: str | None = None
         self.speech_start = 0
+
+
+class LiveTurns(TurnParts):
+    """The pipeline's turns (see the module docstring)."""
+
+    speaking = False  # no server VAD
 
     def configure(self) -> None:
         self.state.config.turn_detection = None  # the model takes the turns: no server VAD

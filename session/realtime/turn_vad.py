@@ -19,23 +19,19 @@ from session.realtime.effects import DropAhead, LiveControl, PrepareTranscript, 
 from session.realtime.input_audio import FRAME, SAMPLES_PER_MS, ms_of
 from session.realtime.response_control import ResponseControl
 from session.realtime.semantic_turn import EndTurn, SemanticTurn, max_pause_ms
+from session.realtime.turn_live import TurnParts
 from session.realtime.turns import SpeechDetector, SpeechStarted, SpeechStopped
 from session.realtime.user_audio import UserAudio
 
 
-class VadTurns:
+class VadTurns(TurnParts):
     """Server VAD's turns over the user's audio (see the module docstring)."""
 
     def __init__(
         self, state: CoreState, user: UserAudio, responses: ResponseControl, idle: IdleTimeout
     ) -> None:
-        self.state = state
-        self.user = user
-        self.responses = responses
-        self.idle = idle
+        super().__init__(state, user, responses, idle)
         self.vad = SpeechDetector()
-        self.speech_item_id: str | None = None  # the item being spoken
-        self.speech_start = 0
         self.prepared: tuple[str, int] | None = None  # key of the last PrepareTranscript
         self.ahead: tuple[str, int] | None = None  # key of a RespondAhead not yet settled
         self.semantic = SemanticTurn()  # semantic_vad's decisions, with an end-of-turn model

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from session.realtime import LiveControl, PrepareTranscript
+from session.realtime.effects import LiveControl, PrepareTranscript
 from session.realtime.transcripts import remaining_words
 from tests.session.realtime_harness import Harness, silence, tone, types
 

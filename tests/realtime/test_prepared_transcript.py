@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from session.realtime import DropAhead, PrepareTranscript, RespondAhead, StartResponse
+from session.realtime.effects import DropAhead, PrepareTranscript, RespondAhead, StartResponse
 from session.voice.ahead import with_transcript
 from tests.session.realtime_harness import Harness, silence, tone
 

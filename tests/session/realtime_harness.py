@@ -11,7 +11,8 @@ from openai.types.realtime import RealtimeServerEvent
 from openai.types.realtime.realtime_session_create_response import RealtimeSessionCreateResponse
 from pydantic import BaseModel, TypeAdapter
 
-from session.realtime import CoreOptions, CoreOutput, DetectSpeech, RealtimeSessionCore, StartResponse
+from session.realtime import CoreOptions, RealtimeSessionCore
+from session.realtime.effects import CoreOutput, DetectSpeech, StartResponse
 from session.realtime.ids import SequentialIds
 
 _SERVER_EVENTS: TypeAdapter[Any] = TypeAdapter(RealtimeServerEvent)

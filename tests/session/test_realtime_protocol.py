@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from session.realtime import ClearAudioOutput, PlayAudio
+from session.realtime.effects import ClearAudioOutput, PlayAudio
 from tests.session.realtime_harness import Harness, pcm16_b64, silence, tone, types
 
 pytestmark = pytest.mark.unit

@@ -7,7 +7,7 @@ import base64
 import numpy as np
 import pytest
 
-from session.realtime import CancelResponse, StartResponse, TranscribeInput
+from session.realtime.effects import CancelResponse, StartResponse, TranscribeInput
 from tests.session.realtime_harness import Harness, collapse, silence, tone, types
 
 pytestmark = pytest.mark.system

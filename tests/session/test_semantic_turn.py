@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from session.realtime import LiveControl, PrepareTranscript
+from session.realtime.effects import LiveControl, PrepareTranscript
 from session.realtime.input_audio import SAMPLES_PER_MS
 from session.realtime.semantic_turn import (
     MAX_PAUSE_MS,

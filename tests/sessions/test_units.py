@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from session.link import DIRECT_MAX_BYTES, ConnectionInfo, LinkEnd, TransportLink
-from session.realtime import CoreOptions, RealtimeSessionCore, StartResponse
+from session.realtime import CoreOptions, RealtimeSessionCore
 from session.realtime.config import SessionConfig, SessionIn
+from session.realtime.effects import StartResponse
 from session.realtime.ids import SequentialIds
 from session.realtime.records import config_from_record, item_from_record, item_to_record
 from session.resume import connection_event, event_position, logged_event_id, replayed_through

@@ -15,7 +15,8 @@ from session.affinity import (
     SessionBinding,
     pick_replica,
 )
-from session.store import SessionStore, SessionWriter, StaleEpoch
+from session.store import SessionStore, SessionWriter
+from session.store.errors import StaleEpoch
 
 pytestmark = pytest.mark.system
 

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 import redis.asyncio
 
-from session.store import ReplayUnavailable, ResumeTokenInvalid, SessionNotFound, SessionStore, SessionWriter
+from session.store import SessionStore, SessionWriter
+from session.store.errors import ReplayUnavailable, ResumeTokenInvalid, SessionNotFound
 from session.store.event_ids import parse_event_id
 
 pytestmark = pytest.mark.system
@@ -152,7 +153,7 @@ async def test_writer_survives_redis_outage_and_catches_up(store: SessionStore, 
     offline = SessionStore(dead)
     writer = SessionWriter(offline, record)
     sent = [writer.append({"type": "x", "n": i}) for i in range(3)]
-    from session.store import StoreUnavailable
+    from session.store.errors import StoreUnavailable
 
     with pytest.raises(StoreUnavailable):
         await writer.flush()

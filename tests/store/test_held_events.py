@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import redis.asyncio
 
-from session.store import ReplayUnavailable, SessionStore, SessionWriter
+from session.store import SessionStore, SessionWriter
+from session.store.errors import ReplayUnavailable
 from session.store.event_ids import parse_event_id
 
 pytestmark = pytest.mark.system

@@ -18,7 +18,8 @@ from session.identity import (
     resume_token_matches,
     secret_digest,
 )
-from session.store import ResumeTokenInvalid, SessionNotFound, SessionStore
+from session.store import SessionStore
+from session.store.errors import ResumeTokenInvalid, SessionNotFound
 
 pytestmark = pytest.mark.system
 

@@ -8,7 +8,8 @@ import pytest
 import redis.asyncio
 
 from session.retention import RetentionPolicy, RetentionTimer, Verdict, expire_session
-from session.store import SessionGone, SessionNotFound, SessionStore, SessionWriter
+from session.store import SessionStore, SessionWriter
+from session.store.errors import SessionGone, SessionNotFound
 
 pytestmark = pytest.mark.system
 

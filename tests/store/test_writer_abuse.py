@@ -10,8 +10,8 @@ from collections.abc import Callable
 import pytest
 import redis.asyncio
 
-from session.store import SessionStore, SessionWriter, StoreError, WriterHub
-from session.store.errors import WriteRejected
+from session.store import SessionStore, SessionWriter, WriterHub
+from session.store.errors import StoreError, WriteRejected
 
 pytestmark = pytest.mark.system
 

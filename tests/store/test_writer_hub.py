@@ -18,18 +18,9 @@ import pytest
 import redis
 import redis.asyncio
 
-from session.store import (
-    SessionBatch,
-    SessionGone,
-    SessionRecord,
-    SessionStore,
-    SessionWriter,
-    StaleEpoch,
-    StoreError,
-    StoreUnavailable,
-    WriterHub,
-)
+from session.store import SessionBatch, SessionRecord, SessionStore, SessionWriter, WriterHub
 from session.store.embedded import find_redis_server
+from session.store.errors import SessionGone, StaleEpoch, StoreError, StoreUnavailable
 from session.store.redis_store import MAX_OPS_PER_CALL, BatchOp
 
 pytestmark = pytest.mark.system
