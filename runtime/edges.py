@@ -7,6 +7,7 @@ say, per chunk, which items nothing will reference after that chunk has been con
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -25,14 +26,11 @@ class Chunk(Generic[T]):
     release: list[T] = field(default_factory=list)  # unreferenced once this chunk is consumed
 
 
-class AsyncChunker(Generic[T]):
-    """async_chunk: ``first`` items, then every ``steady`` items, with ``left_context`` before."""
+class _Collector(ABC, Generic[T]):
+    """What both modes share: the items not handed on yet, and no input once finished."""
 
-    def __init__(self, policy: ChunkPolicy) -> None:
-        self.policy = policy
+    def __init__(self) -> None:
         self._pending: list[T] = []
-        self._tail: deque[T] = deque()
-        self._index = 0
         self._finished = False
 
     @property
@@ -43,9 +41,29 @@ class AsyncChunker(Generic[T]):
         return self.extend([item])
 
     def extend(self, items: list[T]) -> list[Chunk[T]]:
+        self._check_open()
+        self._pending.extend(items)
+        return self._ready()
+
+    def _check_open(self) -> None:
         if self._finished:
             raise RuntimeError("edge already finished")
-        self._pending.extend(items)
+
+    @abstractmethod
+    def _ready(self) -> list[Chunk[T]]:
+        """The chunks the pending items make now (taken out of them)."""
+
+
+class AsyncChunker(_Collector[T]):
+    """async_chunk: ``first`` items, then every ``steady`` items, with ``left_context`` before."""
+
+    def __init__(self, policy: ChunkPolicy) -> None:
+        super().__init__()
+        self.policy = policy
+        self._tail: deque[T] = deque()
+        self._index = 0
+
+    def _ready(self) -> list[Chunk[T]]:
         chunks: list[Chunk[T]] = []
         while True:
             size = self.policy.first if self._index == 0 else self.policy.steady
@@ -56,8 +74,7 @@ class AsyncChunker(Generic[T]):
 
     def finish(self) -> Chunk[T]:
         """The remainder (possibly empty) with ``finished=True``; releases everything."""
-        if self._finished:
-            raise RuntimeError("edge already finished")
+        self._check_open()
         taken, self._pending = self._pending, []
         chunk = self._emit(taken, finished=True)
         self._finished = True
@@ -78,31 +95,16 @@ class AsyncChunker(Generic[T]):
         return chunk
 
 
-class FullCollector(Generic[T]):
+class FullCollector(_Collector[T]):
     """full: nothing until upstream is done, then one finished chunk with every item."""
 
-    def __init__(self) -> None:
-        self._items: list[T] = []
-        self._finished = False
-
-    @property
-    def pending(self) -> int:
-        return len(self._items)
-
-    def push(self, item: T) -> list[Chunk[T]]:
-        return self.extend([item])
-
-    def extend(self, items: list[T]) -> list[Chunk[T]]:
-        if self._finished:
-            raise RuntimeError("edge already finished")
-        self._items.extend(items)
+    def _ready(self) -> list[Chunk[T]]:
         return []
 
     def finish(self) -> Chunk[T]:
-        if self._finished:
-            raise RuntimeError("edge already finished")
+        self._check_open()
         self._finished = True
-        items, self._items = self._items, []
+        items, self._pending = self._pending, []
         return Chunk(items, [], True, 0, list(items))
 
 

@@ -20,6 +20,7 @@ import itertools
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -61,54 +62,53 @@ def _is_tensor(value: Any) -> bool:
     return cls.__module__.startswith("torch") and cls.__name__ in ("Tensor", "Parameter")
 
 
-def _strip(value: Any, arrays: list[tuple[np.ndarray, str | None]]) -> Any:
-    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
-        arrays.append((value, None))
-        return _ArraySlot(len(arrays) - 1)
-    if _is_tensor(value):
-        import torch
-
-        tensor = value.detach().to("cpu").contiguous()
-        torch_dtype = str(tensor.dtype).removeprefix("torch.")
-        if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: move the raw bits
-            tensor = tensor.view(torch.int16)
-        arrays.append((tensor.numpy(), torch_dtype))
-        return _ArraySlot(len(arrays) - 1)
+def _rebuilt(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` with each leaf replaced by what ``leaf`` makes of it (None: kept), through
+    dataclasses (a changed one is a copy), lists, tuples and dicts."""
+    new = leaf(value)
+    if new is not None:
+        return new
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changed = {}
         for f in dataclasses.fields(value):
             old = getattr(value, f.name)
-            new = _strip(old, arrays)
+            new = _rebuilt(old, leaf)
             if new is not old:
                 changed[f.name] = new
         return dataclasses.replace(value, **changed) if changed else value
     if isinstance(value, list):
-        return [_strip(v, arrays) for v in value]
+        return [_rebuilt(v, leaf) for v in value]
     if isinstance(value, tuple):
-        return tuple(_strip(v, arrays) for v in value)
+        return tuple(_rebuilt(v, leaf) for v in value)
     if isinstance(value, dict):
-        return {k: _strip(v, arrays) for k, v in value.items()}
+        return {k: _rebuilt(v, leaf) for k, v in value.items()}
     return value
+
+
+def _strip(value: Any, arrays: list[tuple[np.ndarray, str | None]]) -> Any:
+    """``value`` with its arrays and tensors moved to ``arrays``, each replaced by its slot."""
+
+    def slot(leaf: Any) -> _ArraySlot | None:
+        if isinstance(leaf, np.ndarray) and not leaf.dtype.hasobject:
+            arrays.append((leaf, None))
+            return _ArraySlot(len(arrays) - 1)
+        if _is_tensor(leaf):
+            import torch
+
+            tensor = leaf.detach().to("cpu").contiguous()
+            torch_dtype = str(tensor.dtype).removeprefix("torch.")
+            if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: move the raw bits
+                tensor = tensor.view(torch.int16)
+            arrays.append((tensor.numpy(), torch_dtype))
+            return _ArraySlot(len(arrays) - 1)
+        return None
+
+    return _rebuilt(value, slot)
 
 
 def _restore(value: Any, arrays: list[Any]) -> Any:
-    if isinstance(value, _ArraySlot):
-        return arrays[value.index]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changed = {}
-        for f in dataclasses.fields(value):
-            old = getattr(value, f.name)
-            new = _restore(old, arrays)
-            if new is not old:
-                changed[f.name] = new
-        return dataclasses.replace(value, **changed) if changed else value
-    if isinstance(value, list):
-        return [_restore(v, arrays) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_restore(v, arrays) for v in value)
-    if isinstance(value, dict):
-        return {k: _restore(v, arrays) for k, v in value.items()}
-    return value
+    """``value`` with each slot :func:`_strip` left replaced by its array again."""
+    return _rebuilt(value, lambda leaf: arrays[leaf.index] if isinstance(leaf, _ArraySlot) else None)
 
 
 def _to_value(array: np.ndarray, spec: ArraySpec) -> Any:

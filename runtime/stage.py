@@ -156,9 +156,14 @@ class Replica:
         self.wake()
         return timing
 
-    def deliver(self, request_id: str, chunk: ChunkRef) -> bool:
+    def _open_slot(self, request_id: str) -> Slot | None:
+        """The request's slot while it takes input (None: gone or closed)."""
         slot = self._slots.get(request_id)
-        if slot is None or slot.closed:
+        return None if slot is None or slot.closed else slot
+
+    def deliver(self, request_id: str, chunk: ChunkRef) -> bool:
+        slot = self._open_slot(request_id)
+        if slot is None:
             return False
         slot.chunks.append(chunk)
         if chunk.finished:
@@ -167,20 +172,18 @@ class Replica:
         return True
 
     def add_inputs(self, request_id: str, payloads: list[Payload]) -> bool:
-        slot = self._slots.get(request_id)
-        if slot is None or slot.closed:
-            return False
-        slot.inputs.extend(payloads)
-        self.wake()
-        return True
+        slot = self._open_slot(request_id)
+        if slot is not None:
+            slot.inputs.extend(payloads)
+            self.wake()
+        return slot is not None
 
     def add_update(self, request_id: str, update: Conditioning) -> bool:
-        slot = self._slots.get(request_id)
-        if slot is None or slot.closed:
-            return False
-        slot.updates.append(update)
-        self.wake()
-        return True
+        slot = self._open_slot(request_id)
+        if slot is not None:
+            slot.updates.append(update)
+            self.wake()
+        return slot is not None
 
     async def wait_input_room(self, request_id: str, limit: int) -> bool:
         """Wait until the request holds fewer than ``limit`` unconsumed inputs; False if it ended."""

@@ -21,8 +21,8 @@ import os
 import queue
 import threading
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -76,7 +76,57 @@ class _Waker:
                 os.close(fd)
 
 
-class ControlClient:
+Item = TypeVar("Item")
+
+
+def _received(sock: zmq.Socket[Any]) -> Iterator[list[bytes]]:
+    """The messages waiting on ``sock``, read without blocking."""
+    while True:
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+
+
+class _IoThread(Generic[Item]):
+    """What both ends share: a socket's I/O thread, the outbox other threads put to (waking
+    it), and its stop."""
+
+    _thread: threading.Thread
+
+    def __init__(self) -> None:
+        self._outbox: queue.SimpleQueue[Item] = queue.SimpleQueue()
+        self._waker = _Waker()
+        self._closing = False
+
+    def _put(self, item: Item) -> None:
+        self._outbox.put(item)
+        self._waker.wake()
+
+    def _poll(self, poller: zmq.Poller) -> dict[Any, int]:
+        """The sockets ready within a poll period (a wake-up is consumed here: what woke the
+        thread is in the outbox)."""
+        events = dict(poller.poll(POLL_MS))
+        if self._waker.rfd in events:
+            self._waker.drain()
+        return events
+
+    def _queued(self) -> Iterator[Item]:
+        """What other threads put to the outbox so far."""
+        while True:
+            try:
+                yield self._outbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def close(self) -> None:
+        self._closing = True
+        self._waker.wake()
+        self._thread.join(timeout=5)
+        self._waker.close()
+
+
+class ControlClient(_IoThread[tuple[bytes, bytes, bytes, "Reply | None"]]):
     """One connection to one stage host; thread-safe, non-blocking."""
 
     def __init__(
@@ -87,6 +137,7 @@ class ControlClient:
         name: str = "",
         on_lost: Callable[[str], None] | None = None,
     ) -> None:
+        super().__init__()
         self.endpoint = endpoint
         self.on_lost = on_lost
         self.up = False
@@ -95,30 +146,19 @@ class ControlClient:
         self._keys = keys
         self._name = name or endpoint
         self.client_id = uuid.uuid4().bytes
-        self._outbox: queue.SimpleQueue[tuple[bytes, bytes, bytes, Reply | None]] = queue.SimpleQueue()
         self._pending: dict[bytes, Reply] = {}
         self._ids = itertools.count(1)
-        self._waker = _Waker()
-        self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"control-{self._name}", daemon=True)
         self._thread.start()
 
     # -- any thread ---------------------------------------------------------------------------
 
     def request(self, kind: str, body: bytes, on_reply: Reply) -> None:
-        self._outbox.put((kind.encode(), str(next(self._ids)).encode(), body, on_reply))
-        self._waker.wake()
+        self._put((kind.encode(), str(next(self._ids)).encode(), body, on_reply))
 
     def post(self, kind: str, body: bytes) -> None:
         """Fire and forget (release, cleanup): dropped when the host is not connected."""
-        self._outbox.put((kind.encode(), b"0", body, None))
-        self._waker.wake()
-
-    def close(self) -> None:
-        self._closing = True
-        self._waker.wake()
-        self._thread.join(timeout=5)
-        self._waker.close()
+        self._put((kind.encode(), b"0", body, None))
 
     # -- the I/O thread -----------------------------------------------------------------------
 
@@ -139,18 +179,12 @@ class ControlClient:
         poller.register(self._waker.rfd, zmq.POLLIN)
         try:
             while not self._closing:
-                events = dict(poller.poll(POLL_MS))
+                events = self._poll(poller)
                 if monitor in events:
                     self._on_monitor(recv_monitor_message(monitor))
                 if sock in events:
-                    while True:
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
+                    for frames in _received(sock):
                         self._on_reply(frames)
-                if self._waker.rfd in events:
-                    self._waker.drain()
                 self._send_queued(sock)
         finally:
             self._fail_all("control connection closed")
@@ -159,11 +193,7 @@ class ControlClient:
             sock.close(0)
 
     def _send_queued(self, sock: zmq.Socket[Any]) -> None:
-        while True:
-            try:
-                kind, call_id, body, on_reply = self._outbox.get_nowait()
-            except queue.Empty:
-                return
+        for kind, call_id, body, on_reply in self._queued():
             try:
                 sock.send_multipart([kind, call_id, body], zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -218,16 +248,14 @@ class ControlClient:
 Handler = Callable[[bytes, str, bytes, bytes], None]  # (peer, kind, call id, body)
 
 
-class ControlServer:
+class ControlServer(_IoThread[list[bytes]]):
     """The stage host's end: one ROUTER socket; ``handler`` runs on the I/O thread and must
     not block (it hands work to other threads, which answer with :meth:`reply`)."""
 
     def __init__(self, bind: str, keys: CurveKeys | None, handler: Handler) -> None:
+        super().__init__()
         self._handler = handler
         self._keys = keys
-        self._outbox: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
-        self._waker = _Waker()
-        self._closing = False
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.endpoint = ""
@@ -238,14 +266,7 @@ class ControlServer:
             raise self._error
 
     def reply(self, peer: bytes, status: str, call_id: bytes, body: bytes) -> None:
-        self._outbox.put([peer, status.encode(), call_id, body])
-        self._waker.wake()
-
-    def close(self) -> None:
-        self._closing = True
-        self._waker.wake()
-        self._thread.join(timeout=5)
-        self._waker.close()
+        self._put([peer, status.encode(), call_id, body])
 
     def _run(self, bind: str) -> None:
         ctx: zmq.Context[Any] = zmq.Context.instance()
@@ -271,13 +292,8 @@ class ControlServer:
         poller.register(self._waker.rfd, zmq.POLLIN)
         try:
             while not self._closing:
-                events = dict(poller.poll(POLL_MS))
-                if sock in events:
-                    while True:
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
+                if sock in self._poll(poller):
+                    for frames in _received(sock):
                         if len(frames) == 4:
                             peer, kind, call_id, body = frames
                             try:
@@ -287,13 +303,7 @@ class ControlServer:
                                 self.reply(
                                     peer, "error", call_id, b"the stage host failed to handle the message"
                                 )
-                if self._waker.rfd in events:
-                    self._waker.drain()
-                while True:
-                    try:
-                        out = self._outbox.get_nowait()
-                    except queue.Empty:
-                        break
+                for out in self._queued():
                     with contextlib.suppress(zmq.Again, zmq.ZMQError):  # the peer is gone: nobody waits
                         sock.send_multipart(out, zmq.NOBLOCK, copy=False)
         finally:
