@@ -172,29 +172,9 @@ def _vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
 @lru_cache(maxsize=1)
 def tiny_token_ids() -> TinyTokenIds:
     vocab, _ = _vocab_and_merges()
-    special = {name: REGULAR_VOCAB + i for i, name in enumerate(SPECIAL_TOKENS)}
-
-    def sid(name: str) -> int:
-        return special[f"<|{name}|>"]
-
-    return TinyTokenIds(
-        endoftext=sid("endoftext"),
-        im_start=sid("im_start"),
-        im_end=sid("im_end"),
-        audio_start=sid("audio_start"),
-        audio_end=sid("audio_end"),
-        audio_pad=sid("audio_pad"),
-        image_pad=sid("image_pad"),
-        video_pad=sid("video_pad"),
-        vision_start=sid("vision_start"),
-        vision_end=sid("vision_end"),
-        tts_pad=sid("tts_pad"),
-        tts_bos=sid("tts_bos"),
-        tts_eos=sid("tts_eos"),
-        assistant=vocab["assistant"],
-        system=vocab["system"],
-        user=vocab["user"],
-    )
+    # Each special token's field is its name (``<|im_end|>``: ``im_end``), its id its place.
+    special = {token.strip("<|>"): REGULAR_VOCAB + i for i, token in enumerate(SPECIAL_TOKENS)}
+    return TinyTokenIds(**special, **{word: vocab[word] for word in ROLE_WORDS})
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:

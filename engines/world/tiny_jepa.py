@@ -28,30 +28,22 @@ Downstream: one ``Frames`` (uint8 ``[chunk_frames, 32, 32, 3]``) per chunk.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from engines.world.chunked import ChunkedRequest, ChunkedWorldEngine
 from engines.world.controls import DIRECTIONS, ChunkJob, ControlState
-from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
-from runtime.payloads import Frames
+from runtime.engine import EngineRequest
 
 
-@dataclass(slots=True)
-class JepaRequest:
-    controls: ControlState
+@dataclass(slots=True, kw_only=True)
+class JepaRequest(ChunkedRequest):
     env: Any  # tiny_jepa.OrbyWorld
     latent: np.ndarray  # float32 [32]: the rolling context
-    chunk_frames: int
-    fps: float
-    num_frames: int | None
-    frames_emitted: int = 0
     frames_since_anchor: int = 0
-
-    def frames_left(self) -> int | None:
-        return None if self.num_frames is None else self.num_frames - self.frames_emitted
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -61,10 +53,8 @@ def _positive_int(value: Any, name: str) -> int:
     return number
 
 
-class TinyJepaEngine(Engine):
+class TinyJepaEngine(ChunkedWorldEngine[JepaRequest]):
     """Chunked streaming over the pretrained tiny-jepa model (see the module docstring)."""
-
-    batchable = True
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
@@ -76,7 +66,6 @@ class TinyJepaEngine(Engine):
             raise ValueError(f"anchor_weight must lie in [0, 1], got {self.anchor_weight}")
         gain = self.options.get("gain", "auto")
         self.gain: float | None = None if gain == "auto" else float(gain)
-        self._model: Any = None
 
     def load(self) -> None:
         import importlib.resources
@@ -90,12 +79,6 @@ class TinyJepaEngine(Engine):
         packaged = importlib.resources.files("tiny_jepa") / "checkpoints" / "orby_v1.npz"
         with importlib.resources.as_file(packaged) as path:
             self._model = TinyJEPA.load(str(path))
-
-    @property
-    def model(self) -> Any:
-        if self._model is None:
-            raise RuntimeError("TinyJepaEngine.load() must run before the first request")
-        return self._model
 
     def start(self, request: EngineRequest) -> JepaRequest:
         from tiny_jepa import OrbyWorld
@@ -112,43 +95,8 @@ class TinyJepaEngine(Engine):
             num_frames=None if num_frames is None else _positive_int(num_frames, "num_frames"),
         )
 
-    def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
-        states: list[JepaRequest] = [item.state for item in batch]
-        jobs: list[ChunkJob | None] = []
-        for item, state in zip(batch, states, strict=True):
-            state.controls.absorb(item)
-            jobs.append(state.controls.next_job())
-        work = [(state, job) for state, job in zip(states, jobs, strict=True) if job is not None]
-        chunks = self._generate(work) if work else {}
-        outputs: list[StepOutput] = []
-        for state in states:
-            frames = chunks.get(id(state))
-            out = StepOutput()
-            if frames is not None:
-                out.downstream.append(Frames(frames=frames[0], fps=state.fps, chunk_index=frames[1]))
-            left = state.frames_left()
-            out.done = left is not None and left <= 0
-            out.wait_for_input = not out.done and not state.controls.has_more()
-            outputs.append(out)
-        return outputs
-
-    def _generate(self, work: list[tuple[JepaRequest, ChunkJob]]) -> dict[int, tuple[np.ndarray, int]]:
-        """One chunk for each (request, job).
-
-        Each request's rows go through the MLPs on their own: a stacked matmul rounds
-        differently with the batch size, and a session's frames must not depend on which
-        other sessions shared its step (batch invariance; the step still amortizes scheduling).
-        """
-        out: dict[int, tuple[np.ndarray, int]] = {}
-        for state, job in work:
-            left = state.frames_left()
-            count = state.chunk_frames if left is None else min(state.chunk_frames, left)
-            if count > 0:
-                out[id(state)] = (
-                    self._to_rgb(self._rollout(state, DIRECTIONS.index(job.direction), count)),
-                    job.index,
-                )
-        return out
+    def chunk(self, state: JepaRequest, job: ChunkJob, count: int) -> np.ndarray:
+        return self._to_rgb(self._rollout(state, DIRECTIONS.index(job.direction), count))
 
     def _rollout(self, state: JepaRequest, action: int, count: int) -> np.ndarray:
         """``count`` frames of ``state`` under ``action``: predict, re-anchor, decode."""

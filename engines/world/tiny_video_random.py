@@ -25,35 +25,27 @@ Downstream: one ``Frames`` (uint8 ``[chunk_frames, 32, 32, 3]``) per chunk.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from engines.world.chunked import ChunkedRequest, ChunkedWorldEngine
 from engines.world.controls import DIRECTIONS, ChunkJob, ControlState
-from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
-from runtime.payloads import Frames
+from runtime.engine import EngineRequest
 
 SIZE = 32
 _LATENT_SIDE = 8
 _MAX_PROMPT_BYTES = 512
 
 
-@dataclass(slots=True)
-class VideoRequest:
-    controls: ControlState
+@dataclass(slots=True, kw_only=True)
+class VideoRequest(ChunkedRequest):
     generator: Any  # torch.Generator: this request's noise
     context: Any  # torch.Tensor [context_frames, dim]: the rolling latent context
-    chunk_frames: int
-    fps: float
-    num_frames: int | None
-    frames_emitted: int = 0
     prompt: str | None = None  # prompt of the cached conditioning vector
     conditioning: Any = None  # torch.Tensor [dim]
-
-    def frames_left(self) -> int | None:
-        return None if self.num_frames is None else self.num_frames - self.frames_emitted
 
 
 def _build_model(dim: int, layers: int, context: int, seed: int) -> Any:
@@ -95,10 +87,8 @@ def _build_model(dim: int, layers: int, context: int, seed: int) -> Any:
         return CausalVideoModel().eval()
 
 
-class TinyVideoRandomEngine(Engine):
+class TinyVideoRandomEngine(ChunkedWorldEngine[VideoRequest]):
     """A tiny random-weight causal video model (its frames are noise; see the module docstring)."""
-
-    batchable = True
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
@@ -110,7 +100,6 @@ class TinyVideoRandomEngine(Engine):
         self.weight_seed = int(self.options.get("weight_seed", 0))
         self.noise = float(self.options.get("noise", 0.3))
         self.num_threads = int(self.options.get("num_threads", 1))
-        self._model: Any = None
 
     def load(self) -> None:
         import torch
@@ -118,12 +107,6 @@ class TinyVideoRandomEngine(Engine):
         if self.num_threads > 0:
             torch.set_num_threads(self.num_threads)
         self._model = _build_model(self.dim, self.layers, self.context_frames, self.weight_seed)
-
-    @property
-    def model(self) -> Any:
-        if self._model is None:
-            raise RuntimeError("TinyVideoRandomEngine.load() must run before the first request")
-        return self._model
 
     def start(self, request: EngineRequest) -> VideoRequest:
         import torch
@@ -144,43 +127,13 @@ class TinyVideoRandomEngine(Engine):
             num_frames=None if num_frames is None else int(num_frames),
         )
 
-    def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
-        states: list[VideoRequest] = [item.state for item in batch]
-        work: list[tuple[VideoRequest, ChunkJob]] = []
-        for item, state in zip(batch, states, strict=True):
-            state.controls.absorb(item)
-            job = state.controls.next_job()
-            if job is not None:
-                work.append((state, job))
-        chunks = self._generate(work) if work else {}
-        outputs = []
-        for state in states:
-            out = StepOutput()
-            chunk = chunks.get(id(state))
-            if chunk is not None:
-                out.downstream.append(Frames(frames=chunk[0], fps=state.fps, chunk_index=chunk[1]))
-            left = state.frames_left()
-            out.done = left is not None and left <= 0
-            out.wait_for_input = not out.done and not state.controls.has_more()
-            outputs.append(out)
-        return outputs
-
-    def _generate(self, work: list[tuple[VideoRequest, ChunkJob]]) -> dict[int, tuple[np.ndarray, int]]:
-        """One chunk per (request, job). Requests run one by one through the model: batched
-        matmuls round differently with the batch size, and a session's frames must not depend
-        on who shared its step (batch invariance)."""
+    def generate(self, work: list[tuple[VideoRequest, ChunkJob]]) -> dict[int, tuple[np.ndarray, int]]:
         import torch
 
-        out: dict[int, tuple[np.ndarray, int]] = {}
         with torch.inference_mode():
-            for state, job in work:
-                left = state.frames_left()
-                count = state.chunk_frames if left is None else min(state.chunk_frames, left)
-                if count > 0:
-                    out[id(state)] = (self._rollout(state, job, count), job.index)
-        return out
+            return super().generate(work)
 
-    def _rollout(self, state: VideoRequest, job: ChunkJob, count: int) -> np.ndarray:
+    def chunk(self, state: VideoRequest, job: ChunkJob, count: int) -> np.ndarray:
         import torch
 
         model = self.model
