@@ -28,15 +28,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--redis-url", default=None, help="external Redis; default: an embedded redis-server")
     p.add_argument("--data-dir", default="./.omniduplex", help="embedded Redis data directory")
-    p.add_argument("--api-keys", default=None, help="key:tenant,... (or env OMNIDUPLEX_API_KEYS)")
-    p.add_argument(
-        "--cors-origins",
-        default=None,
-        help="browser origins allowed to call the server (comma-separated, or *); default: none but "
-        "the server's own, plus loopback origins while running open (no API keys)",
-    )
-    p.add_argument("--admin-key", default=None, help="admin API key (or env OMNIDUPLEX_ADMIN_KEY)")
-    p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without API keys")
+    _access_args(p)
     p.add_argument("--advertise-url", default=None, help="URL other replicas/gateways reach this one at")
     # scale-out (web/deploy/replica.py)
     p.add_argument("--replica-id", default=None, help="registry id (default: random per process)")
@@ -178,6 +170,20 @@ def _stage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--log-level", default="info")
 
 
+def _access_args(p: argparse.ArgumentParser) -> None:
+    """Who may call a server or a gateway: API keys, browser origins, the admin key, and
+    whether it may bind beyond loopback without keys."""
+    p.add_argument("--api-keys", default=None, help="key:tenant,... (or env OMNIDUPLEX_API_KEYS)")
+    p.add_argument(
+        "--cors-origins",
+        default=None,
+        help="browser origins allowed to call the server (comma-separated, or *); default: none but "
+        "the server's own, plus loopback origins while running open (no API keys)",
+    )
+    p.add_argument("--admin-key", default=None, help="admin API key (or env OMNIDUPLEX_ADMIN_KEY)")
+    p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without API keys")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omniduplex")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,15 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8080)
     g.add_argument("--redis-url", required=True)
-    g.add_argument("--api-keys", default=None, help="key:tenant,... (or env OMNIDUPLEX_API_KEYS)")
-    g.add_argument(
-        "--cors-origins",
-        default=None,
-        help="browser origins allowed to call the server (comma-separated, or *); default: none but "
-        "the server's own, plus loopback origins while running open (no API keys)",
-    )
-    g.add_argument("--admin-key", default=None, help="admin API key (or env OMNIDUPLEX_ADMIN_KEY)")
-    g.add_argument("--insecure", action="store_true")
+    _access_args(g)
     g.add_argument("--log-level", default="info")
     return parser
 

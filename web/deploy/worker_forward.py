@@ -43,15 +43,7 @@ from web.deploy.replica import SESSION_SOCKETS, ReplicaMembership, membership_of
 from web.deploy.workers import worker_label
 from web.edge.bodies import MAX_FORWARDED_BODY_BYTES, BodyRefused, read_body
 from web.gateway.http_forward import HttpForwarder, ReplicaHttpUnreachable, to_response
-from web.gateway.relay import (
-    ReplicaRefused,
-    ReplicaUnreachable,
-    forwarded_headers,
-    open_upstream,
-    relay,
-    upgrade_headers,
-    ws_url,
-)
+from web.gateway.relay import ClientUpgrade, ReplicaRefused, ReplicaUnreachable, serve_relayed
 
 log = logging.getLogger("omniduplex.workers")
 
@@ -159,34 +151,17 @@ class WorkerForward:
     async def _relay_ws(self, scope: Any, receive: Receive, send: Send, url: str) -> bool:
         """Relay the upgrade to the owner; False (serve here) when the owner cannot be reached."""
         websocket = WebSocket(scope, receive, send)
-        raw = websocket.headers.get("sec-websocket-protocol", "")
-        subprotocols = [p.strip() for p in raw.split(",") if p.strip()]
-        client = scope.get("client")
-        headers = forwarded_headers(scope["headers"], client[0] if client else None)
-        headers.append((FORWARDED.decode(), "1"))
-        settings = scope["app"].state.ctx.settings
+        upgrade = ClientUpgrade.of(scope, (FORWARDED.decode(), "1"))
+        max_size = scope["app"].state.ctx.settings.max_message_bytes
         try:
-            upstream = await open_upstream(
-                ws_url(url, scope["path"], scope.get("query_string", b"").decode("latin-1")),
-                headers=headers,
-                subprotocols=subprotocols,
-                open_timeout_s=OPEN_TIMEOUT_S,
-                max_size=settings.max_message_bytes,
-            )
+            upstream = await upgrade.open(url, open_timeout_s=OPEN_TIMEOUT_S, max_size=max_size)
         except ReplicaUnreachable as exc:
             log.warning("worker forward: owner %s unreachable (%s); serving here", url, exc)
             return False
         except ReplicaRefused as exc:
-            d = exc.denial
-            await websocket.send_denial_response(
-                Response(d.body, status_code=d.status, headers=dict(d.headers))
-            )
+            await websocket.send_denial_response(exc.denial.response())
             return True
-        try:
-            await websocket.accept(subprotocol=upstream.subprotocol, headers=upgrade_headers(upstream))
-            await relay(receive, send, upstream)
-        finally:
-            await upstream.close()
+        await serve_relayed(websocket, receive, send, upstream)
         return True
 
     async def _forward_http(self, scope: Any, receive: Receive, send: Send, urls: list[str]) -> bool:

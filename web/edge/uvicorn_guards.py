@@ -71,20 +71,43 @@ def _deadlines(config: uvicorn.Config) -> Deadlines:
     return found if isinstance(found, Deadlines) else Deadlines()
 
 
+class OneShot:
+    """A deadline on the loop: armed once (while ``seconds`` > 0) until it fires or is
+    cancelled; ``expired`` runs when it fires."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float, expired: Callable[[], None]) -> None:
+        self.loop = loop
+        self.seconds = seconds
+        self._expired = expired
+        self._handle: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        if self._handle is None and self.seconds > 0:
+            self._handle = self.loop.call_later(self.seconds, self._fire)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _fire(self) -> None:
+        self._handle = None
+        self._expired()
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
-        self._header_timeout_s = _deadlines(config).http_timeout_s
-        self._header_timer: asyncio.TimerHandle | None = None
+        self._header_deadline = OneShot(self.loop, _deadlines(config).http_timeout_s, self._headers_late)
         self._header_bytes = 0
         self._in_headers = True  # from the connection until the first request's headers
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # type: ignore[arg-type]
-        self._arm_header_timer()
+        self._header_deadline.arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_timer()
+        self._header_deadline.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -100,30 +123,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if not self._in_headers:  # a later request on a keep-alive connection
             self._in_headers = True
             self._header_bytes = 0
-            self._arm_header_timer()
+            self._header_deadline.arm()
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
-        self._cancel_header_timer()
+        self._header_deadline.cancel()
         super().on_headers_complete()
 
-    def _arm_header_timer(self) -> None:
-        if self._header_timer is None and self._header_timeout_s > 0:
-            self._header_timer = self.loop.call_later(self._header_timeout_s, self._headers_late)
-
-    def _cancel_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
     def _headers_late(self) -> None:
-        self._header_timer = None
         if self._in_headers and not self.transport.is_closing():
-            log.debug("%s: no complete request within %.1f s: closed", self.client, self._header_timeout_s)
+            seconds = self._header_deadline.seconds
+            log.debug("%s: no complete request within %.1f s: closed", self.client, seconds)
             self.transport.abort()  # it sent nothing worth answering; nothing waits to be flushed
 
     def _refuse(self, status: int, phrase: bytes) -> None:
-        self._cancel_header_timer()
+        self._header_deadline.cancel()
         self._in_headers = False
         body = phrase + b"\n"
         head = (
@@ -136,8 +150,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
-        self._send_timeout_s = _deadlines(config).ws_send_timeout_s
-        self._stall_timer: asyncio.TimerHandle | None = None
+        self._stall_deadline = OneShot(self.loop, _deadlines(config).ws_send_timeout_s, self._send_stalled)
         self._ahead: deque[int] = deque()  # sizes of the received messages queued for the app
         self._ahead_bytes = 0
         self._receiver: Callable[[str | bytes], None] | None = None
@@ -208,30 +221,23 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        if self._stall_timer is None and self._send_timeout_s > 0:
-            self._stall_timer = self.loop.call_later(self._send_timeout_s, self._send_stalled)
+        self._stall_deadline.arm()
 
     def resume_writing(self) -> None:
-        self._cancel_stall_timer()
+        self._stall_deadline.cancel()
         super().resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_stall_timer()
+        self._stall_deadline.cancel()
         super().connection_lost(exc)
 
-    def _cancel_stall_timer(self) -> None:
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
-
     def _send_stalled(self) -> None:
-        self._stall_timer = None
         if self.transport.is_closing() and self.disconnected:
             return
         log.info(
             "%s: WebSocket closed 1008: its send buffer stayed full for %.1f s",
             self.client,
-            self._send_timeout_s,
+            self._stall_deadline.seconds,
         )
         if not self.close_sent and self.handshake_complete and self.initial_response is None:
             try:  # behind everything unread: a client that reads again before the reset sees it

@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.responses import Response
+from starlette.websockets import WebSocket
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.typing import Subprotocol
@@ -82,6 +84,11 @@ class ReplicaDenial:
             return ""
         err = doc.get("error") if isinstance(doc, dict) else None
         return str(err.get("code", "")) if isinstance(err, dict) else ""
+
+
+    def response(self) -> Response:
+        """The denial as the client's answer to its upgrade."""
+        return Response(self.body, status_code=self.status, headers=dict(self.headers))
 
 
 class ReplicaRefused(Exception):
@@ -156,6 +163,51 @@ async def open_upstream(
         raise ReplicaRefused(denial) from exc
     except (OSError, TimeoutError, EOFError, InvalidHandshake) as exc:
         raise ReplicaUnreachable(f"{url}: {type(exc).__name__}: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class ClientUpgrade:
+    """What a client's upgrade request carries on to a replica: its path and query, its
+    headers (forwarded, see :func:`forwarded_headers`) and the subprotocols it offers."""
+
+    path: str
+    query: str
+    headers: list[tuple[str, str]]
+    subprotocols: list[str]
+
+    @classmethod
+    def of(cls, scope: Mapping[str, Any], *extra_headers: tuple[str, str]) -> ClientUpgrade:
+        raw = scope.get("headers", [])
+        offered = next((v.decode("latin-1") for k, v in raw if k == b"sec-websocket-protocol"), "")
+        client = scope.get("client")
+        return cls(
+            str(scope.get("path", "/v1/realtime")),
+            scope.get("query_string", b"").decode("latin-1"),
+            [*forwarded_headers(raw, client[0] if client else None), *extra_headers],
+            [p.strip() for p in offered.split(",") if p.strip()],
+        )
+
+    async def open(self, base_url: str, *, open_timeout_s: float, max_size: int | None) -> ClientConnection:
+        """The upgrade on the replica at ``base_url`` (see :func:`open_upstream`)."""
+        return await open_upstream(
+            ws_url(base_url, self.path, self.query),
+            headers=self.headers,
+            subprotocols=self.subprotocols,
+            open_timeout_s=open_timeout_s,
+            max_size=max_size,
+        )
+
+
+async def serve_relayed(
+    websocket: WebSocket, receive: Receive, send: Send, upstream: ClientConnection
+) -> None:
+    """Accept the client's upgrade as the replica accepted it, relay both ways until either
+    side ends, and close the replica's side."""
+    try:
+        await websocket.accept(subprotocol=upstream.subprotocol, headers=upgrade_headers(upstream))
+        await relay(receive, send, upstream)
+    finally:
+        await upstream.close()
 
 
 def upgrade_headers(upstream: ClientConnection) -> list[tuple[bytes, bytes]] | None:

@@ -31,16 +31,7 @@ from websockets.asyncio.client import ClientConnection
 
 from session.store.errors import StoreError
 from session.world.events import ErrorEvent as WorldErrorEvent
-from web.gateway.relay import (
-    ReplicaDenial,
-    ReplicaRefused,
-    ReplicaUnreachable,
-    forwarded_headers,
-    open_upstream,
-    relay,
-    upgrade_headers,
-    ws_url,
-)
+from web.gateway.relay import ClientUpgrade, ReplicaDenial, ReplicaRefused, ReplicaUnreachable, serve_relayed
 from web.gateway.routing import NoReplicaAvailable, Route
 from web.gateway.state import Gateway
 
@@ -57,22 +48,14 @@ ATTEMPTS = 3
 class _Handshake:
     """What the replica's upgrade request carries (built once, reused across attempts)."""
 
-    def __init__(self, gateway: Gateway, scope: Mapping[str, Any], subprotocols: list[str]) -> None:
+    def __init__(self, gateway: Gateway, upgrade: ClientUpgrade) -> None:
         self.gateway = gateway
-        self.path = str(scope.get("path", "/v1/realtime"))
-        self.query = scope.get("query_string", b"").decode("latin-1")
-        client = scope.get("client")
-        self.headers = forwarded_headers(scope.get("headers", []), client[0] if client else None)
-        self.subprotocols = subprotocols
+        self.upgrade = upgrade
 
     async def open(self, route_url: str) -> ClientConnection:
         settings = self.gateway.settings
-        return await open_upstream(
-            ws_url(route_url, self.path, self.query),
-            headers=self.headers,
-            subprotocols=self.subprotocols,
-            open_timeout_s=settings.connect_timeout_s,
-            max_size=settings.max_message_bytes,
+        return await self.upgrade.open(
+            route_url, open_timeout_s=settings.connect_timeout_s, max_size=settings.max_message_bytes
         )
 
 
@@ -204,14 +187,14 @@ class RealtimeRelayEndpoint:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         gateway: Gateway = scope["app"].state.gateway
         websocket = WebSocket(scope, receive, send)
-        raw = websocket.headers.get("sec-websocket-protocol", "")
-        subprotocols = [p.strip() for p in raw.split(",") if p.strip()]
+        upgrade = ClientUpgrade.of(scope)
+        subprotocols = upgrade.subprotocols
         if not await gateway.authorized(websocket.headers.get("authorization"), subprotocols):
             await websocket.send_denial_response(
                 _denial(401, "invalid_api_key", "Missing or invalid API key (Authorization: Bearer <key>).")
             )
             return
-        hs = _Handshake(gateway, scope, subprotocols)
+        hs = _Handshake(gateway, upgrade)
         session_id = websocket.query_params.get("session_id")
         try:
             if session_id:
@@ -227,15 +210,9 @@ class RealtimeRelayEndpoint:
             )
             return
         except ReplicaRefused as exc:
-            d = exc.denial
-            answer = Response(d.body, status_code=d.status, headers=dict(d.headers))
-            await websocket.send_denial_response(answer)
+            await websocket.send_denial_response(exc.denial.response())
             return
-        try:
-            await websocket.accept(subprotocol=upstream.subprotocol, headers=upgrade_headers(upstream))
-            await relay(receive, send, upstream)
-        finally:
-            await upstream.close()
+        await serve_relayed(websocket, receive, send, upstream)
 
     @staticmethod
     async def _no_replica(

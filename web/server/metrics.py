@@ -139,115 +139,99 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         ProcessCollector(registry=r)
-        self.stage_step_seconds = Histogram(
-            f"{PREFIX}_stage_step_seconds",
-            "Duration of one engine step.",
-            ["stage"],
-            buckets=STEP_BUCKETS,
-            registry=r,
+
+        def histogram(
+            name: str, doc: str, labels: Sequence[str] = (), *, buckets: Sequence[float]
+        ) -> Histogram:
+            return Histogram(f"{PREFIX}_{name}", doc, labels, buckets=buckets, registry=r)
+
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, labels, registry=r)
+
+        def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+            return Gauge(f"{PREFIX}_{name}", doc, labels, registry=r)
+
+        self.stage_step_seconds = histogram(
+            "stage_step_seconds", "Duration of one engine step.", ["stage"], buckets=STEP_BUCKETS
         )
-        self.stage_batch_size = Histogram(
-            f"{PREFIX}_stage_batch_size",
-            "Requests per engine step.",
-            ["stage"],
-            buckets=BATCH_BUCKETS,
-            registry=r,
+        self.stage_batch_size = histogram(
+            "stage_batch_size", "Requests per engine step.", ["stage"], buckets=BATCH_BUCKETS
         )
-        self.stage_request_seconds = Histogram(
-            f"{PREFIX}_stage_request_seconds",
+        self.stage_request_seconds = histogram(
+            "stage_request_seconds",
             "Time a request spent in a stage, admission to finish.",
             ["stage", "outcome"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.time_to_first_audio = Histogram(
-            f"{PREFIX}_time_to_first_audio_seconds",
+        self.time_to_first_audio = histogram(
+            "time_to_first_audio_seconds",
             "Response start to its first audio from the pipeline.",
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.turn_latency = Histogram(
-            f"{PREFIX}_turn_latency_seconds",
+        self.turn_latency = histogram(
+            "turn_latency_seconds",
             "Response start to response end, by final status.",
             ["status"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.responses = Counter(f"{PREFIX}_responses", "Responses started.", registry=r)
+        self.responses = counter("responses", "Responses started.")
         # The total stays unlabelled (dashboards and the load generator read it as is); the
         # split by kind is a second family, so summing either never counts a session twice.
-        self.active_sessions = Gauge(
-            f"{PREFIX}_active_sessions", "Open sessions, voice and world together.", registry=r
-        )
-        self.active_sessions_by_kind = Gauge(
-            f"{PREFIX}_active_sessions_by_kind",
+        self.active_sessions = gauge("active_sessions", "Open sessions, voice and world together.")
+        self.active_sessions_by_kind = gauge(
+            "active_sessions_by_kind",
             "Open sessions by kind: voice (realtime), world (world-model video) or robot (policy).",
             ["kind"],
-            registry=r,
         )
-        self.conversation_audio_bytes = Gauge(
-            f"{PREFIX}_conversation_audio_bytes",
+        self.conversation_audio_bytes = gauge(
+            "conversation_audio_bytes",
             "Audio the conversations of open sessions hold in process memory (input PCM16 16 kHz, "
             "output as sent; audio spooled to disk is not counted).",
-            registry=r,
         )
-        self.held_audio_bytes = Gauge(
-            f"{PREFIX}_held_audio_bytes",
+        self.held_audio_bytes = gauge(
+            "held_audio_bytes",
             "Audio deltas of open sessions this process keeps for a resume here (their PCM, and "
             "the JSON around it once per response; Redis does not keep them), at most "
             "--audio-replay-max-bytes per session.",
-            registry=r,
         )
-        self.conversation_audio_spooled_bytes = Gauge(
-            f"{PREFIX}_conversation_audio_spooled_bytes",
+        self.conversation_audio_spooled_bytes = gauge(
+            "conversation_audio_spooled_bytes",
             "Conversation audio this process keeps in its disk spool (off the heap).",
-            registry=r,
         )
-        self.admissions = Counter(
-            f"{PREFIX}_admissions",
-            "Session opens by outcome (admitted, or the refusal code).",
-            ["outcome"],
-            registry=r,
+        self.admissions = counter(
+            "admissions", "Session opens by outcome (admitted, or the refusal code).", ["outcome"]
         )
-        self.resumes = Counter(f"{PREFIX}_resumes", "Session resumes by outcome.", ["outcome"], registry=r)
-        self.errors = Counter(
-            f"{PREFIX}_errors", "Error events sent to clients, by code.", ["code"], registry=r
-        )
-        self.robot_observations_dropped = Counter(
-            f"{PREFIX}_robot_observations_dropped",
+        self.resumes = counter("resumes", "Session resumes by outcome.", ["outcome"])
+        self.errors = counter("errors", "Error events sent to clients, by code.", ["code"])
+        self.robot_observations_dropped = counter(
+            "robot_observations_dropped",
             "Robot observations replaced by a newer one before the policy saw them (flooding robots).",
-            registry=r,
         )
-        self.robot_infer_seconds = Histogram(
-            f"{PREFIX}_robot_infer_seconds",
+        self.robot_infer_seconds = histogram(
+            "robot_infer_seconds",
             "Robot observation handed to the policy to its action chunk back (batching included).",
             buckets=STEP_BUCKETS,
-            registry=r,
         )
-        self.robot_infer_batch = Histogram(
-            f"{PREFIX}_robot_infer_batch_size",
+        self.robot_infer_batch = histogram(
+            "robot_infer_batch_size",
             "Robots' observations in the policy step that answered one.",
             buckets=BATCH_BUCKETS,
-            registry=r,
         )
-        self.live_frame_seconds = Histogram(
-            f"{PREFIX}_live_frame_seconds",
+        self.live_frame_seconds = histogram(
+            "live_frame_seconds",
             "GPT-Live sessions: a client event's handling on the event loop (decode, checks, queue).",
             buckets=STEP_BUCKETS,
-            registry=r,
         )
-        self.loop_lag = Histogram(
-            f"{PREFIX}_event_loop_lag_seconds",
+        self.loop_lag = histogram(
+            "event_loop_lag_seconds",
             "How late a periodic event-loop timer fires (a busy loop delays every session).",
             buckets=LAG_BUCKETS,
-            registry=r,
         )
-        self.gc_pause = Histogram(
-            f"{PREFIX}_gc_pause_seconds",
+        self.gc_pause = histogram(
+            "gc_pause_seconds",
             "Cyclic garbage collector pauses (they stop the event loop), by generation.",
             ["generation"],
             buckets=LAG_BUCKETS,
-            registry=r,
         )
         self._voice_sessions: Callable[[], int] = lambda: 0
         self._world_sessions: Callable[[], int] = lambda: 0
