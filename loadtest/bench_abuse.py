@@ -147,16 +147,23 @@ def text_item(text: str, item_id: str | None = None) -> str:
     return json.dumps({"type": "conversation.item.create", "item": item})
 
 
+RETRIEVE_BIG = json.dumps({"type": "conversation.item.retrieve", "item_id": "item_big"})
+
+
+async def _retrieves_unread(ws: ClientConnection, count: int) -> str:
+    """``count`` retrieves of the big item by a client that reads none of the replies."""
+    for _ in range(count):
+        await ws.send(RETRIEVE_BIG)
+    await asyncio.sleep(20)  # the outbox budget (8 MiB) or the send deadline (15 s) ends it
+    ws.transport.abort()
+    return f"one 1.9 MB item, {count} retrieves, client not reading"
+
+
 async def retrieve(rig: Rig) -> str:
     ws = await connect(rig, silent=True)
     await ws.send(text_item(BIG_TEXT, "item_big"))
     await drain_until(ws, "conversation.item.done")
-    frame = json.dumps({"type": "conversation.item.retrieve", "item_id": "item_big"})
-    for _ in range(100):
-        await ws.send(frame)
-    await asyncio.sleep(20)  # the outbox budget (8 MiB) or the send deadline (15 s) ends it
-    ws.transport.abort()
-    return "one 1.9 MB item, 100 retrieves, client not reading"
+    return await _retrieves_unread(ws, 100)
 
 
 async def _big_item_session(rig: Rig, *, silent: bool) -> ClientConnection:
@@ -171,14 +178,13 @@ async def _retrieves_read(rig: Rig, *, burst: bool) -> str:
     """40 retrieves of the item, read as they come: all sent at once (``burst``), or each
     sent once the previous reply was read."""
     ws = await _big_item_session(rig, silent=False)
-    frame = json.dumps({"type": "conversation.item.retrieve", "item_id": "item_big"})
     rounds, per_round = (1, 40) if burst else (40, 1)
     got = 0
     outcome = "no refusal"
     try:
         for _ in range(rounds):
             for _ in range(per_round):
-                await ws.send(frame)
+                await ws.send(RETRIEVE_BIG)
             wanted = got + per_round
             while got < wanted:
                 event = json.loads(await asyncio.wait_for(ws.recv(), 60))
@@ -204,13 +210,7 @@ async def retrieve_burst(rig: Rig) -> str:
 
 async def retrieve_silent(rig: Rig) -> str:
     """Issue 33: 40 retrieves by a client that reads nothing after the item."""
-    ws = await _big_item_session(rig, silent=True)
-    frame = json.dumps({"type": "conversation.item.retrieve", "item_id": "item_big"})
-    for _ in range(40):
-        await ws.send(frame)
-    await asyncio.sleep(20)  # the outbox budget (8 MiB) or the send deadline (15 s) ends it
-    ws.transport.abort()
-    return "one 1.9 MB item, 40 retrieves, client not reading"
+    return await _retrieves_unread(await _big_item_session(rig, silent=True), 40)
 
 
 async def items(rig: Rig) -> str:

@@ -17,7 +17,6 @@ Prints the load average next to the figures: the box is shared.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from loadtest.report import write_json
 from loadtest.speech import SENTENCES as LOAD_SENTENCES
 
 SENTENCES = (
@@ -165,8 +165,7 @@ def main() -> None:
     print(f"words differ from the spoken text: 30 s window {w['full']}, short {w['short']}")
     for d in result["differences"]:
         print(f"  [{d['label']}] full={d['full']!r} short={d['short']!r}")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

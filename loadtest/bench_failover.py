@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import tempfile
 import time
@@ -43,6 +42,7 @@ import yaml
 
 from loadtest.bench_gateway import embedded_redis, spawn_gateway, spawn_replica, wait_http
 from loadtest.realtime_client import RealtimeClient
+from loadtest.report import write_json
 from loadtest.server_process import Child
 from loadtest.stats import summarize
 from session.affinity import ReplicaRegistry
@@ -314,8 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         s = out[key]
         print(f"  {key}: p50 {s['p50']} s, p90 {s['p90']} s, max {s['max']} s")
     print(f"  in-flight responses ended failed/replica_lost: {out['in_flight_failed_replica_lost']}")
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
     failed = out["errors"] or out["lost_items"] or out["within_target"] < out["trials"]
     return 1 if failed else 0
 

@@ -46,6 +46,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.typing import Subprotocol
 
+from loadtest.report import publish
 from loadtest.server_process import Child, free_port, replica_args, spawn
 from loadtest.stats import summarize
 from runtime.metrics import percentile
@@ -327,9 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(run_echo_server(args.echo_server))
         return 0
     out = asyncio.run(run(args))
-    print(report(out))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+    publish(report(out), out, args.json)
     return 0
 
 

@@ -33,6 +33,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
 from loadtest.bench_gateway import wait_http
+from loadtest.report import write_json
 from loadtest.server_process import Child, free_port, spawn
 from loadtest.stats import summarize
 from runtime.spec import load_pipeline
@@ -210,8 +211,7 @@ def main() -> int:
         f"\nthinker alone, next turn start + prefill + first token: {t['retained_p50']} ms retained, "
         f"{t['not_retained_p50']} ms not retained (p50)"
     )
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
     return 0
 
 

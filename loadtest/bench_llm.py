@@ -27,6 +27,7 @@ from typing import Any
 
 from engines.speech.stages import ResponderEngine
 from engines.vllm.stages import VllmResponderEngine
+from loadtest.report import publish
 from runtime.metrics import percentile
 from runtime.orchestrator import Orchestrator
 from runtime.payloads import TextDelta
@@ -196,9 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = asyncio.run(main_async(args))
     print(f"\n{report['cpus']} CPUs, 1-min load average at the end {report['load']:.1f}\n")
-    print(markdown(report["engines"], report["prefix"]))
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2))
+    publish(markdown(report["engines"], report["prefix"]), report, args.out)
     return 0
 
 

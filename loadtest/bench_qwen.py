@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import resource
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.qwen3_omni.stages import Code2WavEngine, TalkerEngine, ThinkerEngine
+from loadtest.report import publish
 from runtime.engine import EdgeChunk, EngineRequest, StepInput
 from runtime.orchestrator import DEFAULT_INBOX_LIMIT, Orchestrator
 from runtime.payloads import AudioChunk, Payload
@@ -311,9 +311,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     report = asyncio.run(run(args))
-    print(markdown(report))
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    publish(markdown(report), report, args.out)
 
 
 if __name__ == "__main__":

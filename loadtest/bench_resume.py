@@ -41,6 +41,7 @@ import psutil
 import websockets
 from websockets.asyncio.client import ClientConnection
 
+from loadtest.report import publish
 from loadtest.server_process import free_port, wait_ready
 from runtime.metrics import percentile
 from session.store.event_ids import parse_event_id
@@ -222,9 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     global COMPRESSION
     COMPRESSION = None if args.no_deflate else "deflate"
     results = asyncio.run(main_async(args))
-    print(report(results))
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2))
+    publish(report(results), results, args.json)
     return 0
 
 

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import websockets
 
+from loadtest.report import publish
 from loadtest.server_process import ConfigSpec, ServerProcess, Target
 from loadtest.stats import summarize
 from runtime.metrics import percentile
@@ -435,9 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-webrtc-"))
     result = asyncio.run(run(args.trials, args.barge_trials, log_dir))
-    print(report(result))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+    publish(report(result), result, args.out)
     return 0
 
 

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import base64
 import copy
-import json
 import os
 import pickle
 import socket
@@ -40,6 +39,7 @@ import numpy as np
 from redis.asyncio import Redis
 
 from loadtest.bench_qwen import RequestTiming, summarize, wave
+from loadtest.report import write_json
 from runtime.connectors import Handle
 from runtime.orchestrator import Orchestrator
 from runtime.remote.connector import MooncakeConnector, decode
@@ -392,8 +392,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     report["load_after"] = os.getloadavg()
     print(markdown(report))
     print(f"load average before {report['load_before']}, after {report['load_after']}")
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2, default=float))
+    write_json(args.out, report, default=float)
 
 
 if __name__ == "__main__":

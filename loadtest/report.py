@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
+
+
+def write_json(path: Path | None, doc: Any, **dumps: Any) -> None:
+    """A benchmark's figures as JSON at ``path`` (its ``--json`` / ``--out``), when one was given."""
+    if path is not None:
+        path.write_text(json.dumps(doc, indent=2, **dumps) + "\n")
+
+
+def publish(summary: str, doc: Any, path: Path | None) -> None:
+    """A benchmark's summary on stdout, and its figures as JSON at ``path`` when given."""
+    print(summary)
+    write_json(path, doc)
 
 
 def _f(value: Any, digits: int = 0, unit: str = "") -> str:

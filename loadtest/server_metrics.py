@@ -11,7 +11,6 @@ cost uses it); ``omniduplex_active_sessions_by_kind{kind}`` splits them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import math
 import re
@@ -22,6 +21,8 @@ from typing import Any
 
 import httpx
 import psutil
+
+from session.store.aio import cancel_and_wait
 
 Labels = tuple[tuple[str, str], ...]
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
@@ -145,11 +146,8 @@ class MetricsSampler:
         self._task = asyncio.create_task(self._loop(), name="loadtest:metrics")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         await self.scrape()
         if self._client is not None:
             await self._client.aclose()

@@ -57,16 +57,12 @@ class TurnRecord:
     @property
     def ttfa_ms(self) -> float | None:
         """End of speech → first output audio."""
-        if self.first_audio_at is None or self.speech_end is None:
-            return None
-        return (self.first_audio_at - self.speech_end) * 1000.0
+        return _span_ms(self.speech_end, self.first_audio_at)
 
     @property
     def stream_ms(self) -> float | None:
         """First → last output audio."""
-        if self.first_audio_at is None or self.last_audio_at is None:
-            return None
-        return (self.last_audio_at - self.first_audio_at) * 1000.0
+        return _span_ms(self.first_audio_at, self.last_audio_at)
 
     @property
     def rtf(self) -> float | None:
@@ -78,9 +74,7 @@ class TurnRecord:
     @property
     def barge_in_stop_ms(self) -> float | None:
         """Interruption → the server's ``response.done`` for the interrupted response."""
-        if self.barge_in_at is None or self.barge_in_done_at is None:
-            return None
-        return (self.barge_in_done_at - self.barge_in_at) * 1000.0
+        return _span_ms(self.barge_in_at, self.barge_in_done_at)
 
     @property
     def underruns(self) -> int:
@@ -112,3 +106,8 @@ class TurnRecord:
             "barge_in_stop_ms": r(self.barge_in_stop_ms),
             "errors": dict(self.errors),
         }
+
+
+def _span_ms(start: float | None, end: float | None) -> float | None:
+    """Milliseconds from ``start`` to ``end`` (None unless both happened)."""
+    return None if start is None or end is None else (end - start) * 1000.0
