@@ -27,6 +27,20 @@ CONVERSATION_TOO_LARGE: Final = "conversation_too_large"
 STRING_TOO_LONG: Final = "string_above_max_length"
 INPUT_AUDIO_TOO_LARGE: Final = "input_audio_buffer_too_large"
 
+# What an error may echo of the client's input: a value shown in a message, a parameter name,
+# the failing event's id. An error used to echo the whole invalid value (a 400 KB string sent as
+# `session.audio` came back as a 400 KB error, was queued, logged to Redis and copied on the way,
+# each time: issue 33's lone fuzzer); past these it shows the start and the length.
+MAX_ECHO_CHARS: Final = 200
+MAX_MESSAGE_CHARS: Final = 2048
+
+
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """``text``, or its first ``limit`` characters and how long it was."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text):,} characters)"
+
 
 class ProtocolError(Exception):
     """A client request the core rejects; becomes one `error` server event.
@@ -43,10 +57,11 @@ class ProtocolError(Exception):
         param: str | None = None,
         type: str = INVALID_REQUEST,
     ) -> None:
+        message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.code = code
         self.message = message
-        self.param = param
+        self.param = None if param is None else clip(param)
         self.type = type
         self.event_id: str | None = None  # the client event that failed, echoed in the error
 

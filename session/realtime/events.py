@@ -20,6 +20,7 @@ from session.realtime.errors import (
     INVALID_VALUE,
     MISSING_PARAMETER,
     ProtocolError,
+    clip,
 )
 from session.realtime.validation import WireModel, protocol_error_from
 
@@ -259,7 +260,7 @@ def _validate(data: dict[str, Any]) -> ClientEvent:
         supported = ", ".join(f"'{name}'" for name in CLIENT_EVENT_TYPES)
         raise ProtocolError(
             INVALID_EVENT,
-            f"Invalid value: '{kind}'. Supported values are: {supported}.",
+            f"Invalid value: '{clip(str(kind))}'. Supported values are: {supported}.",
             param="type",
         )
     try:

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from session.realtime.effects import CoreOutput, Effect
-from session.realtime.errors import ProtocolError
+from session.realtime.errors import ProtocolError, clip
 from session.realtime.ids import IdFactory
 
 
@@ -37,6 +37,7 @@ class Outbox:
         self._out.effects.append(effect)
 
     def error(self, err: ProtocolError, event_id: str | None = None) -> dict[str, Any]:
+        echoed = event_id if event_id is not None else err.event_id
         return self.event(
             "error",
             error={
@@ -44,7 +45,7 @@ class Outbox:
                 "code": err.code,
                 "message": err.message,
                 "param": err.param,
-                "event_id": event_id if event_id is not None else err.event_id,
+                "event_id": None if echoed is None else clip(echoed),
             },
         )
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from session.realtime.errors import INVALID_VALUE, MISSING_PARAMETER, UNKNOWN_PARAMETER, ProtocolError
+from session.realtime.errors import INVALID_VALUE, MISSING_PARAMETER, UNKNOWN_PARAMETER, ProtocolError, clip
 
 # Tag values pydantic puts into error locations of discriminated unions; they are not fields.
 _UNION_TAGS = frozenset(
@@ -68,7 +68,8 @@ def protocol_error_from(exc: ValidationError, prefix: str = "") -> ProtocolError
             param=param,
         )
     got = err.get("input")
-    shown = repr(got) if isinstance(got, str | int | float | bool) or got is None else type(got).__name__
+    plain = isinstance(got, str | int | float | bool) or got is None
+    shown = clip(repr(got)) if plain else type(got).__name__
     msg = str(err.get("msg", "invalid value"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]

@@ -42,6 +42,31 @@ def test_unknown_event_type_echoes_event_id() -> None:
     assert (err["code"], err["param"], err["event_id"]) == ("missing_required_parameter", "type", "evt_2")
 
 
+def test_an_error_echoes_at_most_the_start_of_a_huge_input() -> None:
+    """A 400 KB invalid value, type, parameter name or event id comes back as its first 200
+    characters and its length: the error was as large as the input, and was queued, logged and
+    copied each time (issue 33)."""
+    h = Harness()
+    huge = "h" * 400_000
+    err = error_of(h, {"type": "session.update", "session": {"type": "realtime", "audio": huge}})
+    assert (err["code"], err["param"]) == ("invalid_value", "session.audio")
+    assert len(err["message"]) < 1_000 and "(400,002 characters)" in err["message"]
+    assert err["message"].startswith("Invalid value for 'session.audio': 'hhhh")
+    err = error_of(h, {"type": huge, "event_id": huge})
+    assert err["code"] == "invalid_event" and "(400,000 characters)" in err["message"]
+    assert len(err["message"]) < 1_000
+    assert err["event_id"] == "h" * 200 + "... (400,000 characters)"
+    err = error_of(h, {"type": "session.update", "session": {"type": "realtime", huge: 1}})
+    assert err["code"] == "unknown_parameter" and len(err["param"]) < 300 and len(err["message"]) <= 2_100
+    out = h.send({"type": "session.update", "session": {"type": "realtime"}, "event_id": "evt_short"})
+    assert types(out) == ["session.updated"]
+    bad = {"type": "session.update", "session": {"type": "realtime", "audio": "x"}, "event_id": "e1"}
+    err = error_of(h, bad)
+    assert err["event_id"] == "e1" and err["message"] == (
+        "Invalid value for 'session.audio': 'x' (Input should be a valid dictionary or instance of AudioIn)."
+    )
+
+
 @pytest.mark.parametrize(
     ("session", "code", "param"),
     [
