@@ -52,6 +52,12 @@ SLOW_CLIENT_REASON = "client is not reading its events"
 # Bytes of received messages one WebSocket may hold ahead of the app before reading pauses
 # (the messages themselves are bounded by ``ws_max_size``): ~25 audio appends of 40 ms.
 READ_AHEAD_BYTES = 64 * 1024
+# Received bytes handed to the WebSocket parser at a time. The parser parses (and, with
+# permessage-deflate, inflates) every frame of what it is given before the app sees the first:
+# a 1.9 MB text of one repeated letter deflates to ~2 KB, so one 256 KiB read of such frames
+# was ~100 of them inflated at once (~12 MB live in issue 33's lone fuzzer). Fed this much at a
+# time, at most ~3 frames' worth (each bounded by ``ws_max_size``) are inflated and not yet handled.
+PARSE_SLICE_BYTES = 4 * 1024
 # The ASGI scope extension (``scope["extensions"]``) holding ``send_text_nowait``.
 SEND_NOWAIT = "omni.websocket.send_text_nowait"
 # ... and ``set_receiver``.
@@ -247,6 +253,16 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
                 log.debug("no close frame for a stalled WebSocket", exc_info=True)
             self.close_sent = True
         self.transport.abort()  # connection_lost follows: the app sees a disconnect
+
+    def data_received(self, data: bytes) -> None:
+        if len(data) <= PARSE_SLICE_BYTES:
+            super().data_received(data)
+            return
+        view = memoryview(data)
+        for start in range(0, len(data), PARSE_SLICE_BYTES):
+            super().data_received(bytes(view[start : start + PARSE_SLICE_BYTES]))
+            if self.transport.is_closing():
+                return
 
     def send_receive_event_to_app(self) -> None:
         data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
