@@ -7,6 +7,7 @@ saved data, so ``python -m loadtest report results.json`` can redraw them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,77 +75,75 @@ def _finish(
     _save(plt, fig, path)
 
 
-def _ecdf_plot(
+@dataclass(frozen=True)
+class Cdf:
+    """A CDF plot: one line per (picked) level, from its raw ``samples`` or from its saved
+    percentiles 0..100 (``quantiles``)."""
+
+    xlabel: str
+    ylabel: str
+    title: str
+    samples: Callable[[dict[str, Any]], list[float]] | None = None
+    quantiles: Callable[[dict[str, Any]], list[float]] | None = None
+    zero_line: bool = False
+
+    def __call__(self, results: dict[str, Any], path: Path) -> None:
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for lv in _pick(results["levels"]):
+            name = f"{lv['label']} N={lv['sessions']}"
+            if self.samples is not None:
+                x, y = ecdf(self.samples(lv))
+                if x.size:
+                    ax.step(x, y, where="post", label=name)
+            elif self.quantiles is not None and (q := self.quantiles(lv)):
+                ax.plot(q, np.arange(len(q)) / 100.0, label=name)
+        if self.zero_line:
+            ax.axvline(0.0, color="gray", lw=0.8)
+        _finish(plt, fig, ax, path, self.xlabel, self.ylabel, self.title)
+
+
+Line = tuple[str, list[float | None], str, dict[str, Any]]  # legend, y per level, style, plot options
+
+
+def _vs_concurrency(
     results: dict[str, Any],
     path: Path,
-    samples: Callable[[dict[str, Any]], list[float]],
-    xlabel: str,
+    lines: Callable[[str, list[dict[str, Any]]], Iterable[Line]],
     ylabel: str,
     title: str,
 ) -> None:
-    """One empirical CDF per (picked) level, from its raw samples."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for lv in _pick(results["levels"]):
-        x, y = ecdf(samples(lv))
-        if x.size:
-            ax.step(x, y, where="post", label=f"{lv['label']} N={lv['sessions']}")
-    _finish(plt, fig, ax, path, xlabel, ylabel, title)
-
-
-def _quantile_plot(
-    results: dict[str, Any],
-    path: Path,
-    quantiles: Callable[[dict[str, Any]], list[float]],
-    xlabel: str,
-    ylabel: str,
-    title: str,
-    *,
-    zero_line: bool = False,
-) -> None:
-    """One CDF per (picked) level, from its saved percentiles 0..100."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for lv in _pick(results["levels"]):
-        q = quantiles(lv)
-        if q:
-            ax.plot(q, np.arange(len(q)) / 100.0, label=f"{lv['label']} N={lv['sessions']}")
-    if zero_line:
-        ax.axvline(0.0, color="gray", lw=0.8)
-    _finish(plt, fig, ax, path, xlabel, ylabel, title)
-
-
-def ttfa_cdf(results: dict[str, Any], path: Path) -> None:
-    _ecdf_plot(
-        results,
-        path,
-        _ttfas,
-        "end of speech → first audio (ms)",
-        "fraction of turns",
-        "Time to first audio (client-measured)",
-    )
-
-
-def delta_gap_cdf(results: dict[str, Any], path: Path) -> None:
-    _quantile_plot(
-        results,
-        path,
-        lambda lv: lv["summary"].get("delta_gap_quantiles_ms") or [],
-        "interval between output audio deltas (ms)",
-        "fraction of intervals",
-        "Output delta intervals",
-    )
-
-
-def ttfa_vs_concurrency(results: dict[str, Any], path: Path) -> None:
+    """Per configuration, ``lines`` of its levels against the number of sessions (log 2)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, mine, n in _by_label(results["levels"]):
-        for q, style in (("p50", "-o"), ("p95", "--s")):
-            ax.plot(n, _nan([lv["summary"]["ttfa_ms"].get(q) for lv in mine]), style, label=f"{label} {q}")
+        for legend, y, style, options in lines(label, mine):
+            ax.plot(n, _nan(y), style, label=legend, **options)
     ax.set_xscale("log", base=2)
-    xlabel, ylabel = "concurrent sessions", "time to first audio (ms)"
-    _finish(plt, fig, ax, path, xlabel, ylabel, "Time to first audio against concurrency", which="both")
+    _finish(plt, fig, ax, path, "concurrent sessions", ylabel, title, which="both")
+
+
+ttfa_cdf = Cdf(
+    "end of speech → first audio (ms)",
+    "fraction of turns",
+    "Time to first audio (client-measured)",
+    samples=_ttfas,
+)
+delta_gap_cdf = Cdf(
+    "interval between output audio deltas (ms)",
+    "fraction of intervals",
+    "Output delta intervals",
+    quantiles=lambda lv: lv["summary"].get("delta_gap_quantiles_ms") or [],
+)
+
+
+def ttfa_vs_concurrency(results: dict[str, Any], path: Path) -> None:
+    def lines(label: str, mine: list[dict[str, Any]]) -> Iterator[Line]:
+        for q, style in (("p50", "-o"), ("p95", "--s")):
+            yield f"{label} {q}", [lv["summary"]["ttfa_ms"].get(q) for lv in mine], style, {}
+
+    title = "Time to first audio against concurrency"
+    _vs_concurrency(results, path, lines, "time to first audio (ms)", title)
 
 
 def compare_bars(results: dict[str, Any], path: Path) -> None:
@@ -218,42 +217,29 @@ def _world(level: dict[str, Any]) -> dict[str, Any]:
     return world
 
 
-def frame_jitter_cdf(results: dict[str, Any], path: Path) -> None:
-    _quantile_plot(
-        results,
-        path,
-        lambda lv: _world(lv).get("frame_jitter_quantiles_ms") or [],
-        "chunk arrival interval − chunk play time (ms; > 0: late)",
-        "fraction of chunks",
-        "World sessions: frame-interval jitter",
-        zero_line=True,
-    )
-
-
-def action_latency_cdf(results: dict[str, Any], path: Path) -> None:
-    _ecdf_plot(
-        results,
-        path,
-        lambda lv: _world(lv).get("action_samples_ms") or [],
-        "key event sent → first chunk it shaped received (ms)",
-        "fraction of actions",
-        "World sessions: action latency",
-    )
+frame_jitter_cdf = Cdf(
+    "chunk arrival interval − chunk play time (ms; > 0: late)",
+    "fraction of chunks",
+    "World sessions: frame-interval jitter",
+    quantiles=lambda lv: _world(lv).get("frame_jitter_quantiles_ms") or [],
+    zero_line=True,
+)
+action_latency_cdf = Cdf(
+    "key event sent → first chunk it shaped received (ms)",
+    "fraction of actions",
+    "World sessions: action latency",
+    samples=lambda lv: _world(lv).get("action_samples_ms") or [],
+)
 
 
 def fps_vs_concurrency(results: dict[str, Any], path: Path) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label, mine, n in _by_label(results["levels"]):
+    def lines(label: str, mine: list[dict[str, Any]]) -> Iterator[Line]:
         for q, style in (("min", "--s"), ("mean", "-o")):
-            y = [(_world(lv).get("fps") or {}).get(q) for lv in mine]
-            ax.plot(n, _nan(y), style, label=f"{label} fps {q}")
-        asked = [_world(lv).get("fps_requested") for lv in mine]
-        ax.plot(n, _nan(asked), ":", color="gray", label=f"{label} asked")
-    ax.set_xscale("log", base=2)
-    xlabel, ylabel = "concurrent sessions", "frames per second per session"
+            yield f"{label} fps {q}", [(_world(lv).get("fps") or {}).get(q) for lv in mine], style, {}
+        yield f"{label} asked", [_world(lv).get("fps_requested") for lv in mine], ":", {"color": "gray"}
+
     title = "World sessions: delivered fps against concurrency"
-    _finish(plt, fig, ax, path, xlabel, ylabel, title, which="both")
+    _vs_concurrency(results, path, lines, "frames per second per session", title)
 
 
 def draw_all(results: dict[str, Any], plots_dir: Path, name: str) -> list[Path]:
