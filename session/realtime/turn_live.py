@@ -12,6 +12,7 @@ the model as `LiveUpdate`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -77,20 +78,18 @@ class TurnTaking(Protocol):
     def tick(self, now: float) -> None: ...
 
 
+@dataclass(eq=False)
 class TurnParts:
     """What each kind of turn-taking works on: the core's state, the user's audio, the
     responses and the idle timeout; and the item being spoken (None between turns), from
     which sample of the input on."""
 
-    def __init__(
-        self, state: CoreState, user: UserAudio, responses: ResponseControl, idle: IdleTimeout
-    ) -> None:
-        self.state = state
-        self.user = user
-        self.responses = responses
-        self.idle = idle
-        self.speech_item_id: str | None = None
-        self.speech_start = 0
+    state: CoreState
+    user: UserAudio
+    responses: ResponseControl
+    idle: IdleTimeout
+    speech_item_id: str | None = None
+    speech_start: int = 0
 
 
 class LiveTurns(TurnParts):
