@@ -12,7 +12,9 @@ answered, for ``--seconds``. The server's and redis-server's RSS are sampled eve
     PYTHONPATH=. .venv/bin/python -m loadtest.bench_fuzz --server-arg=--event-log-max-bytes=4194304
 
 "Peak" is the largest sum of both processes' growth at one sample; "per session" divides it
-by the number of fuzzing clients.
+by the number of fuzzing clients. What they still hold is given twice: ``total_rss_end_mb``
+1 s after the fuzzing stopped (the sessions detached, in their grace), ``total_rss_closed_mb``
+once every session has ended and 2 s more (what an abusive session leaves behind).
 """
 
 from __future__ import annotations
@@ -128,6 +130,11 @@ async def run(
         end = await rig.memory()
         async with httpx.AsyncClient() as http:
             alive = (await http.get(f"{rig.http}/readyz", timeout=5)).status_code
+        deadline = time.monotonic() + 30  # the sessions' grace (2 s), then what stays
+        while await rig.sessions() and time.monotonic() < deadline:  # noqa: ASYNC110 (another process)
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(2.0)  # a heap trim interval and then some
+        closed = await rig.memory()
         return {
             "clients": clients,
             "reading": "slow" if slow else "all",
@@ -144,6 +151,9 @@ async def run(
             "total_rss_peak_mb": round(peak[3], 1),
             "per_session_mb": round(peak[3] / clients, 1),
             "total_rss_end_mb": round(end[0] - before[0] + end[2] - before[2], 1),
+            "server_rss_closed_mb": round(closed[0] - before[0], 1),
+            "redis_rss_closed_mb": round(closed[2] - before[2], 1),
+            "total_rss_closed_mb": round(closed[0] - before[0] + closed[2] - before[2], 1),
             "readyz": alive,
         }
     finally:

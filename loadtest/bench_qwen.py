@@ -34,6 +34,7 @@ from typing import Any
 from engines.qwen3_omni.stages import Code2WavEngine, TalkerEngine, ThinkerEngine
 from loadtest.report import publish
 from runtime.engine import EdgeChunk, EngineRequest, StepInput
+from runtime.heap_trim import HeapTrimmer
 from runtime.orchestrator import DEFAULT_INBOX_LIMIT, Orchestrator
 from runtime.payloads import AudioChunk, Payload
 from runtime.progress import RequestStatus
@@ -305,12 +306,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--inbox-limit", type=int, default=DEFAULT_INBOX_LIMIT)
     parser.add_argument("--num-threads", type=int, help="torch intra-op threads (engine option)")
+    parser.add_argument(
+        "--malloc-trim-interval-s",
+        type=float,
+        default=0.0,
+        help="run serve's heap trimmer in this process (runtime/heap_trim.py; 0: not): what it costs",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    trimmer = HeapTrimmer(interval_s=args.malloc_trim_interval_s)
+    trimmer.start()
     report = asyncio.run(run(args))
+    trimmer.stop()
+    if trimmer.trims:
+        freed = trimmer.free_seen_bytes / 2**20
+        print(f"heap trims: {trimmer.trims}, {freed:.0f} MiB free before them", flush=True)
     publish(markdown(report), report, args.out)
 
 

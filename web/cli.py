@@ -46,6 +46,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "131072; default 0: the allocator's own rising threshold). Bounds what an abusive session leaves "
         "behind, but costs in-process models throughput (web/deploy/allocator.py, docs/benchmarks.md)",
     )
+    p.add_argument(
+        "--malloc-trim-interval-s",
+        type=float,
+        default=1.0,
+        help="glibc: this often, give the heap's free pages back (malloc_trim) when 16 MiB or more are "
+        "free, from a thread of its own (0: never; runtime/heap_trim.py)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the parent
     # sessions (session/voice/hosting.py)
     p.add_argument("--idle-ttl-s", type=float, default=600.0, help="session idle TTL (deleted after)")

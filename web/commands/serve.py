@@ -8,6 +8,7 @@ import sys
 
 import uvicorn
 
+from runtime.heap_trim import HeapTrimmer
 from session.identity import ApiKeyMap
 from web.app import create_app
 from web.deploy.allocator import fix_mmap_threshold
@@ -86,6 +87,9 @@ def serve(args: argparse.Namespace) -> int:
         from web.deploy.workers import run_workers
 
         return run_workers(args, settings)
+    # What sessions freed goes back to the system while the server runs (runtime/heap_trim.py).
+    trimmer = HeapTrimmer(interval_s=float(getattr(args, "malloc_trim_interval_s", 0.0) or 0.0))
+    trimmer.start()
     # DrainingServer: a replica's first SIGTERM drains its sessions first (web/deploy/replica.py);
     # standalone it is plain uvicorn.
     server = DrainingServer(uvicorn_config(settings, log_level=str(args.log_level)))
@@ -95,4 +99,5 @@ def serve(args: argparse.Namespace) -> int:
         server.run(sockets=worker_sockets(settings))
     else:
         server.run()
+    trimmer.stop()
     return 0
