@@ -1,5 +1,5 @@
 """Stages on other hosts: the pure parts (slice pool, keys, listen checks, edge rewriting,
-sticky assignment over remote replicas)."""
+sticky assignment over remote replicas, the re-run rules)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from runtime.metrics import RuntimeMetrics
 from runtime.progress import AdmissionError
 from runtime.remote.auth import CurveKeys, StageKeyError, check_listen
 from runtime.remote.orchestrator import with_remote_stages
+from runtime.remote.rerun import Reruns
 from runtime.remote.slices import PoolFull, SlicePool
 from runtime.remote.stages import Member, Registered, RemoteStage
 from runtime.remote.transfer import TransferError, check_local_address, check_peer
@@ -113,3 +114,23 @@ def test_remote_replicas_are_sticky_by_session_and_skip_dead_or_draining_ones() 
     a.load = b.load = spec.budget.max_concurrency
     with pytest.raises(AdmissionError):
         stage.assign("s4")
+
+
+def test_a_request_is_re_run_once_only_when_nothing_reached_the_client_and_nothing_was_streamed() -> None:
+    reruns = Reruns()
+    lost = "stage talker (connection closed): stage_unavailable: stage talker lost its host mid-request"
+    reruns.submitted("req_a", {"items": [1]}, "sess_1")
+    # an engine error, another stage's loss, or output already sent: no re-run
+    assert reruns.candidate("req_a", "talker", "stage talker: worker error: boom", False) is None
+    assert reruns.candidate("req_a", "code2wav", lost, False) is None
+    assert reruns.candidate("req_a", "talker", lost, True) is None
+    origin = reruns.candidate("req_a", "talker", lost, False)
+    assert origin is not None and origin.params == {"items": [1]} and origin.session_key == "sess_1"
+    reruns.moved("req_a", "req_a", "req_a~rerun", "talker")
+    assert reruns.current("req_a") == "req_a~rerun" and reruns.counts == {"talker": 1}
+    assert reruns.candidate("req_a~rerun", "talker", lost, False) is None  # one retry at most
+    reruns.ended("req_a", "req_a~rerun")
+    assert reruns.current("req_a") == "req_a" and not reruns.origins
+    reruns.submitted("req_b", {}, None)
+    reruns.streamed("req_b")  # an input, an update or a gate change since the submit
+    assert reruns.candidate("req_b", "talker", lost, False) is None
