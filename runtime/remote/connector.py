@@ -22,6 +22,7 @@ import pickle
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -100,6 +101,7 @@ class MooncakeConnector(Connector):
         # bytes of pulled slices a process lets decoded payloads keep (a quarter of the pool)
         self.lend_max = endpoint.pool.size // 4 if lend_max is None else lend_max
         self._lent = 0
+        self._returned: deque[tuple[int, int]] = deque()  # lent slices whose payload is gone
         self._clock = clock
         self._lock = threading.Lock()
         # request -> key -> [slice offset, refs, nbytes, created]
@@ -115,6 +117,7 @@ class MooncakeConnector(Connector):
     # -- Connector ----------------------------------------------------------------------------
 
     def put(self, request_id: str, key: str, payload: Payload, *, refs: int = 1) -> Handle:
+        self._collect()
         header, buffers = encode(payload)
         total, spans = _layout(header, buffers)
         if total <= self.inline_max:
@@ -155,6 +158,7 @@ class MooncakeConnector(Connector):
         return self._pull(handle, ref)
 
     def _pull(self, handle: Handle, ref: MooncakeRef) -> Payload:
+        self._collect()
         pool = self.endpoint.pool
         try:
             scratch = pool.alloc(ref.nbytes)
@@ -207,9 +211,19 @@ class MooncakeConnector(Connector):
         return decode(backing.data, ref)
 
     def _give_back(self, scratch: int, nbytes: int) -> None:
-        with self._lock:
-            self._lent -= nbytes
-        self.endpoint.pool.free(scratch)
+        """A lent payload is gone. A finalizer: it may run in any thread, inside a collection
+        triggered while this thread holds a lock, so it takes none; the next call frees it."""
+        self._returned.append((scratch, nbytes))
+
+    def _collect(self) -> None:
+        while self._returned:
+            try:
+                scratch, nbytes = self._returned.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            with self._lock:
+                self._lent -= nbytes
+            self.endpoint.pool.free(scratch)
 
     def release(self, handle: Handle) -> bool:
         ref = handle.ref
@@ -250,6 +264,7 @@ class MooncakeConnector(Connector):
 
     def reap(self) -> int:
         """Free slices older than ``ttl_s`` (their consumer never released them); how many."""
+        self._collect()
         cutoff = self._clock() - self.ttl_s
         freed: list[int] = []
         with self._lock:
@@ -265,6 +280,7 @@ class MooncakeConnector(Connector):
         return len(freed)
 
     def health(self) -> dict[str, Any]:
+        self._collect()
         with self._lock:
             entries = [e for items in self._items.values() for e in items.values()]
             requests = len(self._items)

@@ -3,6 +3,7 @@ bounds, the reaper, and a peer that dies."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import time
@@ -124,6 +125,14 @@ def test_a_pulled_payload_is_decoded_in_place_and_its_slice_returns_when_it_is_g
     del view
     assert reader.health()["lent_bytes"] == 0 and reader.health()["pool_used_bytes"] == 0
     assert reader.endpoint.reads == 1
+    # a lent payload in a reference cycle, collected while this thread holds the connector's
+    # lock (a collection can start at any allocation): the finalizer takes no lock, no deadlock
+    cycle: list[Any] = [reader.get(handle)]
+    cycle.append(cycle)
+    del cycle
+    with reader._lock:
+        gc.collect()
+    assert reader.health()["lent_bytes"] == 0 and reader.health()["pool_used_bytes"] == 0
     owner.close()
     reader.close()
 
