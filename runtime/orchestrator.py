@@ -344,11 +344,10 @@ class Orchestrator:
         run = self._runs.get(request_id)
         if run is None or run.handle.full:
             return False
-        limit = self._inbox_limit
         for edge in run.edges_out.get(stage, ()):
             if edge.spec.target not in run.pending:
                 continue  # that stage is done with the request: it holds nothing back
-            if edge.out_of_credit or edge.target.inbox_size(request_id) >= limit:
+            if edge.out_of_credit or edge.target.inbox_size(request_id) >= self._inbox_of(edge):
                 return False
         return True
 
@@ -393,7 +392,6 @@ class Orchestrator:
         run = self._runs.get(request_id)
         if run is None or not chunks:
             return
-        inbox_was_full = len(chunks) >= self._inbox_limit
         counts = Counter[str]()
         for chunk in chunks:
             counts[chunk.source] += len(chunk.items)
@@ -401,12 +399,16 @@ class Orchestrator:
             edge = run.edges_by_key.get((source, stage))
             if edge is None:
                 continue
-            blocked = inbox_was_full or edge.out_of_credit
+            blocked = len(chunks) >= self._inbox_of(edge) or edge.out_of_credit
             edge.taken += count
             if blocked and source in run.pending:
                 run.replicas[source].wake()
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _inbox_of(self, edge: _EdgeRun) -> int:
+        """Chunks the edge's target may hold for a request before the upstream pauses."""
+        return edge.spec.inbox_limit or self._inbox_limit
 
     def _deliver(self, run: RequestRun, edge: _EdgeRun, chunk: Chunk[Handle]) -> None:
         ref = ChunkRef(

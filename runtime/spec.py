@@ -124,7 +124,7 @@ class StageSpec(_Spec):
 
 
 class EdgeSpec(_Spec):
-    absent_if_none = frozenset({"from", "to", "max_ahead"})
+    absent_if_none = frozenset({"from", "to", "max_ahead", "inbox_limit"})
     absent_if_empty = frozenset({"chunk"})
 
     source: Name = Field(alias="from")
@@ -140,6 +140,11 @@ class EdgeSpec(_Spec):
     # (`Orchestrator.open_edge`; closed at admission): a branch only some requests need (a
     # voice session's end-of-turn stage, for sessions on semantic_vad) gets nothing of the rest.
     gated: bool = False
+    # Chunks the target may hold for a request before the upstream stage pauses (None: the
+    # orchestrator's `inbox_limit`, 32). A branch whose steps can take long (a live ASR's
+    # Whisper run) must not stall the stage before it for that long: the VAD that scores the
+    # same session's turns goes on while the ASR catches up (its chunks are a few KB of audio).
+    inbox_limit: Positive | None = None
 
     @property
     def key(self) -> str:

@@ -165,3 +165,29 @@ async def test_a_failure_applying_one_result_does_not_stop_the_stage() -> None:
         outputs, status = await asyncio.wait_for((await orch.submit({"n": 5})).collect(), timeout=10)
         assert status.status == "completed", status
         assert texts(outputs) == [str(i) for i in range(5)]
+
+
+async def test_an_edge_inbox_limit_lets_the_upstream_run_on_while_a_slow_downstream_catches_up() -> None:
+    """relay takes 30 ms a step; the orchestrator's inbox_limit (2) holds gen within two chunks
+    of it, but an edge with its own `inbox_limit` lets gen go on (as the VAD scoring a session's
+    turns goes on while its live ASR runs Whisper). Outputs are the same."""
+    results = {}
+    for limit in (None, 100):
+        spec = pipeline(relay_step=0.03, gen_relay="{first: 1, steady: 1, left_context: 0}")
+        if limit is not None:
+            spec = spec.replace(
+                "connector: inproc, chunk: {first: 1",
+                f"connector: inproc, inbox_limit: {limit}, chunk: {{first: 1",
+                1,
+            )
+        async with running(spec, inbox_limit=2) as orch:
+            handle = await orch.submit({"n": 20})
+            outputs, status = await handle.collect()
+            assert status.status == "completed"
+            rid = handle.request_id
+            relay_steps = sorted(e[3] for e in events("step", rid) if e[1] == "relay")
+            gen_before = sum(1 for e in events("step", rid) if e[1] == "gen" and e[3] < relay_steps[1])
+            results[limit] = ([o.samples.tolist() for o in outputs if isinstance(o, AudioChunk)], gen_before)
+    assert results[None][0] == results[100][0]
+    assert results[None][1] <= 8  # held back by the relay's inbox
+    assert results[100][1] == 20  # ran to its end before the relay's second step
