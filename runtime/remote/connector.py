@@ -4,10 +4,10 @@
 this process's pool; the handle names the owner (``host:port`` of its transfer engine), the
 slice's address and size. ``get`` in the owner copies the slice out; anywhere else it pulls the
 slice into a scratch slice of its own pool through the transfer engine and decodes it there: the
-payload's arrays are views of that slice, which returns to the pool when the last of them is
-gone (at most ``lend_max`` bytes lent so, and only slices of ``LEND_MIN`` bytes or more; else the
-arrays are copied out once and the slice freed at once). Payloads of at most ``inline_max``
-bytes ride inline in the handle (the control message) instead.
+payload's arrays are views of that slice, which returns to the pool (at the next call) once the
+last of them is gone (at most ``lend_max`` bytes lent so, and only slices of ``LEND_MIN`` bytes
+or more; else the arrays are copied out once and the slice freed at once). Payloads of at most
+``inline_max`` bytes ride inline in the handle (the control message) instead.
 
 Ownership: the owner frees a slice after its last release, or on a cleanup of its request, or
 when the reaper finds it older than ``ttl_s`` (abandoned: its consumer died). Releases and
