@@ -95,8 +95,7 @@ def pipeline(folder: Path, transcripts: bool = False, gated: bool = True) -> Pat
             },
         ],
         "edges": [{"from": "vad", "to": "end_of_turn", "mode": "async_chunk", "connector": "inproc",
-                   "chunk": {"first": 1, "steady": 1, "left_context": 0}, "gated": gated,
-                   "inbox_limit": 256}],
+                   "chunk": {"first": 1, "steady": 1, "left_context": 0}, "gated": gated}],
     }  # fmt: skip
     if transcripts:  # voice-cascade's live ASR too: semantic_vad's second cue (TurnCues)
         asr_options = {"compute_type": "int8", "cpu_threads": 1, "num_workers": 1}
@@ -127,7 +126,6 @@ def pipeline(folder: Path, transcripts: bool = False, gated: bool = True) -> Pat
                 "to": "live_asr",
                 "mode": "async_chunk",
                 "connector": "inproc",
-                "inbox_limit": 256,  # a Whisper run must not stop the VAD (voice-cascade's)
                 "chunk": {"first": 1, "steady": 1, "left_context": 0},
             },
             {"from": "asr", "to": "respond", "mode": "full", "connector": "inproc"},
