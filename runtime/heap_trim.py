@@ -15,7 +15,10 @@ pass over the arenas per ``interval_s`` at most, and only while that much is fre
 frees and reallocates its per-step tensors faults their pages in again at most once per
 interval. It runs in its own thread (``malloc_trim`` and ``mallinfo2`` are C calls that release
 the GIL), never on the event loop; it does hold each arena's lock while it trims that arena.
-Measured in docs/benchmarks.md (issue 33). Another libc: nothing to do, :meth:`HeapTrimmer.start`
+Measured in docs/benchmarks.md (issue 33): not slower for qwen3-omni-tiny at 8 requests, but at
+200 null-pipeline sessions the event loop waited on the main arena's lock during the trims (loop
+lag p99 33 ms against 8, 205 playout underruns against 0), so ``serve`` leaves it off unless
+``--malloc-trim-interval-s`` asks. Another libc: nothing to do, :meth:`HeapTrimmer.start`
 says so.
 """
 

@@ -49,9 +49,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--malloc-trim-interval-s",
         type=float,
-        default=1.0,
+        default=0.0,
         help="glibc: this often, give the heap's free pages back (malloc_trim) when 16 MiB or more are "
-        "free, from a thread of its own (0: never; runtime/heap_trim.py)",
+        "free, from a thread of its own (default 0: never; it stalled the event loop at 200 sessions: "
+        "runtime/heap_trim.py, docs/benchmarks.md)",
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the parent
     # sessions (session/voice/hosting.py)
