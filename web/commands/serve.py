@@ -90,14 +90,16 @@ def serve(args: argparse.Namespace) -> int:
     # What sessions freed goes back to the system while the server runs (runtime/heap_trim.py).
     trimmer = HeapTrimmer(interval_s=float(getattr(args, "malloc_trim_interval_s", 0.0) or 0.0))
     trimmer.start()
-    # DrainingServer: a replica's first SIGTERM drains its sessions first (web/deploy/replica.py);
-    # standalone it is plain uvicorn.
-    server = DrainingServer(uvicorn_config(settings, log_level=str(args.log_level)))
-    if settings.worker:  # one of `--workers N`: the shared public port + its private one
-        from web.deploy.workers import worker_sockets
+    try:
+        # DrainingServer: a replica's first SIGTERM drains its sessions first
+        # (web/deploy/replica.py); standalone it is plain uvicorn.
+        server = DrainingServer(uvicorn_config(settings, log_level=str(args.log_level)))
+        if settings.worker:  # one of `--workers N`: the shared public port + its private one
+            from web.deploy.workers import worker_sockets
 
-        server.run(sockets=worker_sockets(settings))
-    else:
-        server.run()
-    trimmer.stop()
+            server.run(sockets=worker_sockets(settings))
+        else:
+            server.run()
+    finally:
+        trimmer.stop()
     return 0
