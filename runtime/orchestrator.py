@@ -8,8 +8,10 @@ never blocks.
 Flow control, per request: a stage is not stepped while the client buffer is full, while a
 downstream stage still working on the request holds ``inbox_limit`` chunks, or while an edge with
 ``max_ahead`` has that many of the stage's items not yet taken into a downstream step (credits,
-returned when the downstream takes its inbox). A downstream stage that is done with the request
-holds nothing back: its upstream stages are woken and what they still hand it is freed at once.
+returned when the downstream takes its inbox). On a coalescing edge (``EdgeSpec.coalesce``) the
+target holds one chunk that grows instead, and only its ``inbox_limit`` in items pauses the
+upstream. A downstream stage that is done with the request holds nothing back: its upstream
+stages are woken and what they still hand it is freed at once.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from runtime.worker import ChunkRef, ItemResult
 DEFAULT_STREAM_BUFFER = 64  # client-visible payloads buffered per request before its stages pause
 DEFAULT_INBOX_LIMIT = 32  # chunks waiting at a downstream stage before its upstream pauses
 DEFAULT_INPUT_LIMIT = 256  # appended inputs waiting at the entry stage before append_input waits
+DEFAULT_COALESCE_LIMIT = 2048  # items a coalescing edge's target may hold before the upstream pauses
 
 
 @dataclass(eq=False, slots=True)
@@ -347,9 +350,16 @@ class Orchestrator:
         for edge in run.edges_out.get(stage, ()):
             if edge.spec.target not in run.pending:
                 continue  # that stage is done with the request: it holds nothing back
-            if edge.out_of_credit or edge.target.inbox_size(request_id) >= self._inbox_of(edge):
+            if self._holds_back(edge, request_id):
                 return False
         return True
+
+    def _holds_back(self, edge: _EdgeRun, request_id: str) -> bool:
+        """The edge's target holds enough for the request that its upstream pauses: its inbox
+        limit in chunks, its flow credits, or (a coalescing edge) its limit in items."""
+        if edge.spec.coalesce:
+            return edge.target.held_items(request_id, edge.spec.source) >= self._inbox_of(edge)
+        return edge.out_of_credit or edge.target.inbox_size(request_id) >= self._inbox_of(edge)
 
     def on_result(self, stage: str, request_id: str, result: ItemResult) -> None:
         run = self._runs.get(request_id)
@@ -399,7 +409,8 @@ class Orchestrator:
             edge = run.edges_by_key.get((source, stage))
             if edge is None:
                 continue
-            blocked = len(chunks) >= self._inbox_of(edge) or edge.out_of_credit
+            taken = count if edge.spec.coalesce else len(chunks)
+            blocked = taken >= self._inbox_of(edge) or edge.out_of_credit
             edge.taken += count
             if blocked and source in run.pending:
                 run.replicas[source].wake()
@@ -407,14 +418,17 @@ class Orchestrator:
     # -- internals ----------------------------------------------------------------------------
 
     def _inbox_of(self, edge: _EdgeRun) -> int:
-        """Chunks the edge's target may hold for a request before the upstream pauses."""
+        """Chunks (a coalescing edge: items) the edge's target may hold for a request before
+        the upstream pauses."""
+        if edge.spec.coalesce:
+            return edge.spec.inbox_limit or DEFAULT_COALESCE_LIMIT
         return edge.spec.inbox_limit or self._inbox_limit
 
     def _deliver(self, run: RequestRun, edge: _EdgeRun, chunk: Chunk[Handle]) -> None:
         ref = ChunkRef(
             chunk.items, chunk.context, chunk.finished, chunk.index, edge.spec.source, chunk.release
         )
-        if not edge.target.deliver(run.request_id, ref):
+        if not edge.target.deliver(run.request_id, ref, coalesce=edge.spec.coalesce):
             # The downstream stage is done with this request: nobody will consume the chunk.
             self._release(ref.release)
 

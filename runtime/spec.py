@@ -141,14 +141,29 @@ class EdgeSpec(_Spec):
     # voice session's end-of-turn stage, for sessions on semantic_vad) gets nothing of the rest.
     gated: bool = False
     # Chunks the target may hold for a request before the upstream stage pauses (None: the
-    # orchestrator's `inbox_limit`, 32). A branch whose steps can take long (a live ASR's
-    # Whisper run) must not stall the stage before it for that long: the VAD that scores the
-    # same session's turns goes on while the ASR catches up (its chunks are a few KB of audio).
+    # orchestrator's `inbox_limit`, 32); on a coalescing edge, items (None: 2048).
     inbox_limit: Positive | None = None
+    # Coalescing (async_chunk, no max_ahead): what arrives while the target still holds a chunk
+    # of this edge for the request joins that chunk, and the upstream goes on. For a branch whose
+    # steps can take long and that takes all it is given at its next step (a live ASR's Whisper
+    # run, whose input is the VAD's audio of the same sessions): the stage before it never waits
+    # for it. `inbox_limit` then bounds the items held (a last resort against a target that
+    # stopped stepping: the upstream pauses there).
+    coalesce: bool = False
 
     @property
     def key(self) -> str:
         return f"{self.source}->{self.target}"
+
+    @model_validator(mode="after")
+    def _coalesce_fits(self) -> EdgeSpec:
+        if not self.coalesce:
+            return self
+        if self.mode != "async_chunk":
+            raise _fail("only for mode async_chunk (a full edge hands over one chunk at the end)", "coalesce")
+        if self.max_ahead is not None:
+            raise _fail("not with max_ahead (credits pause the upstream; coalescing never does)", "coalesce")
+        return self
 
     @model_validator(mode="after")
     def _max_ahead_fits(self) -> EdgeSpec:
@@ -271,7 +286,8 @@ class PipelineSpec(_Spec):
 
     def with_edge_modes(self, edge_modes: Mapping[str, str] | None) -> PipelineSpec:
         """This pipeline with some edges' modes overridden (``{"talker->code2wav": "full"}``);
-        an edge switched to ``full`` drops its ``max_ahead`` (nothing is handed over early)."""
+        an edge switched to ``full`` drops its ``max_ahead`` and ``coalesce`` (nothing is handed
+        over early)."""
         if not edge_modes:
             return self
         keys = {e.key for e in self.edges}
@@ -288,6 +304,7 @@ class PipelineSpec(_Spec):
                 update={
                     "mode": edge_modes[e.key],
                     "max_ahead": e.max_ahead if edge_modes[e.key] == "async_chunk" else None,
+                    "coalesce": e.coalesce and edge_modes[e.key] == "async_chunk",
                 }
             )
             if e.key in edge_modes

@@ -161,11 +161,17 @@ class Replica:
         slot = self._slots.get(request_id)
         return None if slot is None or slot.closed else slot
 
-    def deliver(self, request_id: str, chunk: ChunkRef) -> bool:
+    def deliver(self, request_id: str, chunk: ChunkRef, *, coalesce: bool = False) -> bool:
+        """Hand the request ``chunk``; with ``coalesce`` (a coalescing edge) it joins the last
+        chunk held from the same source, if that is the newest chunk held."""
         slot = self._open_slot(request_id)
         if slot is None:
             return False
-        slot.chunks.append(chunk)
+        held = slot.chunks
+        if coalesce and held and held[-1].source == chunk.source and not held[-1].finished:
+            held[-1].absorb(chunk)
+        else:
+            held.append(chunk)
         if chunk.finished:
             slot.finished_edges += 1
         self.wake()
@@ -199,6 +205,13 @@ class Replica:
     def inbox_size(self, request_id: str) -> int:
         slot = self._slots.get(request_id)
         return len(slot.chunks) if slot is not None else 0
+
+    def held_items(self, request_id: str, source: str) -> int:
+        """Items held for the request from ``source`` (not taken into a step yet)."""
+        slot = self._slots.get(request_id)
+        if slot is None:
+            return 0
+        return sum(len(chunk.items) for chunk in slot.chunks if chunk.source == source)
 
     def close_request(self, request_id: str, *, outcome: str = "cancelled") -> None:
         """Stop a request here: never stepped again; the engine's finish runs on the worker."""

@@ -40,6 +40,14 @@ class ChunkRef:
     source: str = ""
     release: list[Handle] = field(default_factory=list)  # free once this chunk was consumed
 
+    def absorb(self, later: ChunkRef) -> None:
+        """Take in ``later`` (the next chunk of the same edge, not consumed yet either): one
+        chunk with both chunks' items in order, this chunk's context and index (``later``'s
+        context lies in this chunk or before it), and both chunks' releases."""
+        self.items.extend(later.items)
+        self.release.extend(later.release)
+        self.finished = self.finished or later.finished
+
 
 @dataclass(slots=True)
 class WorkItem:
