@@ -68,7 +68,7 @@ MAX_WAIT_S = {
 }
 
 
-def pipeline(folder: Path, transcripts: bool = False, gated: bool = True) -> Path:
+def pipeline(folder: Path, transcripts: bool = False, gated: bool = True, coalesce: bool = True) -> Path:
     doc: dict[str, Any] = {
         "name": "null-turns",
         "entry": "respond",
@@ -95,7 +95,8 @@ def pipeline(folder: Path, transcripts: bool = False, gated: bool = True) -> Pat
             },
         ],
         "edges": [{"from": "vad", "to": "end_of_turn", "mode": "async_chunk", "connector": "inproc",
-                   "chunk": {"first": 1, "steady": 1, "left_context": 0}, "gated": gated}],
+                   "chunk": {"first": 1, "steady": 1, "left_context": 0}, "gated": gated,
+                   "coalesce": coalesce}],
     }  # fmt: skip
     if transcripts:  # voice-cascade's live ASR too: semantic_vad's second cue (TurnCues)
         asr_options = {"compute_type": "int8", "cpu_threads": 1, "num_workers": 1}
@@ -106,7 +107,7 @@ def pipeline(folder: Path, transcripts: bool = False, gated: bool = True) -> Pat
                 "options": {**asr_options, "partial_interval_ms": 700},
                 "budget": {
                     "max_concurrency": 1024,
-                    "max_batch": 8,
+                    "max_batch": 64,
                     "worker": "thread",
                     "workers": 1,
                     "gather_ms": 10,
@@ -126,6 +127,7 @@ def pipeline(folder: Path, transcripts: bool = False, gated: bool = True) -> Pat
                 "to": "live_asr",
                 "mode": "async_chunk",
                 "connector": "inproc",
+                "coalesce": coalesce,  # voice-cascade's: a Whisper run never stops the VAD
                 "chunk": {"first": 1, "steady": 1, "left_context": 0},
             },
             {"from": "asr", "to": "respond", "mode": "full", "connector": "inproc"},
@@ -300,8 +302,9 @@ def cpu_per_decision(clips: list[Clip], n: int = 30) -> dict[str, Any]:
     return {"cpu_ms": summarize(one), "cpu_ms_batch8_each": round(batch8, 1)}
 
 
-def _spawn(folder: Path, port: int, transcripts: bool, gated: bool) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "web.cli", "serve", "--pipeline", str(pipeline(folder, transcripts, gated)),
+def _spawn(folder: Path, port: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
+    spec = pipeline(folder, args.transcripts, not args.ungated, not args.no_coalesce)
+    cmd = [sys.executable, "-m", "web.cli", "serve", "--pipeline", str(spec),
            "--port", str(port), "--data-dir", str(folder / "data"), "--log-level", "warning",
            "--max-sessions", "256"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
@@ -319,9 +322,9 @@ def _mean_ms(metrics: str, histogram: str, stage: str | None = None) -> float:
     return round(1000 * _metric(metrics, f"{histogram}_sum", stage) / max(1.0, count), 1)
 
 
-def _counter(metrics: str, name: str) -> float:
-    """An `end_of_turn` stage engine counter from /metrics text (either label order)."""
-    for labels in (f'counter="{name}",stage="end_of_turn"', f'stage="end_of_turn",counter="{name}"'):
+def _counter(metrics: str, name: str, stage: str = "end_of_turn") -> float:
+    """A stage's engine counter from /metrics text (either label order)."""
+    for labels in (f'counter="{name}",stage="{stage}"', f'stage="{stage}",counter="{name}"'):
         found = re.search(r"stage_engine_total\{" + labels + r"\} ([0-9.e+]+)", metrics)
         if found:
             return float(found.group(1))
@@ -334,7 +337,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         port = free_port()
-        server = _spawn(folder, port, args.transcripts, not args.ungated)
+        server = _spawn(folder, port, args)
         try:
             await wait_ready(f"http://127.0.0.1:{port}", 180, server)
             url = f"ws://127.0.0.1:{port}/v1/realtime"
@@ -363,6 +366,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     cpu_p50 = cpu["cpu_ms"]["p50"] or 0.0
     cpu_metric = "process_cpu_seconds_total"
     cpu_used = _metric(metrics, cpu_metric) - _metric(metrics_before, cpu_metric)
+    made = _counter(metrics, "transcripts", "live_asr")
     report: dict[str, Any] = {
         "clips": len(clips),
         "sessions_per_config": args.sessions,
@@ -375,6 +379,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         **cpu,
         "sessions_per_core": round(1000.0 / (per_s * cpu_p50), 0) if per_s and cpu_p50 else None,
         "end_of_turn_gated": not args.ungated,
+        "vad_edges_coalesce": not args.no_coalesce,
         "server_cpu_s": round(cpu_used, 1),
         "stage_steps": {
             stage: {
@@ -382,6 +387,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 "mean_ms": _mean_ms(metrics, "omniduplex_stage_step_seconds", stage),
             }
             for stage in ("vad", "end_of_turn", "live_asr")
+        },
+        # The live ASR's pause transcripts: made, answered with no words (the user had spoken
+        # past the pause), and the mean wait from the step that took the ask to its transcript.
+        "live_asr_transcripts": {
+            "made": made,
+            "dropped": _counter(metrics, "transcripts_dropped", "live_asr"),
+            "mean_wait_ms": round(_counter(metrics, "transcript_wait_ms", "live_asr") / max(1.0, made), 1),
         },
         "event_loop_lag_mean_ms": _mean_ms(metrics, "omniduplex_event_loop_lag_seconds"),
         "configs": {},
@@ -426,6 +438,11 @@ def main(argv: list[str] | None = None) -> None:
         "--ungated",
         action="store_true",
         help="the edge into the end-of-turn stage not gated: every session's audio reaches it (as before)",
+    )
+    p.add_argument(
+        "--no-coalesce",
+        action="store_true",
+        help="the VAD's edges not coalescing: a slow live ASR or end-of-turn step pauses the VAD (as before)",
     )
     p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     args = p.parse_args(argv)

@@ -189,7 +189,9 @@ class TurnControl(Payload):
     input timeline): "speech_started" (`params`: `ref` the user item being spoken, `start`,
     `partials`: stream transcription deltas while it is spoken), "speech_stopped" (`ref`),
     "transcribe" (`ref`, `start`, `end`: one final `Transcript` of that stretch, e.g. the turn
-    so far at a pause). For an end-of-turn stage: "score_turn" (`ref`, `start`, `end`: one
+    so far at a pause), "spoken_past" (`start`, `end`: the user went on after the pause at `end`
+    of the utterance that began at `start`; a "transcribe" of it not made yet is answered with
+    no words). For an end-of-turn stage: "score_turn" (`ref`, `start`, `end`: one
     `TurnScore` of that stretch). A stage ignores the kinds it has no use for."""
 
     kind: str

@@ -11,7 +11,11 @@ speech probability; the session marks its turns on that timeline with ``TurnCont
   as ``Transcript(delta, final=False, ref=...)``; the session sends them as
   ``conversation.item.input_audio_transcription.delta``.
 * ``transcribe`` (``ref``, ``start``, ``end``): one final ``Transcript`` of that stretch, e.g.
-  the turn so far once a pause may end it (the response then starts on that text).
+  the turn so far once a pause may end it (the response then starts on that text). One step
+  makes one of them, the oldest of every session's (a turn's end or its response waits on it).
+  One the session no longer needs is answered with no words and never transcribed: a pause of
+  an utterance the user spoke past (``spoken_past``, ``start``, ``end``: the session saw them go
+  on), or one a later pause of the same utterance (the same ``start``) replaced.
 * ``speech_stopped`` / ``clear``: the utterance ends (``clear`` also forgets held audio).
 
 Audio is held from the open utterance's start (at most ``max_audio_s``). With none open, the
@@ -27,9 +31,11 @@ not arrived yet waits for it. Whisper is the process's one model
 
 from __future__ import annotations
 
+import itertools
 import re
+import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +77,18 @@ class _Utterance:
 
 
 @dataclass(slots=True)
+class _Job:
+    """A ``transcribe`` the session asked for: [start, end) of the request's timeline; ``seq``:
+    its place among every session's jobs (the oldest is made first)."""
+
+    ref: str
+    start: int
+    end: int
+    seq: int
+    taken_at: float = field(default_factory=time.monotonic)  # for the stage's wait counter
+
+
+@dataclass(slots=True)
 class LiveAsrState:
     audio: deque[tuple[int, np.ndarray]] = field(default_factory=deque)  # (start sample, samples)
     end: int = 0  # the sample after the last audio received
@@ -78,7 +96,8 @@ class LiveAsrState:
     runs: deque[int] = field(default_factory=deque)  # where each run of voiced frames began
     claimed_to: int = 0  # the session's turns cover the timeline up to here
     utterance: _Utterance | None = None
-    jobs: list[TurnControl] = field(default_factory=list)  # "transcribe" waiting for its audio
+    jobs: list[_Job] = field(default_factory=list)  # "transcribe" not made yet, in order
+    dropped: list[str] = field(default_factory=list)  # refs of jobs no longer needed, to answer ""
 
     def held_from(self) -> int:
         return self.audio[0][0] if self.audio else self.end
@@ -114,6 +133,7 @@ class LiveAsrEngine(Engine):
         self.max_audio = int(float(opts.get("max_audio_s", 30)) * SAMPLE_RATE)
         self.idle_audio = int(float(opts.get("idle_audio_s", 3)) * SAMPLE_RATE)
         self._asr: WhisperAsr | None = None
+        self._seq = itertools.count()  # the order jobs arrived in, across requests
 
     def load(self) -> None:
         self._asr = shared_asr(self.config)
@@ -122,33 +142,48 @@ class LiveAsrEngine(Engine):
         return LiveAsrState()
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
-        """Every request's new input first; then the pauses' transcripts (a response may be
-        waiting on one), and only in a step that has none of those, the partials."""
-        ready: list[list[TurnControl]] = []
+        """Every request's new input first (all of it: a coalescing edge hands over whatever
+        came during the last Whisper run at once); then one Whisper run: the oldest pause
+        transcript whose audio is here (a turn's end or its response waits on it), or, in a
+        step with none anywhere, the partials. A request left with a transcript to make is
+        stepped again at once (``wait_for_input`` False), so each transcript goes out as soon as
+        it is made rather than at the end of a step that makes several."""
         for item in batch:
             state: LiveAsrState = item.state
             for chunk in item.chunks:
                 for payload in chunk.items:
                     self._take(state, payload)
-            ready.append([job for job in state.jobs if int(job.params.get("end", 0)) <= state.end])
-            state.jobs = [job for job in state.jobs if int(job.params.get("end", 0)) > state.end]
-        urgent = any(ready)
+        ready = [
+            (job.seq, i)
+            for i, item in enumerate(batch)
+            for job in item.state.jobs
+            if job.end <= item.state.end
+        ]
+        first = min(ready, default=None)
         outputs = []
-        for item, jobs in zip(batch, ready, strict=True):
+        for i, item in enumerate(batch):
             state = item.state
-            out: list[Payload] = []
-            for job in jobs:
-                text = self._transcribe(state.span(int(job.params.get("start", 0)), int(job.params["end"])))
-                out.append(Transcript(text, final=True, ref=str(job.params.get("ref"))))
-            if not urgent:  # a partial skipped here is due again at the next step
+            out: list[Payload] = [Transcript("", final=True, ref=ref) for ref in state.dropped]
+            counters = {"transcripts_dropped": len(state.dropped)} if state.dropped else {}
+            state.dropped = []
+            if first is not None and first[1] == i:
+                job = min((j for j in state.jobs if j.end <= state.end), key=lambda j: j.seq)
+                state.jobs.remove(job)
+                text = self._transcribe(state.span(job.start, job.end))
+                out.append(Transcript(text, final=True, ref=job.ref))
+                counters["transcripts"] = 1
+                # From the step that took the ask in to its transcript (what a decision waits).
+                counters["transcript_wait_ms"] = round((time.monotonic() - job.taken_at) * 1000)
+            elif first is None:  # a partial skipped here is due again at the next step
                 self._partial(state, out)
             self._trim(state)
-            outputs.append(StepOutput(client=out, wait_for_input=True))
+            more = any(job.end <= state.end for job in state.jobs)
+            outputs.append(StepOutput(client=out, wait_for_input=not more, counters=counters))
         return outputs
 
     def _trim(self, state: LiveAsrState) -> None:
         utt = state.utterance
-        starts = [int(job.params.get("start", state.end)) for job in state.jobs]
+        starts = [job.start for job in state.jobs]
         runs = state.runs
         while runs and runs[0] < state.claimed_to:
             runs.popleft()
@@ -187,7 +222,17 @@ class LiveAsrEngine(Engine):
                 str(params.get("ref")), start, bool(params.get("partials")), start + self.partial_interval
             )
         elif control.kind == "transcribe":
-            state.jobs.append(control)
+            start, end = int(params.get("start", 0)), int(params["end"])
+            job = _Job(str(params.get("ref")), start, end, next(self._seq))
+            # An earlier pause of the same utterance (same start) was spoken past: this one
+            # came after it. Its transcript is not needed any more.
+            self._drop(state, lambda old: old.start == start and old.end <= end)
+            state.jobs.append(job)
+        elif control.kind == "spoken_past":
+            # The session heard the user go on after the pause at `end` of the utterance that
+            # began at `start`: that pause did not end the turn.
+            start, end = int(params.get("start", -1)), int(params.get("end", -1))
+            self._drop(state, lambda old: old.start == start and old.end <= end)
         elif control.kind == "speech_stopped":
             if state.utterance is not None and state.utterance.ref == params.get("ref"):
                 state.utterance = None
@@ -198,6 +243,14 @@ class LiveAsrEngine(Engine):
             state.runs.clear()
             state.end = max(state.end, int(params.get("at", state.end)))
             state.claimed_to = state.end
+
+    @staticmethod
+    def _drop(state: LiveAsrState, stale: Callable[[_Job], bool]) -> None:
+        """Jobs not worth a Whisper run: answered with no words (the session then decides
+        without them, as when a transcript fails) at the end of this step."""
+        for job in [job for job in state.jobs if stale(job)]:
+            state.jobs.remove(job)
+            state.dropped.append(job.ref)
 
     def _partial(self, state: LiveAsrState, out: list[Payload]) -> None:
         """While the user speaks: the words two passes agree on that were not sent yet."""

@@ -33,6 +33,7 @@ class VadTurns(TurnParts):
         super().__init__(state, user, responses, idle)
         self.vad = SpeechDetector()
         self.prepared: tuple[str, int] | None = None  # key of the last PrepareTranscript
+        self.spoken_past: tuple[str, int] | None = None  # ... once the user went on after it
         self.ahead: tuple[str, int] | None = None  # key of a RespondAhead not yet settled
         self.semantic = SemanticTurn()  # semantic_vad's decisions, with an end-of-turn model
 
@@ -187,6 +188,7 @@ class VadTurns(TurnParts):
             elif isinstance(change, SpeechStopped):
                 self._on_speech_stopped(change, td, now)
             else:
+                self._maybe_spoken_past()
                 self._maybe_prepare_transcript(frame_start + FRAME, td)
                 self._maybe_respond_ahead(frame_start + FRAME, td)
                 if self.semantic_turns(td):
@@ -259,6 +261,23 @@ class VadTurns(TurnParts):
         self.prepared = (item_id, pause)
         audio = self.user.input.slice(self.speech_start, pause)
         self.state.out.effect(PrepareTranscript((item_id, pause), audio, start_sample=self.speech_start))
+
+    def _maybe_spoken_past(self) -> None:
+        """The user went on speaking after the pause transcribed ahead (the same item, its
+        silence over): that pause did not end the turn, and a live ASR that has not made its
+        transcript yet need not (`LiveControl("spoken_past")`: it answers with no words)."""
+        prepared, item_id = self.prepared, self.speech_item_id
+        if (
+            prepared is None
+            or prepared == self.spoken_past
+            or prepared[0] != item_id
+            or self.vad.silence_start == prepared[1]
+            or not self.state.options.live_transcribes_input
+        ):
+            return
+        self.spoken_past = prepared
+        params = {"start": self.speech_start, "end": prepared[1]}
+        self.state.out.effect(LiveControl("spoken_past", params))
 
     def _maybe_respond_ahead(self, frame_end: int, td: TurnDetection) -> None:
         """The pause transcribed ahead has lasted `respond_ahead_after_ms`: start the response

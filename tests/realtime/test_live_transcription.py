@@ -100,3 +100,25 @@ def test_a_model_that_takes_its_own_turns_gets_the_clients_turn_control() -> Non
     h.send({"type": "response.cancel"})
     got = [(c.kind, c.response_id) for c in controls(h)]
     assert got == [("commit", None), ("clear", None), ("cancel", rid)]
+
+
+def test_a_pause_spoken_past_is_said_so_once_and_a_pause_that_ends_the_turn_never() -> None:
+    """The live ASR drops a pause's transcript it has not made yet once the user went on:
+    `spoken_past` names the pause (the utterance's start and where the pause began), once."""
+    h = Harness(live_transcribes_input=True)
+    h.update(audio=TRANSCRIBED)
+    h.append(np.concatenate([silence(0.5), tone(0.6), silence(0.25), tone(0.6), silence(0.25)]))
+    first, second = [e for e in h.effects if isinstance(e, PrepareTranscript)]
+    (past,) = [c for c in controls(h) if c.kind == "spoken_past"]  # not the second: still silent
+    assert past.params == {"start": first.start_sample, "end": first.key[1]}
+    h.append(silence(0.5))  # the second pause ends the turn: not spoken past
+    assert [c.kind for c in controls(h)] == ["speech_started", "spoken_past", "speech_stopped"]
+    assert second.key[1] > first.key[1]
+
+
+def test_no_spoken_past_without_a_live_asr() -> None:
+    h = Harness()
+    h.update(audio=TRANSCRIBED)
+    h.append(np.concatenate([silence(0.5), tone(0.6), silence(0.25), tone(0.6), silence(0.8)]))
+    assert len([e for e in h.effects if isinstance(e, PrepareTranscript)]) == 2
+    assert controls(h) == []
