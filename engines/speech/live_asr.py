@@ -12,7 +12,8 @@ speech probability; the session marks its turns on that timeline with ``TurnCont
   ``conversation.item.input_audio_transcription.delta``.
 * ``transcribe`` (``ref``, ``start``, ``end``): one final ``Transcript`` of that stretch, e.g.
   the turn so far once a pause may end it (the response then starts on that text). One step
-  makes one of them, the oldest of every session's (a turn's end or its response waits on it).
+  makes one of them, of every session's the oldest with ``first`` (an end-of-turn decision
+  waits on it), else the oldest (a response waits on it).
   One the session no longer needs is answered with no words and never transcribed: a pause of
   an utterance the user spoke past (``spoken_past``, ``start``, ``end``: the session saw them go
   on), or one a later pause of the same utterance (the same ``start``) replaced.
@@ -85,7 +86,13 @@ class _Job:
     start: int
     end: int
     seq: int
+    first: bool = False  # a decision waits on it (`first`): made before those without
     taken_at: float = field(default_factory=time.monotonic)  # for the stage's wait counter
+
+    @property
+    def rank(self) -> tuple[bool, int]:
+        """The order jobs are made in: those a decision waits on, then the oldest."""
+        return (not self.first, self.seq)
 
 
 @dataclass(slots=True)
@@ -143,9 +150,10 @@ class LiveAsrEngine(Engine):
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
         """Every request's new input first (all of it: a coalescing edge hands over whatever
-        came during the last Whisper run at once); then one Whisper run: the oldest pause
-        transcript whose audio is here (a turn's end or its response waits on it), or, in a
-        step with none anywhere, the partials. A request left with a transcript to make is
+        came during the last Whisper run at once); then one Whisper run: a pause transcript
+        whose audio is here, an end-of-turn decision's first (``first``), the oldest first
+        (a turn's end or its response waits on it), or, in a step with none anywhere, the
+        partials. A request left with a transcript to make is
         stepped again at once (``wait_for_input`` False), so each transcript goes out as soon as
         it is made rather than at the end of a step that makes several."""
         for item in batch:
@@ -154,7 +162,7 @@ class LiveAsrEngine(Engine):
                 for payload in chunk.items:
                     self._take(state, payload)
         ready = [
-            (job.seq, i)
+            (job.rank, i)
             for i, item in enumerate(batch)
             for job in item.state.jobs
             if job.end <= item.state.end
@@ -167,7 +175,7 @@ class LiveAsrEngine(Engine):
             counters = {"transcripts_dropped": len(state.dropped)} if state.dropped else {}
             state.dropped = []
             if first is not None and first[1] == i:
-                job = min((j for j in state.jobs if j.end <= state.end), key=lambda j: j.seq)
+                job = min((j for j in state.jobs if j.end <= state.end), key=lambda j: j.rank)
                 state.jobs.remove(job)
                 text = self._transcribe(state.span(job.start, job.end))
                 out.append(Transcript(text, final=True, ref=job.ref))
@@ -223,7 +231,7 @@ class LiveAsrEngine(Engine):
             )
         elif control.kind == "transcribe":
             start, end = int(params.get("start", 0)), int(params["end"])
-            job = _Job(str(params.get("ref")), start, end, next(self._seq))
+            job = _Job(str(params.get("ref")), start, end, next(self._seq), bool(params.get("first")))
             # An earlier pause of the same utterance (same start) was spoken past: this one
             # came after it. Its transcript is not needed any more.
             self._drop(state, lambda old: old.start == start and old.end <= end)

@@ -37,6 +37,9 @@ class PrepareTranscript:
     key: tuple[str, int]  # (item id, timeline sample where the pause began)
     audio: np.ndarray
     start_sample: int = 0  # timeline sample where `audio` begins (it ends at key[1])
+    # An end-of-turn decision waits for these words (semantic_vad): a live ASR makes them before
+    # transcripts only a response will read.
+    decides: bool = False
 
 
 @dataclass(slots=True)

@@ -260,7 +260,10 @@ class VadTurns(TurnParts):
             return
         self.prepared = (item_id, pause)
         audio = self.user.input.slice(self.speech_start, pause)
-        self.state.out.effect(PrepareTranscript((item_id, pause), audio, start_sample=self.speech_start))
+        decides = self.semantic_turns(td)
+        self.state.out.effect(
+            PrepareTranscript((item_id, pause), audio, start_sample=self.speech_start, decides=decides)
+        )
 
     def _maybe_spoken_past(self) -> None:
         """The user went on speaking after the pause transcribed ahead (the same item, its

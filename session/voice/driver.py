@@ -420,7 +420,7 @@ class RealtimeDriver:
         async def transcribe() -> str | None:
             try:
                 if live is not None:
-                    text = await live.transcribe(effect.start_sample, effect.key[1])
+                    text = await live.transcribe(effect.start_sample, effect.key[1], first=effect.decides)
                     return text or None  # None: not transcribed (the response's ASR then does)
                 return await self._transcribe_audio(effect.audio)
             except Exception as exc:  # the response then transcribes in the pipeline as usual

@@ -175,14 +175,18 @@ class LiveRequest:
     def transcribes(self) -> bool:
         return self._entry.transcribes
 
-    async def transcribe(self, start: int, end: int) -> str:
+    async def transcribe(self, start: int, end: int, *, first: bool = False) -> str:
         """The live ASR's final transcript of core timeline [start, end) (audio it already
-        holds); "" when the live request ended before it answered, or after 10 s."""
+        holds); "" when the live request ended before it answered, or after 10 s. `first`: a
+        decision waits for it (the stage makes it before those that only a response reads)."""
         self._asks += 1
         ref = f"t{self._asks}"
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._asked[ref] = future
-        self.control(LiveControl("transcribe", {"ref": ref, "start": start, "end": end}))
+        params: dict[str, Any] = {"ref": ref, "start": start, "end": end}
+        if first:
+            params["first"] = True
+        self.control(LiveControl("transcribe", params))
         try:
             async with asyncio.timeout(TRANSCRIBE_TIMEOUT_S):
                 return await future

@@ -146,3 +146,14 @@ def test_a_coalesced_backlog_holds_what_the_same_input_step_by_step_holds() -> N
         step(eng, (many, items[k : k + 3]))
     assert one.held_from() == many.held_from() and one.end == many.end
     assert one.span(2 * S - PIECE, 3 * S).tolist() == many.span(2 * S - PIECE, 3 * S).tolist()
+
+
+def test_a_transcript_a_decision_waits_on_goes_before_older_ones_a_response_reads() -> None:
+    eng, _ = engine()
+    a, b = start(eng), start(eng)
+    a_in = [*scored(0, 1.0, 0.9), control("transcribe", ref="a1", start=0, end=S // 2)]
+    b_in = [*scored(0, 1.0, 0.9), control("transcribe", ref="b1", start=0, end=S // 4, first=True)]
+    out = step(eng, (a, a_in), (b, b_in))
+    assert [texts(o) for o in out] == [[], [("b1", f"[0:{S // 4}]")]]
+    out = step(eng, (a, []), (b, []))
+    assert [texts(o) for o in out] == [[("a1", f"[0:{S // 2}]")], []]

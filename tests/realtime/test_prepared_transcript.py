@@ -153,3 +153,15 @@ def test_a_session_update_during_the_pause_changes_the_params() -> None:
     start = h.started()
     assert start.transcript_key == ahead.key  # the driver finds the params differ and resubmits
     assert with_transcript(ahead.params, "x") != with_transcript(start.params, "x")
+
+
+def test_a_pause_a_semantic_decision_waits_on_is_marked_so() -> None:
+    """semantic_vad's decision waits for the pause's words: the live ASR makes them before the
+    transcripts only a response reads (`decides`)."""
+    semantic = Harness(scores_turn_ends=True)
+    semantic.update(audio={"input": {"turn_detection": {"type": "semantic_vad"}}})
+    semantic.append(np.concatenate([silence(0.3), tone(1.0), silence(0.25)]))
+    assert [p.decides for p in prepared(semantic)] == [True]
+    plain = Harness(scores_turn_ends=True)  # server_vad
+    plain.append(np.concatenate([silence(0.3), tone(1.0), silence(0.25)]))
+    assert [p.decides for p in prepared(plain)] == [False]
