@@ -40,11 +40,13 @@ resume on another process (restart, failover) replays every logged event, items 
 transcripts included, without them, and says so (``Replay.held``).
 
 Redis down: the live session keeps working; ops stay queued and the hub retries with backoff
-(0.05 s doubling to 2 s). The queue is bounded (``max_pending``): past it the oldest *events*
-are dropped (never items or state); a later replay across them raises
-``ReplayUnavailable("gap")`` and the client is resynced from the snapshot. A flush that hits a
-stale epoch or a vanished session is fatal for that writer alone: it stops and calls
-``on_fatal`` (the driver ends the session locally); the other sessions go on.
+(0.05 s doubling to 2 s). The queue is bounded (``max_pending`` ops, ``max_pending_bytes``
+of event JSON, also while a flush is in flight: Redis slower than the session is the same
+case): past it the oldest *events* not in flight are dropped (never items or state); a later
+replay across them raises ``ReplayUnavailable("gap")`` and the client is resynced from the
+snapshot. A flush that hits a stale epoch or a vanished session is fatal for that writer
+alone: it stops and calls ``on_fatal`` (the driver ends the session locally); the other
+sessions go on.
 """
 
 from __future__ import annotations
@@ -259,7 +261,7 @@ class SessionWriter:
         if self.fatal is not None:
             return
         self._pending.append(op)
-        if len(self._pending) > self._max_pending and not self.flushing:
+        if len(self._pending) > self._max_pending:
             self._drop_oldest_event()
         hub = self._hub
         if urgent and not self._urgent:
@@ -271,11 +273,19 @@ class SessionWriter:
             hub.schedule(self, self._due)
 
     def _drop_oldest_event(self) -> bool:
-        if self.flushing:  # the ops in flight are positions in _pending: leave them be
-            return False
-        for i, op in enumerate(self._pending):
+        """Drop the oldest queued event not in a flush in flight (those are the first ops of
+        ``_pending``, popped by position when Redis answers). Skipping them, rather than
+        dropping nothing while a flush is in flight, keeps the bound when Redis is slower than
+        the session: a client sending thousands of events a second kept a writer always in
+        flight and its queue grew past 10 MB over its 4 MiB bound (issue 33)."""
+        pending = self._pending
+        in_flight = len(self._taken.ops) if self._taken is not None else 0
+        newest = len(pending) - 1  # the newest event stays (a trim op may follow it)
+        while newest > in_flight and pending[newest][0] != "e":
+            newest -= 1
+        for i, op in enumerate(itertools.islice(pending, in_flight, newest), start=in_flight):
             if op[0] == "e":
-                del self._pending[i]
+                del pending[i]
                 self._pending_events -= 1
                 self._pending_bytes -= len(op[3])
                 self.dropped_events += 1

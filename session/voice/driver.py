@@ -91,6 +91,10 @@ class DriverOptions:
 @dataclass(slots=True)
 class _Response:
     response_id: str
+    # The prompt, until the response's task takes it; dropped if the response is cancelled
+    # before that (a client alternating response.create / response.cancel faster than the
+    # loop runs the tasks queued hundreds of prompts, each a copy of the history: issue 33).
+    params: dict[str, Any] | None = None
     task: asyncio.Task[None] | None = None
     request_id: str | None = None
     cancelled: bool = False
@@ -351,6 +355,7 @@ class RealtimeDriver:
                 resp = self._responses.get(effect.response_id)
                 if resp is not None:
                     resp.cancelled = True
+                    resp.params = None  # not begun yet: it never will, its prompt can go now
                     self.stats.cancelled += 1
                     self._spawn(self._cancel_request(resp), f"cancel:{resp.response_id}")
             elif isinstance(effect, TranscribeInput):
@@ -465,17 +470,16 @@ class RealtimeDriver:
     def _start_response(self, effect: StartResponse) -> None:
         if self._ahead is not None and self._ahead.key != effect.transcript_key:
             self._ahead.drop()  # started for a pause that did not end this turn
-        resp = _Response(effect.response_id)
+        resp = _Response(effect.response_id, params=effect.params)
         self._responses[effect.response_id] = resp
         self.stats.responses += 1
         resp.task = self._spawn(
-            self._run_response(resp, effect.params, effect.transcript_key), f"response:{resp.response_id}"
+            self._run_response(resp, effect.transcript_key), f"response:{resp.response_id}"
         )
 
-    async def _run_response(
-        self, resp: _Response, params: dict[str, Any], transcript_key: tuple[str, int] | None = None
-    ) -> None:
+    async def _run_response(self, resp: _Response, transcript_key: tuple[str, int] | None = None) -> None:
         rid = resp.response_id
+        params, resp.params = resp.params, None
         observer = self.options.observer
         started = self.now()
         awaiting_audio = observer is not None
@@ -497,6 +501,8 @@ class RealtimeDriver:
 
         handle: RequestHandle | None = None
         try:
+            if params is None:
+                return  # cancelled before it began (the core has ended it): nothing to submit
             if self._orch is None:
                 self.apply(self.core.on_response_done(rid, "failed", "no pipeline", now=self.now()))
                 return

@@ -71,3 +71,46 @@ async def test_a_response_failing_in_the_driver_cancels_its_request(fault: str) 
     finally:
         await driver.shutdown()
         await orch.close()
+
+
+async def test_a_response_cancelled_before_it_began_submits_nothing() -> None:
+    """response.create and response.cancel handled before the loop ran the response's task
+    (one read of a client's socket holds both): its prompt goes with the cancel and no
+    pipeline request is made for it; one made after it runs as usual."""
+    orch = Orchestrator.from_spec(parse_pipeline(SPEC, source="t.yaml"))
+    await orch.start()
+    core = RealtimeSessionCore(CoreOptions(new_id=SequentialIds()))
+    driver = RealtimeDriver(core, orch)
+    driver.start()
+    submitted: list[dict[str, Any]] = []
+    real_submit = orch.submit
+
+    async def counting_submit(params: Any, **kwargs: Any) -> Any:
+        submitted.append(dict(params))
+        return await real_submit(params, **kwargs)
+
+    orch.submit = counting_submit  # type: ignore[method-assign]
+    events: list[dict[str, Any]] = []
+    apply = driver.apply
+
+    def recording_apply(out: Any) -> None:
+        events.extend(out.events)
+        apply(out)
+
+    driver.apply = recording_apply  # type: ignore[method-assign]
+    try:
+        for _ in range(50):  # no await between: none of the responses' tasks has run
+            driver._on_client_text(json.dumps({"type": "response.create"}))
+            driver._on_client_text(json.dumps({"type": "response.cancel"}))
+        assert driver.active_responses == 50
+        assert all(r.params is None for r in driver._responses.values())  # the prompts went
+        await until(lambda: driver.active_responses == 0)
+        assert submitted == [] and orch.health()["live"] == 0
+        done = [e["response"]["status"] for e in events if e["type"] == "response.done"]
+        assert done == ["cancelled"] * 50
+        driver._on_client_text(json.dumps({"type": "response.create"}))
+        await until(lambda: orch.health()["live"] == 1)
+        assert len(submitted) == 1
+    finally:
+        await driver.shutdown()
+        await orch.close()

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio
 
 from session.store import SessionStore, SessionWriter, WriterHub
-from session.store.errors import StoreError, WriteRejected
+from session.store.errors import ReplayUnavailable, StoreError, WriteRejected
 
 pytestmark = pytest.mark.system
 
@@ -98,4 +98,27 @@ async def test_queue_is_bounded_in_bytes_while_redis_is_away(redis_client: redis
     await writer.start()
     await wait_until(lambda: writer.pending == 0)
     assert [i["id"] for i in await store.list_items(record.session_id)] == ["item_kept"]
+    await writer.close()
+
+
+async def test_queue_stays_bounded_while_a_flush_is_in_flight(redis_client: redis.asyncio.Redis) -> None:
+    """Redis slower than the session (a client sending thousands of events a second): the
+    writer always has a flush in flight, and its queue still keeps to its bytes bound."""
+    store = SessionStore(redis_client)
+    await store.load_scripts()
+    record, _ = await store.create_session("t")
+    bound = 1 << 20
+    writer = SessionWriter(store, record, max_pending_bytes=bound)  # not started: flushed by hand
+    first = [writer.append({"type": "x", "n": i}) for i in range(3)]
+    in_flight = writer.take()
+    assert in_flight is not None and writer.flushing
+    later = [writer.append({"type": "big", "n": i, "text": "q" * (100 * 1024)}) for i in range(30)]
+    assert writer._pending_bytes <= bound and writer.dropped_events >= 20
+    seq = await store.apply_batch(record.session_id, in_flight, epoch=0, expires_at=record.expires_at)
+    writer.settle_ok(seq, round_trips=1)  # the ops in flight were kept, in order
+    await writer.flush()
+    assert await store.events_after(record.session_id, later[-2]["event_id"]) == later[-1:]
+    with pytest.raises(ReplayUnavailable) as gap:  # the dropped ones: the client is resynced
+        await store.events_after(record.session_id, first[-1]["event_id"])
+    assert gap.value.reason == "gap"
     await writer.close()
