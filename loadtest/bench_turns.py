@@ -219,8 +219,8 @@ async def run_session(url: str, config: str, clips: list[Clip], results: list[Cl
                 break
     finally:
         reader.cancel()
+        await client.close()  # a reader that missed its cancel ends on the closed connection
         await asyncio.gather(reader, return_exceptions=True)
-        await client.close()
     results.extend(_score_all(config, spans, log))
     return sent / WIRE
 

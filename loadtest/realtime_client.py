@@ -33,7 +33,12 @@ class RealtimeClient:
 
     async def next(self, timeout_s: float | None = None) -> dict[str, Any]:
         wait_s = self.timeout_s if timeout_s is None else timeout_s
-        event: dict[str, Any] = json.loads(await asyncio.wait_for(self.ws.recv(), wait_s))
+        # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands as the
+        # event arrives, and a reader task cancelled there went on waiting for the next event
+        # (bench_turns hung on it at the end of a run, the host idle: docs/benchmarks.md).
+        async with asyncio.timeout(wait_s):
+            message = await self.ws.recv()
+        event: dict[str, Any] = json.loads(message)
         self.events.append(event)
         return event
 
