@@ -32,6 +32,7 @@ from runtime.edges import AsyncChunker, Chunk, EdgeGate, FullCollector, make_col
 from runtime.engine import Engine, EngineRequest
 from runtime.metrics import RuntimeMetrics
 from runtime.payloads import Conditioning, Payload
+from runtime.priority import CriticalPath, GatedWorker, run_started
 from runtime.progress import AdmissionError, FinalStatus, RequestHandle, RequestStatus, StageTiming
 from runtime.registry import engine_class
 from runtime.spec import EdgeSpec, PipelineSpec, StageSpec, load_pipeline
@@ -98,6 +99,8 @@ class Orchestrator:
         self._input_limit = input_limit
         self._runs: dict[str, RequestRun] = {}
         self._provides: dict[str, frozenset[str]] = {}  # stage → what its engine provides
+        # spec.scheduling critical_path: the calls on a request's path to its first output first
+        self._critical = CriticalPath.of(spec) if spec.scheduling == "critical_path" else None
         self._started = False
         self._closed = False
 
@@ -163,7 +166,10 @@ class Orchestrator:
             kinds.add("shm")
         self.connectors = self._make_connectors(kinds)
         for stage in spec.stages:
-            self.stages[stage.name] = self._build_stage(stage, classes[stage.name])
+            self.stages[stage.name] = built = self._build_stage(stage, classes[stage.name])
+            if self._critical is not None:
+                for replica in built.replicas:
+                    replica.worker = GatedWorker(replica.worker, self._critical, stage.name)
         results = await asyncio.gather(*(s.start() for s in self.stages.values()), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -266,6 +272,8 @@ class Orchestrator:
             run.edges_out.setdefault(edge.source, []).append(edge_run)
             run.edges_by_key[(edge.source, edge.target)] = edge_run
         self._runs[request_id] = run
+        if self._critical is not None:
+            self._critical.opened(request_id)
         request = EngineRequest(request_id, dict(params), session_key)
         for stage in spec.stages:
             if stage.name not in replicas:
@@ -372,6 +380,8 @@ class Orchestrator:
                 run.first_client_at = self._clock()
             for payload in result.client:
                 run.handle._push(payload)
+        if self._critical is not None and (result.client or result.done):
+            run_started(self._critical.output(stage, request_id))
         edges = run.edges_out.get(stage, ())
         if result.downstream:
             for edge in edges:
@@ -456,6 +466,8 @@ class Orchestrator:
         """End ``run`` on its replicas and free its connector data; False if it had ended."""
         if self._runs.pop(run.request_id, None) is None:
             return False
+        if self._critical is not None:
+            run_started(self._critical.closed(run.request_id))
         for replica in run.replicas.values():
             replica.close_request(run.request_id, outcome=status)
         for connector in self.connectors.values():

@@ -197,6 +197,11 @@ class PipelineSpec(_Spec):
     # where a voice session opens its live request; `transcribe` transcribes one audio item.
     entries: Mapping[EntryName, Name] = Field(default_factory=dict)
     input_rate: Annotated[int, Strict(), Field(ge=8000)] = 16000  # AudioInput rate a session appends
+    # per_stage: every stage schedules its own calls. critical_path: a call of a stage whose
+    # request still waits for its first output is held while such a call of a stage downstream
+    # of it runs (runtime/priority.py): on a host with fewer cores than stages, the work on the
+    # path to a new request's first audio goes first instead of sharing the cores.
+    scheduling: Literal["per_stage", "critical_path"] = "per_stage"
 
     @model_validator(mode="after")
     def _references(self) -> PipelineSpec:

@@ -29,7 +29,7 @@ from engines.qwen3_omni.sampling import (
     select_token,
 )
 from engines.qwen3_omni.talker_prompt import special_text_rows
-from engines.rowbatch import RowExact, RowsCache, rows_mask_marker
+from engines.rowbatch import RowExact
 from runtime.engine import EngineRequest, StepInput, StepOutput
 from runtime.payloads import CodecCodes, Embeddings
 
@@ -258,8 +258,13 @@ class TalkerEngine(ModelEngine):
     def _residuals(
         self, states: Sequence[TalkerState], c0s: Sequence[int]
     ) -> tuple[np.ndarray, torch.Tensor]:
-        """c1..c_{N-1} of every row from the code predictor (a fresh cache per frame, all rows at
-        the same positions, so they batch), and each frame's codec embedding sum [B, 1, D]."""
+        """c1..c_{N-1} of every row from the code predictor, and each frame's codec embedding sum
+        [B, 1, D]. The predictor starts a fresh cache every frame, so every row has the same
+        positions and cache length: one batched cache, and each attention a plain batched
+        ``sdpa`` whose rows keep their bits (its CPU kernel runs every (row, head) alone, with
+        blocks sized by the lengths only), instead of one ``sdpa`` per row and layer (15 passes of
+        a frame: the per-row calls were most of a batched frame's overhead). The products still
+        run per row under :class:`RowExact`."""
         loaded = self.loaded
         talker = loaded.model.talker
         predictor = talker.code_predictor
@@ -267,13 +272,11 @@ class TalkerEngine(ModelEngine):
         first = talker.get_input_embeddings()(torch.tensor([[c] for c in c0s]))
         embeds = predictor.get_input_embeddings()
         batch = len(states)
-        caches = [loaded.predictor_cache() for _ in states]
-        cache: Any = caches[0] if batch == 1 else RowsCache(caches)
-        mask = None if batch == 1 else rows_mask_marker(batch)
+        cache = loaded.predictor_cache()
         exact = RowExact() if batch > 1 else contextlib.nullcontext()
         with exact:
             prefix = torch.cat([hidden, first], dim=1)
-            out = predictor(inputs_embeds=prefix, attention_mask=mask, cache=cache, use_cache=True)
+            out = predictor(inputs_embeds=prefix, cache=cache, use_cache=True)
             codes = [list(c0s)]
             rows = [first]
             groups = loaded.num_code_groups
@@ -286,9 +289,7 @@ class TalkerEngine(ModelEngine):
                 code_t = torch.tensor([[c] for c in step])
                 rows.append(embeds[g - 1](code_t))
                 if g < groups - 1:
-                    out = predictor(
-                        input_ids=code_t, generation_steps=g, attention_mask=mask, cache=cache, use_cache=True
-                    )
+                    out = predictor(input_ids=code_t, generation_steps=g, cache=cache, use_cache=True)
         # One reduction over the stacked rows, as generate() sums them (same rounding).
         total = torch.cat(rows, dim=1).sum(1, keepdim=True)
         return np.asarray(codes, dtype=np.int64).T.copy(), total

@@ -4,11 +4,14 @@ also when requests join late or are cancelled mid-batch."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 
 from engines.qwen3_omni.code2wav_rows import decode_windows
+from engines.rowbatch import RowExact
 from runtime.engine import EdgeChunk, EngineRequest, StepInput
 from runtime.payloads import AudioChunk, CodecCodes
 from tests.engines_qwen.batch_driver import Member, run_batched
@@ -121,3 +124,32 @@ def test_code2wav_engine_steps_requests_of_different_chunk_lengths_together(engi
     states = [c2w.start(EngineRequest(f"mixed{i}", {})) for i in range(2)]
     c2w.step([StepInput(state=states[0], chunks=[chunk(4)]), StepInput(state=states[1], chunks=[chunk(54)])])
     assert c2w.last_batch_shapes == [(1, 16, 4), (1, 16, 54)]
+
+
+def test_code_predictor_rows_in_one_batched_cache_keep_their_bits(engines: Engines) -> None:
+    """The talker's code predictor steps every frame's rows on one batched cache (fresh per frame,
+    so all rows share positions and lengths) with plain batched attention: every pass's logits of
+    every row are bit for bit the row run alone, not only the greedy codes they lead to."""
+    loaded = engines.talker.loaded
+    predictor = loaded.model.talker.code_predictor
+    gen = torch.Generator().manual_seed(5)
+    rows = 8
+    prefix = torch.randn(rows, 2, loaded.talker_hidden, generator=gen)
+    codes = torch.randint(0, loaded.codebook_size, (rows, loaded.num_code_groups), generator=gen)
+
+    def logits(select: slice, exact: bool) -> torch.Tensor:
+        cache = loaded.predictor_cache()
+        passes = []
+        with torch.inference_mode(), RowExact() if exact else contextlib.nullcontext():
+            out = predictor(inputs_embeds=prefix[select], cache=cache, use_cache=True)
+            passes.append(out.logits[:, -1].clone())
+            for g in range(1, loaded.num_code_groups - 1):
+                step = codes[select, g : g + 1]
+                out = predictor(input_ids=step, generation_steps=g, cache=cache, use_cache=True)
+                passes.append(out.logits[:, -1].clone())
+        return torch.stack(passes, dim=1)
+
+    together = logits(slice(0, rows), exact=True)
+    for b in range(rows):
+        alone = logits(slice(b, b + 1), exact=False)
+        assert together[b : b + 1].numpy().tobytes() == alone.numpy().tobytes()
