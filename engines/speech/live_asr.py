@@ -12,8 +12,9 @@ speech probability; the session marks its turns on that timeline with ``TurnCont
   ``conversation.item.input_audio_transcription.delta``.
 * ``transcribe`` (``ref``, ``start``, ``end``): one final ``Transcript`` of that stretch, e.g.
   the turn so far once a pause may end it (the response then starts on that text). One step
-  makes one of them, of every session's the oldest with ``first`` (an end-of-turn decision
-  waits on it), else the oldest (a response waits on it).
+  makes one of them: of every session's, the newest with ``first`` (an end-of-turn decision
+  waits on it, until its turn ends), else the oldest (a response waits on it).
+  ``transcribe_cancel`` (``ref``): the session stopped waiting; never made.
   One the session no longer needs is answered with no words and never transcribed: a pause of
   an utterance the user spoke past (``spoken_past``, ``start``, ``end``: the session saw them go
   on), or one a later pause of the same utterance (the same ``start``) replaced.
@@ -80,7 +81,7 @@ class _Utterance:
 @dataclass(slots=True)
 class _Job:
     """A ``transcribe`` the session asked for: [start, end) of the request's timeline; ``seq``:
-    its place among every session's jobs (the oldest is made first)."""
+    its place among every session's jobs."""
 
     ref: str
     start: int
@@ -91,8 +92,10 @@ class _Job:
 
     @property
     def rank(self) -> tuple[bool, int]:
-        """The order jobs are made in: those a decision waits on, then the oldest."""
-        return (not self.first, self.seq)
+        """The order jobs are made in: those a decision waits on, the newest first (under
+        load an old one is past its decision's maximum pause, a new one can still end its turn
+        in time); then the others, the oldest first (a response waits on each)."""
+        return (False, -self.seq) if self.first else (True, self.seq)
 
 
 @dataclass(slots=True)
@@ -151,9 +154,9 @@ class LiveAsrEngine(Engine):
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
         """Every request's new input first (all of it: a coalescing edge hands over whatever
         came during the last Whisper run at once); then one Whisper run: a pause transcript
-        whose audio is here, an end-of-turn decision's first (``first``), the oldest first
-        (a turn's end or its response waits on it), or, in a step with none anywhere, the
-        partials. A request left with a transcript to make is
+        whose audio is here (``_Job.rank``: an end-of-turn decision's first, the newest of
+        them; then the oldest of those a response waits on), or, in a step with none anywhere,
+        the partials. A request left with a transcript to make is
         stepped again at once (``wait_for_input`` False), so each transcript goes out as soon as
         it is made rather than at the end of a step that makes several."""
         for item in batch:
@@ -241,8 +244,12 @@ class LiveAsrEngine(Engine):
             # began at `start`: that pause did not end the turn.
             start, end = int(params.get("start", -1)), int(params.get("end", -1))
             self._drop(state, lambda old: old.start == start and old.end <= end)
+        elif control.kind == "transcribe_cancel":  # the session stopped waiting for it
+            state.jobs = [job for job in state.jobs if job.ref != params.get("ref")]
         elif control.kind == "speech_stopped":
             if state.utterance is not None and state.utterance.ref == params.get("ref"):
+                for job in state.jobs:  # the turn has ended: only its response waits now
+                    job.first = job.first and job.start != state.utterance.start
                 state.utterance = None
             state.claimed_to = max(state.claimed_to, int(params.get("end", state.end)))
         elif control.kind == "clear":

@@ -191,6 +191,7 @@ class LiveRequest:
             async with asyncio.timeout(TRANSCRIBE_TIMEOUT_S):
                 return await future
         except TimeoutError:  # never left waiting: the response's own ASR transcribes instead
+            self.control(LiveControl("transcribe_cancel", {"ref": ref}))  # nor the stage for us
             return ""
         finally:
             self._asked.pop(ref, None)

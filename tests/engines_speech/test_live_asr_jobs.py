@@ -157,3 +157,25 @@ def test_a_transcript_a_decision_waits_on_goes_before_older_ones_a_response_read
     assert [texts(o) for o in out] == [[], [("b1", f"[0:{S // 4}]")]]
     out = step(eng, (a, []), (b, []))
     assert [texts(o) for o in out] == [[("a1", f"[0:{S // 2}]")], []]
+
+
+def test_decisions_newest_first_a_turns_end_demotes_and_a_cancel_is_never_made() -> None:
+    """Under load an old decision is past its maximum pause: of the asks a decision waits on,
+    the newest goes first. Once its turn has ended (speech_stopped) only a response waits on
+    an ask: it goes behind the decisions. An ask the session stopped waiting for is never made."""
+    eng, whisper = engine()
+    a, b, c = start(eng), start(eng), start(eng)
+    a_in = [control("speech_started", ref="ia", start=0), *scored(0, 1.0, 0.9)]
+    a_in.append(control("transcribe", ref="a1", start=0, end=S // 4, first=True))
+    b_in = [*scored(0, 1.0, 0.9), control("transcribe", ref="b1", start=0, end=S // 2, first=True)]
+    c_in = [*scored(0, 1.0, 0.9), control("transcribe", ref="c1", start=0, end=S // 2)]
+    c_in.append(control("transcribe_cancel", ref="c1"))
+    out = step(eng, (a, a_in), (b, b_in), (c, c_in))
+    assert [texts(o) for o in out] == [[], [("b1", f"[0:{S // 2}]")], []]  # b1: the newer decision
+    a_more = [control("transcribe", ref="a2", start=S // 2, end=S, first=True)]
+    a_more.insert(0, control("speech_stopped", ref="ia", end=S // 2))  # a1's turn ended: demoted
+    out = step(eng, (a, a_more), (b, []), (c, []))
+    assert texts(out[0]) == [("a2", f"[{S // 2}:{S}]")]
+    out = step(eng, (a, []), (b, []), (c, []))
+    assert texts(out[0]) == [("a1", f"[0:{S // 4}]")]
+    assert len(whisper.runs) == 3 and not any(texts(o) for o in out[1:])  # c1 never made
