@@ -132,14 +132,16 @@ def build_submit_params(
         stats.audio_item_ids = [i.id for i in audio_items]
     else:
         params["text"] = "\n".join(t for t in (i.text_for_history() for i in trailing) if t)
-        stats.text = params["text"]
+        stats.text_chars = len(params["text"])
     params["history"] = history
     params["instructions"] = "\n\n".join(s for s in [instructions, *system] if s)
     params["modalities"] = ["text", "audio"] if "audio" in modalities else ["text"]
     params["truncation"] = "disabled" if truncation == "disabled" else "auto"
     if isinstance(max_output_tokens, int):
         params["max_tokens"] = max_output_tokens
-    stats.text += " ".join(h["text"] for h in history) + params["instructions"]
+    # As long as the history joined with spaces (each entry and the space after it), no copy.
+    stats.text_chars += sum(len(h["text"]) + 1 for h in history) - (1 if history else 0)
+    stats.text_chars += len(params["instructions"])
     return params, stats
 
 

@@ -74,7 +74,9 @@ class ResponseSettings:
 class PromptStats:
     """What went into the response (for usage estimates and transcript routing)."""
 
-    text: str = ""
+    # Characters of prompt text (the trailing turn, the history, the instructions): only its
+    # length goes into usage, so the text is not joined into one more copy of the history.
+    text_chars: int = 0
     audio_s: float = 0.0
     audio_item_ids: list[str] = field(default_factory=list)
 
@@ -316,7 +318,7 @@ class ResponseRun:
             "max_output_tokens": s.max_output_tokens,
             "audio": {"output": {"format": _format_wire(s.output_format), "voice": _voice_name(s.voice)}},
             "usage": usage(
-                input_text=self.prompt.text,
+                input_text_chars=self.prompt.text_chars,
                 input_audio_s=self.prompt.audio_s,
                 output_text=self._text,
                 output_audio_s=self.audio_ms / 1000.0,

@@ -60,7 +60,7 @@ def estimate_text_tokens(text: str) -> int:
 
 def usage(
     *,
-    input_text: str = "",
+    input_text_chars: int = 0,
     input_audio_s: float = 0.0,
     output_text: str = "",
     output_audio_s: float = 0.0,
@@ -69,7 +69,7 @@ def usage(
     """`response.usage`. Pipelines do not count tokens yet, so this estimates: text ≈ 4 chars
     per token, input audio 10 tokens/s, output audio 20 tokens/s (OpenAI's published rates).
     Counts a driver reports (`input_tokens`, `output_tokens`, ...) override the estimates."""
-    in_text = estimate_text_tokens(input_text)
+    in_text = math.ceil(input_text_chars / 4)  # as estimate_text_tokens
     in_audio = round(input_audio_s * 10)
     out_text = estimate_text_tokens(output_text)
     out_audio = round(output_audio_s * 20)

@@ -461,3 +461,27 @@ def test_event_after_max_duration_expires_session() -> None:
     out = h.send({"type": "input_audio_buffer.clear", "event_id": "late"})
     assert types(out) == ["error"] and out.events[0]["error"]["code"] == "session_expired"
     assert [type(e).__name__ for e in out.effects] == ["Close"]
+
+
+def test_usage_counts_the_prompt_text_without_joining_it() -> None:
+    """response.usage's input text tokens: the prompt's characters (the trailing turn, the
+    history joined with spaces, the instructions) / 4, rounded up, counted without joining the
+    history into one more copy of it (a 8 MiB conversation made an 8 MB string per response)."""
+    h = Harness()
+    h.update(instructions="be brief")
+    for text in ["first question", "second one", "x" * 1001]:
+        h.send({"type": "conversation.item.create", "item": user_text(text)})
+        h.send({"type": "response.create"})
+        rid = h.started().response_id
+        h.take(h.core.on_response_text(rid, f"answer to {text[:6]}", h.now))
+        h.take(h.core.on_response_done(rid, "completed", now=h.now))
+    h.send({"type": "conversation.item.create", "item": user_text("last")})
+    h.send({"type": "response.create"})
+    rid = h.started().response_id
+    out = h.take(h.core.on_response_done(rid, "completed", now=h.now))
+    (done,) = [e for e in out.events if e["type"] == "response.done"]
+    history = ["first question", "answer to first ", "second one", "answer to second"]
+    history += ["x" * 1001, "answer to xxxxxx"]
+    prompt = "last" + " ".join(history) + "be brief"
+    details = done["response"]["usage"]["input_token_details"]
+    assert details["text_tokens"] == -(-len(prompt) // 4)
