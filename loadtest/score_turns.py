@@ -6,16 +6,20 @@ first half (up to the inserted pause), a finished sentence whole, after 0.4 s of
 followed by silence. Silero VAD and the session's `SpeechDetector` find where the pause begins
 (the VAD's silence onset, a frame or two after the speech ends); Smart Turn v3.2
 (``engines.speech.smart_turn``) scores the speech up to `tail` ms after that onset, for each
-tail in `TAILS` (what the end-of-turn stage is sent: 32 ms now, 200 ms before), and Whisper
-tiny.en (``engines.speech.asr``, as the live ASR transcribes a pause ahead) transcribes the
-speech. All of it is cached (``.omniduplex/loadtest-cache``). Then, per rule: false cut-offs
-(paused clips the rule ends at the pause: the decision comes in the first tenth of a second of
-the pause, so the same for every pause length) and finished sentences ended at once.
+tail in `TAILS` (what the end-of-turn stage is sent: 32 ms now; later tails for a second look),
+and Whisper tiny.en (``engines.speech.asr``) transcribes what the live ASR transcribes at the
+pause: from the VAD's speech start less the 300 ms prefix padding up to the silence onset. All
+of it is cached (``.omniduplex/loadtest-cache``). Then, per rule: false cut-offs (paused clips
+the rule ends at the pause: the decision comes in the first tenth of a second of the pause, so
+the same for every pause length) and finished sentences ended at once.
 
-Held out: the threshold of the cues is tuned on half the sentences (s00-s09, all three
-renditions) and every rule is reported on both halves (s10-s19 never seen by the tuning).
+Held out: the threshold of the words-closed bar is tuned on half the sentences (s00-s09, all
+three renditions) and every rule is reported on both halves (s10-s19 never seen by the tuning).
+With ``--lm``, SmolLM2-135M-Instruct's probability of ending the user's message after the
+transcript (P(<|im_end|>), lowercased without punctuation as LiveKit's turn detector reads
+it) is measured as a third cue (offline only).
 
-    python -m loadtest.score_turns [--out results.json]
+    python -m loadtest.score_turns [--lm] [--out results.json]
 """
 
 from __future__ import annotations
@@ -29,16 +33,27 @@ from typing import Any
 import numpy as np
 
 from loadtest.turn_set import CACHE, RATE, spec_key, turn_set
-from session.realtime.semantic_turn import FINISHED, TAIL_MS, THRESHOLDS, TurnCues, transcript_cue
+from session.realtime.semantic_turn import (
+    CLOSED_THRESHOLDS,
+    OPEN_WORDS,
+    SENTENCE_END,
+    TAIL_MS,
+    THRESHOLDS,
+    TurnCues,
+    transcript_cue,
+)
 
 Row = dict[str, Any]
-TAILS = (0, 32, 64, 200, 800)  # ms of silence after the VAD's onset the model hears
+TAILS = (0, 32, 64, 100, 150, 200, 250, 300, 800)  # ms of silence after the VAD's onset the model hears
 LEAD_S = 0.4
+PREFIX = 4800  # the session's prefix padding (300 ms) before the VAD's speech start
 TUNE = range(0, 10)  # sentences the threshold is tuned on (s00-s09); s10-s19 are held out
 
 
-def _pause_onset(audio: np.ndarray, speech_end: int) -> tuple[int, int]:
-    """(speech start, silence onset) as the session's VAD finds them in `audio`."""
+def _pauses(audio: np.ndarray, speech_end: int) -> tuple[int, int, list[tuple[int, int]]]:
+    """(speech start, silence onset, earlier pauses) as the session's VAD finds them in `audio`:
+    the pause at `speech_end`, and every silence of at least one VAD frame before it (where
+    the session asks too) as (onset, length in samples)."""
     from engines.speech.vad import SileroVad
     from session.realtime.turns import SpeechDetector
 
@@ -46,19 +61,34 @@ def _pause_onset(audio: np.ndarray, speech_end: int) -> tuple[int, int]:
     probs = SileroVad().new_stream().speech_probs(audio[: n * 512])
     detector = SpeechDetector(0.5, 60_000)
     start = None
+    inner: dict[int, int] = {}
     for k, p in enumerate(probs):
         detector.feed(k * 512, p)
         if detector.speaking and start is None:
             start = k * 512
         onset = detector.silence_start
         if onset is not None and k * 512 >= speech_end - 2000:
-            return start or 0, onset
-    return start or 0, n * 512
+            return start or 0, onset, sorted(inner.items())
+        if onset is not None:
+            inner[onset] = (k + 1) * 512 - onset
+    return start or 0, n * 512, sorted(inner.items())
+
+
+def _look(model: Any, asr: Any, audio: np.ndarray, start: int, onset: int, length: int) -> Row:
+    """What the session sees at a pause: P(finished) per tail the pause lasts, the words."""
+    tails = [t for t in TAILS if t * RATE // 1000 < length]
+    spans = [audio[max(0, start - PREFIX) : onset + t * RATE // 1000] for t in tails]
+    return {
+        "probability": {str(t): float(p) for t, p in zip(tails, model.scores(spans), strict=True)},
+        "transcript": asr.transcribe(audio[max(0, start - PREFIX) : onset]),
+    }
 
 
 def observations(cache_dir: Path = CACHE) -> list[Row]:
-    """Per clip: voice, sentence, paused, the VAD's lag, P(finished) per tail, transcript."""
-    path = cache_dir / f"turn-scores-vad-{spec_key()}.json"
+    """Per clip: voice, sentence, paused, the VAD's lag, P(finished) per tail and the transcript
+    at the pause that ends the speech, and the same at every earlier pause ("inner": the
+    commas and word gaps of the speech, where the session asks too)."""
+    path = cache_dir / f"turn-scores-vad4-{spec_key()}.json"
     if path.exists():
         rows: list[Row] = json.loads(path.read_text())
         return rows
@@ -71,8 +101,7 @@ def observations(cache_dir: Path = CACHE) -> list[Row]:
     for clip in turn_set(cache_dir):
         speech = clip.audio[: clip.pause_at] if clip.paused else clip.audio
         audio = np.concatenate([np.zeros(lead, np.float32), speech, np.zeros(RATE, np.float32)])
-        start, onset = _pause_onset(audio, lead + len(speech))
-        spans = [audio[max(0, start - 4800) : onset + t * RATE // 1000] for t in TAILS]
+        start, onset, inner = _pauses(audio, lead + len(speech))
         rows.append(
             {
                 "clip": clip.name,
@@ -82,8 +111,15 @@ def observations(cache_dir: Path = CACHE) -> list[Row]:
                 "paused": clip.paused,
                 "pause_s": clip.pause_s,
                 "vad_lag_ms": (onset - lead - len(speech)) * 1000 // RATE,
-                "probability": {str(t): float(p) for t, p in zip(TAILS, model.scores(spans), strict=True)},
-                "transcript": asr.transcribe(speech),
+                **_look(model, asr, audio, start, onset, len(audio)),
+                "inner": [
+                    {
+                        "at_ms": (at - lead) * 1000 // RATE,
+                        "ms": n * 1000 // RATE,
+                        **_look(model, asr, audio, start, at, n),
+                    }
+                    for at, n in inner
+                ],
             }
         )
     path.write_text(json.dumps(rows, indent=1))
@@ -93,74 +129,165 @@ def observations(cache_dir: Path = CACHE) -> list[Row]:
 Rule = Callable[[Row], bool]
 
 
-def _before(row: Row) -> bool:
-    """The rule before (16e1128): asked 200 ms into the pause; open words never end the turn,
-    a period ends it from 0.5, anything else from 0.5."""
-    return row["probability"]["200"] >= FINISHED and transcript_cue(row["transcript"]) != "open"
+def _before_cue(text: str | None) -> str:
+    """The words' cue before this round (4bbd1b1): "open" on a word a clause cannot end on."""
+    stripped = (text or "").strip().rstrip("\"')\u201d")
+    words = stripped.lower().replace("...", " ").split()
+    last = words[-1].strip(".,;:!?-\u2014") if words else ""
+    if not stripped:
+        return "unknown"
+    if not last or last in OPEN_WORDS or stripped.endswith(("...", "\u2026", ",", "-", "\u2014")):
+        return "open"
+    return "closed" if stripped.endswith(SENTENCE_END) else "plain"
 
 
-def cues(threshold: float, tail: int = TAIL_MS) -> Rule:
-    return lambda r: TurnCues(threshold).finished(r["probability"][str(tail)], r["transcript"])
+def before(threshold: float, tail: int = TAIL_MS) -> Rule:
+    """The rule before this round: the model decides (p >= threshold), open words veto."""
+    return lambda r: _p(r, tail) >= threshold and _before_cue(r["transcript"]) != "open"
+
+
+def cues(closed: float, threshold: float = THRESHOLDS["auto"], tail: int = TAIL_MS) -> Rule:
+    return lambda r: TurnCues(threshold, closed).finished(_p(r, tail), r["transcript"])
 
 
 def alone(threshold: float, tail: int = TAIL_MS) -> Rule:
-    return lambda r: r["probability"][str(tail)] >= threshold
+    return lambda r: _p(r, tail) >= threshold
+
+
+def _p(row: Row, tail: int) -> float:
+    """P(finished) `tail` ms into the pause (0 when the pause ended sooner: never asked)."""
+    return float(row["probability"].get(str(tail), 0.0))
+
+
+def second_look(first: Rule, tail: int, threshold: float) -> Rule:
+    """`first`, or else a second score `tail` ms into the pause at a stricter bar (words veto)."""
+    return lambda r: first(r) or before(threshold, tail)(r)
 
 
 def rules(tuned: float) -> dict[str, Rule]:
     out: dict[str, Rule] = {
-        "before: 200 ms, model alone, p >= 0.5": alone(0.5, 200),
-        "before: 200 ms, cues (0.5, a period from 0.5)": _before,
+        "before (main): 32 ms, p >= 0.7 (auto), open words veto": before(0.7),
+        "before (main): 32 ms, p >= 0.5 (high), open words veto": before(0.5),
+        "before (main): 32 ms, p >= 0.9 (low), open words veto": before(0.9),
     }
     for eagerness in ("high", "auto", "low"):
-        t = THRESHOLDS[eagerness]
-        out[f"now: {TAIL_MS} ms, model alone, p >= {t:g} ({eagerness}, no transcript)"] = alone(t)
-        out[f"now: {TAIL_MS} ms, cues, p >= {t:g} ({eagerness})"] = cues(t)
-    out[f"tuned on s00-s09: {TAIL_MS} ms, cues, p >= {tuned:g}"] = cues(tuned)
-    out["re-scored at 800 ms, cues, p >= 0.7"] = cues(0.7, 800)
+        closed, t = CLOSED_THRESHOLDS[eagerness], THRESHOLDS[eagerness]
+        name = f"now, {eagerness}: closed words from p >= {closed:g}, else p >= {t:g}"
+        out[name] = cues(closed, t)
+    out[f"now, auto, no transcript (model alone, p >= {THRESHOLDS['auto']:g})"] = alone(THRESHOLDS["auto"])
+    low = CLOSED_THRESHOLDS["auto"]
+    out["now, auto, words cue without the pronoun rule"] = lambda r: (
+        _before_cue(r["transcript"]) == "closed" and _p(r, TAIL_MS) >= low
+    )
+    out[f"tuned on s00-s09: closed words from p >= {tuned:g}"] = cues(tuned)
+    for tail, t2 in ((150, 0.9), (200, 0.9), (250, 0.9), (300, 0.95)):
+        out[f"not adopted: before (0.7), second look at {tail} ms, p >= {t2:g}"] = second_look(
+            before(0.7), tail, t2
+        )
+    out["not adopted: re-scored at 800 ms, p >= 0.7, open words veto"] = before(0.7, 800)
     return out
 
 
 def score(rows: list[Row], rule: Rule) -> dict[str, Any]:
+    """A paused clip is cut off if the rule ends its turn at the inserted pause or at an
+    earlier one; a finished sentence is ended at once if the rule ends it at its end and at
+    none of its earlier pauses (those it ends early, answered twice through the server)."""
     paused = [r for r in rows if r["paused"]]
     finished = [r for r in rows if not r["paused"]]
-    cut = sum(map(rule, paused))
-    ended = sum(map(rule, finished))
+
+    def early(r: Row) -> bool:
+        return any(rule(p) for p in r.get("inner", ()))
+
+    cut = sum(rule(r) or early(r) for r in paused)
+    ended_early = sum(early(r) for r in finished)
+    ended = sum(rule(r) and not early(r) for r in finished)
     return {
         "false_cutoffs": f"{cut}/{len(paused)}",
         "false_cutoff_pct": round(100 * cut / max(1, len(paused)), 1),
         "finished_at_once": f"{ended}/{len(finished)}",
         "finished_pct": round(100 * ended / max(1, len(finished)), 1),
+        "finished_ended_early": f"{ended_early}/{len(finished)}",
     }
 
 
 def tune(rows: list[Row], target_pct: float = 5.0) -> float:
-    """The cues' threshold on the rows: the most finished sentences ended at once with false
+    """The words-closed bar on the rows: the most finished sentences ended at once with false
     cut-offs within `target_pct` (none within it: the fewest; ties: the higher threshold)."""
-    grid = [round(x, 2) for x in np.arange(0.05, 0.96, 0.05)]
+    grid = [0.05, *(round(x, 2) for x in np.arange(0.1, 0.96, 0.05))]
     results = [(t, score(rows, cues(t))) for t in grid]
     bound = max(target_pct, min(r["false_cutoff_pct"] for _, r in results))
     ok = [(r["finished_pct"], t) for t, r in results if r["false_cutoff_pct"] <= bound]
     return max(ok)[1]
 
 
+def lm_scores(rows: list[Row]) -> None:
+    """Each row's SmolLM2-135M-Instruct log P(<|im_end|>) after its transcript (``lm_logp_end``)."""
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engines.speech.chat import resolve_llm
+
+    path = str(resolve_llm("smollm2"))
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    for row in [*rows, *(p for r in rows for p in r["inner"])]:
+        words = " ".join(re.sub(r"[^\w\s'-]", "", row["transcript"].lower()).split())
+        text = str(tok.apply_chat_template([{"role": "user", "content": words}], tokenize=False))
+        ids = tok(text[: text.rindex("<|im_end|>")], add_special_tokens=False, return_tensors="pt")
+        with torch.inference_mode():
+            logits = model(ids["input_ids"]).logits[0, -1]
+        row["lm_logp_end"] = round(float(torch.log_softmax(logits.float(), -1)[end]), 2)
+
+
+def lm_report(rows: list[Row], tune_rows: list[Row], held: list[Row]) -> dict[str, Any]:
+    """How the LM cue separates the groups the words cannot (closed first halves from finished
+    sentences), and the auto rule with an LM bar tuned on s00-s09."""
+    closed_halves = [r for r in rows if r["paused"] and transcript_cue(r["transcript"]) != "open"]
+    finished = [r for r in rows if not r["paused"]]
+
+    def spread(rs: list[Row]) -> dict[str, float]:
+        xs = [r["lm_logp_end"] for r in rs]
+        return {"min": min(xs), "p50": float(np.median(xs)), "max": max(xs)} if xs else {}
+
+    def with_lm(bar: float) -> Rule:
+        return lambda r: cues(CLOSED_THRESHOLDS["auto"])(r) and r["lm_logp_end"] >= bar
+
+    scored = [(b, score(tune_rows, with_lm(b))) for b in (float(x) for x in range(-20, 0))]
+    best = max((r["finished_pct"], b) for b, r in scored if r["false_cutoff_pct"] <= 5.0)[1]
+    return {
+        "logp_end_finished": spread(finished),
+        "logp_end_closed_first_halves": spread(closed_halves),
+        f"auto and log P(end) >= {best:g} (tuned on s00-s09)": {
+            "tuning": score(tune_rows, with_lm(best)),
+            "held_out": score(held, with_lm(best)),
+        },
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--lm", action="store_true", help="also the SmolLM2 end-of-message cue (offline)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows = observations()
     tune_rows = [r for r in rows if r["sentence"] in TUNE]
     held = [r for r in rows if r["sentence"] not in TUNE]
     threshold = tune(tune_rows)
-    report: dict[str, Any] = {"tuned_threshold": threshold, "tuned_on": "s00-s09", "rules": {}}
+    report: dict[str, Any] = {"tuned_closed_threshold": threshold, "tuned_on": "s00-s09", "rules": {}}
     for name, rule in rules(threshold).items():
         report["rules"][name] = {"tuning": score(tune_rows, rule), "held_out": score(held, rule)}
     lags = [r["vad_lag_ms"] for r in rows]
     report["vad_lag_ms"] = {"p50": float(np.median(lags)), "max": max(lags)}
-    report["curve"] = {
+    report["curve_closed_threshold"] = {
         f"{t:g}": {"tuning": score(tune_rows, cues(t)), "held_out": score(held, cues(t))}
-        for t in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
+        for t in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
     }
+    if args.lm:
+        lm_scores(rows)
+        report["lm"] = lm_report(rows, tune_rows, held)
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps({**report, "clips": rows}, indent=1))

@@ -3,24 +3,29 @@
 Sans-I/O, on the session's 16 kHz input timeline (the same clock as server VAD: samples of
 scored audio, so a test drives it with frame positions alone). Server VAD ends a turn after a
 fixed silence. Here the VAD's silence is only a *candidate* pause: once it has lasted `ask_ms`
-the turn so far is scored by the end-of-turn model (`ScoreTurn`, the speech up to `tail_ms`
-into the pause; the pipeline's end-of-turn stage answers with a probability). The turn ends
-on that answer when it is finished: the probability reaches the eagerness's threshold
-(`THRESHOLDS`) and the words of the turn so far, when they are being transcribed, do not end
-mid-clause (`TurnCues`: the transcript only vetoes). It never ends on a silence shorter than
-`min_pause_ms` (a score that comes sooner is held for the frame that gets there). An unfinished
-turn waits, and ends after the eagerness's maximum pause anyway (OpenAI's: low 8 s, medium
-4 s, high 2 s; auto = medium), which the core's `SpeechDetector` counts as its silence duration
-(`max_pause_ms`). Speech resuming during the wait makes the pause stale: its score is ignored,
-the next pause is scored afresh. One score per pause; an answer that never comes (the stage
-failed) leaves the maximum.
+(the first silent VAD frame) the turn so far is scored by the end-of-turn model (`ScoreTurn`,
+the speech up to `tail_ms` into the pause; the pipeline's end-of-turn stage answers with a
+probability) and, where the pipeline transcribes, the words of the turn so far are transcribed
+(the core's `PrepareTranscript`, asked at the same frame). The turn ends on both cues
+(`TurnCues`): words ending mid-clause never end it; words ending a sentence end it from a bar
+one rung lower (`CLOSED_THRESHOLDS`); without such words the model decides alone
+(`THRESHOLDS`). A score that comes before its pause's words waits for them. It never
+ends on a silence shorter than `min_pause_ms` (a decision that comes sooner is held for the
+frame that gets there). An unfinished turn waits, and ends after the eagerness's maximum pause
+anyway (OpenAI's: low 8 s, medium 4 s, high 2 s; auto = medium), which the core's
+`SpeechDetector` counts as its silence duration (`max_pause_ms`). Speech resuming during the
+wait makes the pause stale: its score is ignored, the next pause is scored afresh. One score
+per pause; an answer that never comes (the stage failed) leaves the maximum.
 
 Why these numbers (docs/benchmarks.md, "End of turn"): Smart Turn separates finished sentences
 from mid-clause first halves best on the speech *just* after the VAD's silence onset (with 32 ms
 of it 34/60 finished >= 0.7 against 14/60 first halves; with 200 ms 42/60 against 26/60; with
 800 ms the halves score as high as the sentences, so re-scoring a longer silence does not
-help); asking at 64 ms (when the transcript is prepared too) rather than after 200 ms took the
-finished sentences ended on the model's answer from ~457 to ~352 ms p50 through the server.
+help, and a second look at 150-300 ms raised the held-out cut-offs). Whisper ends every
+finished sentence with sentence-final punctuation, so words that end a sentence lower the
+model's bar one rung (auto: 0.7 -> 0.5); but Whisper tiny also completes a first half that stops
+on a preposition with a pronoun of its own ("a message to them."), which the model may call
+finished too: those words read as mid-clause (`transcript_cue`).
 
 Without an end-of-turn model in the pipeline, `semantic_vad` stays what it was before: server
 VAD with an eagerness-based silence (`TurnDetection.effective_silence_ms`).
@@ -34,11 +39,17 @@ from session.realtime.input_audio import SAMPLES_PER_MS
 
 # OpenAI's maximum pause per eagerness (docs: "low" waits up to 8 s, "medium" 4 s, "high" 2 s).
 MAX_PAUSE_MS = {"low": 8000, "medium": 4000, "high": 2000, "auto": 4000}
-# P(finished) from which a turn ends at once, per eagerness: a ladder around the model's own
-# cut (0.5), fewer cut-offs the lower the eagerness.
+# P(finished) from which a turn ends at once, per eagerness, when the words of the turn do not
+# end a sentence (no transcript, or none with sentence-final punctuation): the model decides
+# alone, on a ladder around its own cut (0.5), fewer cut-offs the lower the eagerness.
 THRESHOLDS = {"low": 0.9, "medium": 0.7, "high": 0.5, "auto": 0.7}
+# ... and when they do (Whisper's sentence-final punctuation, not a guessed last word): one rung
+# lower. Medium / auto tuned on sentences s00-s09 of the evaluation set (`loadtest.score_turns`:
+# the most finished sentences ended at once, and not at a comma, with <= 5 % false cut-offs,
+# every pause of the speech counted; s10-s19 held out): the model's own cut.
+CLOSED_THRESHOLDS = {"low": 0.7, "medium": 0.5, "high": 0.3, "auto": 0.5}
 FINISHED = 0.5  # the model's own cut
-ASK_MS = 64  # silence before the model is asked (the transcript is prepared at 64 ms too)
+ASK_MS = 32  # silence before the model is asked: the first silent VAD frame (the transcript too)
 TAIL_MS = 32  # of that silence, what the model hears after the VAD's silence onset
 MIN_PAUSE_MS = 96  # the shortest silence a turn ends on
 
@@ -55,18 +66,33 @@ _OPEN = """
 """
 OPEN_WORDS = frozenset(_OPEN.split())
 SENTENCE_END = (".", "?", "!")
+# A preposition then an object pronoun at the very end ("a message to them."): how Whisper tiny
+# completes a first half that stops on a preposition (its decoder is a language model: "a
+# flight to me.", "the meeting with him.", "a story about it."), so the words may not be the
+# speaker's. Read as mid-clause.
+_PREP = """
+    to of in on at for from with by about into onto over under after before between through
+    during without within like as per via
+"""
+_PREPOSITIONS = frozenset(_PREP.split())
+_OBJECT_PRONOUNS = frozenset(("me", "you", "him", "her", "it", "us", "them"))
 
 
 def transcript_cue(text: str | None) -> str:
     """What the words of the turn so far say about its end: "open" (it ends on a word a clause
-    cannot end on: see `OPEN_WORDS`), "closed" (sentence-final punctuation, as Whisper writes a
-    finished sentence), "plain" (neither), "unknown" (no transcript)."""
+    cannot end on: see `OPEN_WORDS`; or on a preposition and an object pronoun, which may be
+    the ASR's own completion of a dangling preposition), "closed" (sentence-final punctuation,
+    as Whisper writes a finished sentence), "plain" (neither), "unknown" (no transcript)."""
     if text is None or not text.strip():
         return "unknown"
     stripped = text.strip().rstrip("\"')\u201d")
-    words = stripped.lower().replace("...", " ").replace("\u2026", " ").split()
-    last = words[-1].strip(".,;:!?-\u2014") if words else ""
+    words = [
+        w.strip(".,;:!?-\u2014") for w in stripped.lower().replace("...", " ").replace("\u2026", " ").split()
+    ]
+    last = words[-1] if words else ""
     if not last or last in OPEN_WORDS or stripped.endswith(("...", "\u2026", ",", "-", "\u2014")):
+        return "open"
+    if len(words) >= 2 and last in _OBJECT_PRONOUNS and words[-2] in _PREPOSITIONS:
         return "open"
     return "closed" if stripped.endswith(SENTENCE_END) else "plain"
 
@@ -79,17 +105,30 @@ def threshold_for(eagerness: str) -> float:
     return THRESHOLDS.get(eagerness, THRESHOLDS["auto"])
 
 
+def closed_threshold_for(eagerness: str) -> float:
+    return CLOSED_THRESHOLDS.get(eagerness, CLOSED_THRESHOLDS["auto"])
+
+
 @dataclass(frozen=True, slots=True)
 class TurnCues:
     """Whether a pause ends the turn, from the model's probability and the transcript of the
-    turn so far: the model decides (p >= `threshold`); words ending mid-clause ("open") veto
-    it. Sentence-final punctuation does not lower the bar (Whisper writes a period after a
-    first half it completes with a word of its own: "a flight to me.")."""
+    turn so far. Words ending mid-clause ("open") never end it; words ending a sentence
+    ("closed") end it from p >= `closed_threshold`, one rung below `threshold`, from which the
+    model decides otherwise (no transcript, or words without a sentence end)."""
 
     threshold: float = FINISHED
+    closed_threshold: float = FINISHED
+
+    @staticmethod
+    def for_eagerness(eagerness: str) -> TurnCues:
+        return TurnCues(threshold_for(eagerness), closed_threshold_for(eagerness))
 
     def finished(self, probability: float, transcript: str | None) -> bool:
-        return probability >= self.threshold and transcript_cue(transcript) != "open"
+        cue = transcript_cue(transcript)
+        if cue == "open":
+            return False
+        bar = self.closed_threshold if cue == "closed" else self.threshold
+        return probability >= bar
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +161,12 @@ class SemanticTurn:
         tail_ms: int = TAIL_MS,
         min_pause_ms: int = MIN_PAUSE_MS,
         threshold: float = THRESHOLDS["auto"],
+        closed_threshold: float = CLOSED_THRESHOLDS["auto"],
     ) -> None:
         self.ask_ms = ask_ms
         self.tail_ms = min(tail_ms, ask_ms)
         self.min_pause_ms = min_pause_ms
-        self.cues = TurnCues(threshold)
+        self.cues = TurnCues(threshold, closed_threshold)
         self._asked: tuple[str, int] | None = None  # (item id, pause start) being scored
         self._ref: str | None = None
         self._coming = False  # the asked pause's transcript is on its way
@@ -141,7 +181,7 @@ class SemanticTurn:
 
     def configure(self, eagerness: str) -> None:
         """The session's eagerness (at the start and after each `session.update`)."""
-        self.cues = TurnCues(threshold_for(eagerness))
+        self.cues = TurnCues.for_eagerness(eagerness)
 
     def on_frame(
         self,

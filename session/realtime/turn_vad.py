@@ -249,6 +249,10 @@ class VadTurns(TurnParts):
         pause = self.vad.silence_start
         item_id = self.speech_item_id
         after_ms = min(options.prepare_transcript_after_ms, td.effective_silence_ms())
+        if after_ms > 0 and self.semantic_turns(td):
+            # The end-of-turn decision waits for these words (they may veto the model's
+            # "finished"): ask for them with the model, at its candidate pause.
+            after_ms = min(after_ms, self.semantic.ask_ms)
         if (
             pause is None
             or item_id is None

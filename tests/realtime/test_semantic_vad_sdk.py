@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from loadtest.turn_set import RATE, finished_clip, paused_clip
+from loadtest.turn_set import RATE, VOICES, finished_clip, paused_clip
 from media.audio import resample
 from tests.live_server import LiveServer, live_server
 from tests.realtime.wire import WIRE_RATE, ServerEvents, sdk_session, silence, stream_realtime
@@ -31,6 +31,9 @@ pytest.importorskip("faster_whisper")
 # any 150-400 ms of silence after it), the whole finished (> 0.98).
 PAUSED = ("The doctor said that I should drink more water every day.", 4)
 FINISHED = "I think the best restaurant in town is the little Italian place on Main Street."
+# "Tell me a short story about | a dragon ...", the faster voice: the model calls the first half
+# finished (0.96 with 32 ms of the pause) and Whisper tiny completes it ("... about it.").
+COMPLETED = ("Tell me a short story about a dragon who is afraid of the dark.", 7)
 TRANSCRIPTION = {"model": "whisper-1", "language": "en"}
 
 
@@ -107,6 +110,21 @@ async def test_a_finished_sentence_is_answered_before_server_vad_would_end_it(se
         await events.wait_for("response.done", within_s=60)
         # The turn so far was transcribed during the pause and the response used it.
         assert server_session(server, events).stats.transcripts_prepared_used == 1
+
+
+async def test_a_first_half_the_asr_completes_with_a_pronoun_is_not_cut(server: LiveServer) -> None:
+    """Eagerness high: the model's "finished" is enough on words without a sentence end, and
+    on these it says so; the words ("... a short story about it.") end on a preposition and a
+    pronoun, read as mid-clause: one turn, both halves."""
+    clip = paused_clip(*COMPLETED, pause_s=1.2, voice=VOICES[0])
+    async with sdk_session(server) as (conn, events):
+        await configure(conn, events, {"type": "semantic_vad", "eagerness": "high"})
+        await stream_realtime(conn, np.concatenate([silence(0.3), wire(clip.audio), silence(1.0)]))
+        done = await events.wait_for("response.done", within_s=60)
+        await no_event(events, "input_audio_buffer.speech_stopped", 1.0)
+        assert len(of_type(events, "input_audio_buffer.speech_stopped")) == 1
+        said = words(done.event.response.output[0].content[0].transcript)
+        assert said[-2:] == words(COMPLETED[0])[-2:], said
 
 
 @pytest.mark.parametrize(("eagerness", "max_s"), [("high", 2.0), ("medium", 4.0)])

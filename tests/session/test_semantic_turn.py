@@ -11,6 +11,7 @@ import pytest
 from session.realtime.effects import LiveControl, PrepareTranscript
 from session.realtime.input_audio import SAMPLES_PER_MS
 from session.realtime.semantic_turn import (
+    CLOSED_THRESHOLDS,
     MAX_PAUSE_MS,
     THRESHOLDS,
     EndTurn,
@@ -107,7 +108,7 @@ def test_core_ends_a_finished_turn_on_the_score_not_on_silence() -> None:
     h = _semantic()
     h.append(silence(0.2))
     h.append(tone(1.0))
-    h.append(silence(0.3))  # past the 64 ms candidate window: asked, not ended
+    h.append(silence(0.3))  # past the 32 ms candidate window: asked, not ended
     assert "input_audio_buffer.speech_stopped" not in types(h.events)
     (ask,) = _asks(h)
     assert ask.params["start"] == 0 and ask.params["end"] > ask.params["start"]
@@ -126,12 +127,16 @@ def test_core_ends_a_finished_turn_on_the_score_not_on_silence() -> None:
 def test_core_asks_early_and_ends_no_sooner_than_the_shortest_pause() -> None:
     h = _semantic()
     h.append(tone(1.0))
-    while not _asks(h):  # 20 ms appends until the silence has lasted 64 ms (scored)
+    while not _asks(h):  # 20 ms appends until the VAD has scored a silent frame
         h.append(silence(0.02))
     (ask,) = _asks(h)
     pause = int(ask.params["ref"].split("@")[1])
-    assert ask.params["end"] == pause + 32 * MS  # the speech and the first 32 ms of the pause
-    h.take(h.core.on_turn_score(ask.params["ref"], 0.9, h.now))  # finished, but only 64 ms
+    # Asked at the first silent frame: the speech and the first 32 ms of the pause.
+    assert ask.params["end"] == pause + 32 * MS
+    assert h.core.user.input.first_unscored - pause == 32 * MS  # nothing more scored yet
+    h.take(h.core.on_turn_score(ask.params["ref"], 0.9, h.now))  # finished, but only 32 ms
+    assert "input_audio_buffer.speech_stopped" not in types(h.events)
+    h.append(silence(0.04))  # 64 ms: still too short
     assert "input_audio_buffer.speech_stopped" not in types(h.events)
     h.append(silence(0.04))  # the frame that makes it 96 ms ends the turn
     kinds = types(h.events)
@@ -227,18 +232,43 @@ def test_transcript_cue_reads_where_the_words_stop() -> None:
     assert transcript_cue(None) == "unknown" and transcript_cue("  ") == "unknown"
 
 
+def test_a_pronoun_after_a_preposition_at_the_end_reads_as_mid_clause() -> None:
+    # How Whisper completes a first half that stops on a preposition: the pronoun may be its own.
+    assert transcript_cue("I want to send a message to them.") == "open"
+    assert transcript_cue("Tell me a short story about it.") == "open"
+    assert transcript_cue("What is the difference between it?") == "open"
+    # A pronoun after a verb is an ordinary end; so is a noun after a preposition.
+    assert transcript_cue("I left my keys in the kitchen, but I cannot find them.") == "closed"
+    assert transcript_cue("Tell me a story about a dragon.") == "closed"
+
+
+def test_words_that_end_a_sentence_lower_the_models_bar_one_rung() -> None:
+    cues = TurnCues.for_eagerness("auto")
+    assert cues.threshold == THRESHOLDS["auto"] and cues.closed_threshold == CLOSED_THRESHOLDS["auto"]
+    between = (CLOSED_THRESHOLDS["auto"] + THRESHOLDS["auto"]) / 2
+    assert cues.finished(between, "Book a flight to Madrid.")  # the words end a sentence
+    assert not cues.finished(CLOSED_THRESHOLDS["auto"] - 0.01, "Book a flight to Madrid.")
+    assert not cues.finished(between, "book a flight to Madrid")  # no sentence end: the model's bar
+    assert not cues.finished(between, None)  # no words: the model alone
+    assert cues.finished(THRESHOLDS["auto"], None)
+    assert not cues.finished(0.99, "I want to send a message to them.")  # a guessed pronoun
+    for eagerness in ("low", "medium", "high", "auto"):
+        assert CLOSED_THRESHOLDS[eagerness] < THRESHOLDS[eagerness], eagerness
+    assert CLOSED_THRESHOLDS["high"] < CLOSED_THRESHOLDS["auto"] < CLOSED_THRESHOLDS["low"]
+
+
 def test_cues_the_model_decides_and_words_mid_clause_veto_it() -> None:
-    cues = TurnCues(threshold=0.7)
+    cues = TurnCues(threshold=0.7, closed_threshold=0.7)
     assert not cues.finished(0.99, "I would like to book a flight to")  # open: vetoed
     assert cues.finished(0.75, "Book a flight to Madrid.")
-    # A period does not lower the bar (Whisper completes first halves: "a flight to me.").
-    assert not cues.finished(0.6, "I would like to book a flight to me.")
+    # Whisper completes first halves: "a flight to me." is read as mid-clause.
+    assert not cues.finished(0.99, "I would like to book a flight to me.")
     assert cues.finished(0.7, "book a flight to Madrid") and not cues.finished(0.69, "book a flight")
     assert not cues.finished(0.69, None) and cues.finished(0.7, None)  # no words: the model alone
 
 
 def test_a_score_waits_for_the_pause_transcript_which_may_veto_it() -> None:
-    turn = SemanticTurn(threshold=0.7)
+    turn = SemanticTurn(threshold=0.7, closed_threshold=0.7)
     ask = turn.on_frame("item_1", 0, 1000 * MS, 1200 * MS, transcript_coming=True)
     assert isinstance(ask, ScoreTurn)
     assert turn.on_score(ask.ref, 0.8, "item_1", 1000 * MS, 1200 * MS) is None  # held for the words
@@ -259,7 +289,7 @@ def test_a_score_waits_for_the_pause_transcript_which_may_veto_it() -> None:
 
 
 def test_a_transcript_before_the_score_is_used_and_a_missing_one_leaves_the_model() -> None:
-    turn = SemanticTurn(threshold=0.7)
+    turn = SemanticTurn(threshold=0.7, closed_threshold=0.7)
     assert turn.on_transcript(("item_1", 1000 * MS), "Book it.", "item_1", 1000 * MS, 1100 * MS) is None
     ask = turn.on_frame("item_1", 0, 1000 * MS, 1200 * MS, transcript_coming=True)
     assert isinstance(ask, ScoreTurn)
@@ -301,3 +331,29 @@ def test_core_decides_on_the_score_and_the_prepared_transcript() -> None:
     out = h.take(h.core.on_turn_score(ask.params["ref"], 0.95, h.now))
     assert types(out)[0] == "input_audio_buffer.speech_stopped"
     assert [e["type"] for e in h.events].count("input_audio_buffer.committed") == 1
+
+
+def test_core_prepares_the_words_with_the_ask_and_closed_words_lower_the_bar() -> None:
+    h = _semantic(pipeline_transcribes_input=True)
+    h.append(tone(1.0))
+    while not _asks(h):
+        h.append(silence(0.02))
+    (prepare,) = _prepares(h)  # asked for at the same frame as the model
+    (ask,) = _asks(h)
+    assert prepare.key[1] == int(ask.params["ref"].split("@")[1])
+    h.append(silence(0.1))
+    # The model below its bar for words alone, above the one for words ending a sentence.
+    between = (CLOSED_THRESHOLDS["auto"] + THRESHOLDS["auto"]) / 2
+    h.take(h.core.on_turn_score(ask.params["ref"], between, h.now))
+    assert "input_audio_buffer.speech_stopped" not in types(h.events)  # waits for the words
+    out = h.take(h.core.on_turn_transcript(prepare.key, "Book a flight to Madrid.", h.now))
+    assert types(out)[0] == "input_audio_buffer.speech_stopped"
+    # The next turn: the model below the lower bar keeps it open whatever the words.
+    h.append(tone(1.0))
+    while len(_asks(h)) < 2:
+        h.append(silence(0.02))
+    prepare, ask = _prepares(h)[-1], _asks(h)[-1]
+    h.append(silence(0.1))
+    h.take(h.core.on_turn_transcript(prepare.key, "Book a flight to Madrid.", h.now))
+    h.take(h.core.on_turn_score(ask.params["ref"], CLOSED_THRESHOLDS["auto"] / 2, h.now))
+    assert types(h.events).count("input_audio_buffer.speech_stopped") == 1
