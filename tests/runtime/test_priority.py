@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from runtime.payloads import AudioChunk, TextDelta
-from runtime.priority import CriticalPath, Ticket
+from runtime.priority import CriticalPath, GatedWorker, Ticket
 from runtime.spec import parse_pipeline
+from runtime.worker import CallResult, Done, WorkCall, Worker, WorkItem
 from tests.runtime.conftest import running
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
@@ -147,3 +148,36 @@ async def test_the_orchestrator_holds_upstream_calls_and_outputs_stay_the_same()
     for i, (texts, audio) in enumerate(critical):
         assert texts == [str(100 * i + k) for k in range(40)]
         assert sum(len(a) for a in audio) == 40
+
+
+class _Recorder(Worker):
+    """A worker that runs nothing: it records each call and keeps its done callback."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name = name
+        self.log = log
+        self.pending: list[Done] = []
+
+    async def open(self) -> None:
+        pass
+
+    def submit(self, call: WorkCall, done: Done) -> None:
+        self.log.append(f"{self.name} runs {[i.request_id for i in call.items]}")
+        self.pending.append(done)
+
+    async def close(self) -> None:
+        pass
+
+
+def test_the_gated_worker_parks_calls_and_hands_them_over_after_the_replica_saw_the_result() -> None:
+    p = policy()
+    p.opened("r1")
+    log: list[str] = []
+    sink, gen = _Recorder("sink", log), _Recorder("gen", log)
+    gated_sink, gated_gen = GatedWorker(sink, p, "sink"), GatedWorker(gen, p, "gen")
+    gated_sink.submit(WorkCall(items=[WorkItem("r1")]), lambda _: log.append("sink result applied"))
+    gated_gen.submit(WorkCall(items=[WorkItem("r1")]), lambda _: None)
+    assert log == ["sink runs ['r1']"]  # the gen's call is parked, not handed to its worker
+    sink.pending.pop()(CallResult())
+    # the replica's callback (it may submit its next call) comes first, then the parked call
+    assert log == ["sink runs ['r1']", "sink result applied", "gen runs ['r1']"]
