@@ -119,6 +119,7 @@ class Replica:
         self._calls = 0  # work calls in flight (at most budget.workers)
         self._gather_s = spec.budget.gather_ms / 1000
         self._restart_task: asyncio.Task[None] | None = None
+        self._closed = False
         self.ready = False
         self.restarts = 0
 
@@ -137,6 +138,7 @@ class Replica:
 
     async def close(self) -> None:
         self.ready = False
+        self._closed = True  # a restart under way gives up (should its cancel be lost)
         for handle in (self._timer, self._build_at):
             if handle is not None:
                 handle.cancel()
@@ -443,7 +445,7 @@ class Replica:
     # -- worker process death -----------------------------------------------------------------
 
     def _on_worker_died(self, reason: str) -> None:
-        if self._restart_task is not None and not self._restart_task.done():
+        if self._closed or (self._restart_task is not None and not self._restart_task.done()):
             return
         self.ready = False
         log.error("stage %s replica %d: %s; restarting", self.name, self.index, reason)
@@ -455,7 +457,7 @@ class Replica:
 
     async def _restart(self) -> None:
         delay = 0.05
-        while True:
+        while not self._closed:
             try:
                 await self.worker.restart()
                 break
@@ -465,6 +467,8 @@ class Replica:
                 log.exception("stage %s replica %d: restart failed", self.name, self.index)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+        if self._closed:
+            return
         self.restarts += 1
         self.ready = True
         self.wake()

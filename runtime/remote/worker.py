@@ -123,7 +123,8 @@ class RemoteWorker(Worker):
                 loop.call_soon_threadsafe(_settle, future, (status, body))
 
         self.client.request(kind, pickle.dumps(self.index), on_reply)
-        status, body = await asyncio.wait_for(future, timeout_s)
+        async with asyncio.timeout(timeout_s):  # not wait_for: see _hello
+            status, body = await future
         if status != "ok":
             raise WorkerDied(
                 f"stage {self.stage}: host {self.endpoint}: {kind}: {body.decode(errors='replace')}"
@@ -159,8 +160,12 @@ class RemoteWorker(Worker):
                     loop.call_soon_threadsafe(_settle, future, (status, body))
 
             self.client.request("hello", pickle.dumps((self.index, reset)), on_reply)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that lands
+            # after the answer is in but before this task took it, and a replica closed then (its
+            # host left the registry) would go on saying hello for ever, its close waiting on it.
             try:
-                status, body = await asyncio.wait_for(future, max(0.05, deadline - loop.time()))
+                async with asyncio.timeout(max(0.05, deadline - loop.time())):
+                    status, body = await future
             except TimeoutError:
                 break
             if status == "ok":

@@ -3,6 +3,8 @@ sticky assignment over remote replicas, the re-run rules)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -16,7 +18,9 @@ from runtime.remote.rerun import Reruns
 from runtime.remote.slices import PoolFull, SlicePool
 from runtime.remote.stages import Member, Registered, RemoteStage
 from runtime.remote.transfer import TransferError, check_local_address, check_peer
+from runtime.remote.worker import RemoteWorker
 from runtime.spec import load_pipeline
+from runtime.stage import Replica
 from web.deploy.stages import split_listen
 
 pytestmark = pytest.mark.unit
@@ -134,3 +138,50 @@ def test_a_request_is_re_run_once_only_when_nothing_reached_the_client_and_nothi
     reruns.submitted("req_b", {}, None)
     reruns.streamed("req_b")  # an input, an update or a gate change since the submit
     assert reruns.candidate("req_b", "talker", lost, False) is None
+
+
+class _NotConnected:
+    """A control client to a host that is gone: every request answers ``lost`` at the test's word."""
+
+    def __init__(self) -> None:
+        self.replies: list[Any] = []
+        self.refused = False
+
+    def request(self, kind: str, body: bytes, on_reply: Any) -> None:
+        self.replies.append(on_reply)
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_replica_removed_while_its_worker_says_hello_again_stops_restarting() -> None:
+    """The host of a replica died, its worker retries the handshake; the replica leaves the
+    registry and is closed in the one loop turn where a hello's answer is in but not yet taken.
+    The close ends the restart (it used to swallow the cancel and retry forever, and the
+    registry watcher, waiting on the close, never adopted a replacement host)."""
+    spec = load_pipeline("qwen3-omni-tiny").stage("talker")
+    worker = RemoteWorker("qwen3-omni-tiny", "talker", "tcp://127.0.0.1:9", 0, None, cast(Any, None))
+    await worker.close()  # the real connection: not used
+    client = _NotConnected()
+    worker.client = cast(Any, client)
+    replica = Replica(
+        spec,
+        0,
+        worker,
+        sink=cast(Any, None),
+        metrics=RuntimeMetrics(),
+        connectors={},
+        clock=time.monotonic,
+    )
+    replica._loop = asyncio.get_running_loop()
+    worker._loop = replica._loop
+    worker.watch(replica._on_worker_died)
+    worker._lost("stage host tcp://127.0.0.1:9 lost (connection closed)")
+    await asyncio.sleep(0)  # the death reaches the loop: the restart begins with a hello
+    await asyncio.sleep(0)
+    assert not replica.ready and len(client.replies) == 1
+    client.replies[0]("lost", b"stage host tcp://127.0.0.1:9 not connected")
+    await asyncio.sleep(0)  # the answer is settled; the restart has not taken it yet
+    await asyncio.wait_for(replica.close(), 2)
+    assert not replica.ready and replica.restarts == 0
+    assert len(client.replies) == 1  # no hello after the close
