@@ -27,6 +27,19 @@ SPEC = (
 )
 
 
+def record_events(driver: RealtimeDriver) -> list[dict[str, Any]]:
+    """Every event the driver applies, in order (its ``apply`` wrapped)."""
+    events: list[dict[str, Any]] = []
+    apply = driver.apply
+
+    def recording_apply(out: Any) -> None:
+        events.extend(out.events)
+        apply(out)
+
+    driver.apply = recording_apply  # type: ignore[method-assign]
+    return events
+
+
 @pytest.mark.parametrize("fault", ["audio", "none"])
 async def test_a_response_failing_in_the_driver_cancels_its_request(fault: str) -> None:
     orch = Orchestrator.from_spec(parse_pipeline(SPEC, source="t.yaml"))
@@ -45,14 +58,7 @@ async def test_a_response_failing_in_the_driver_cancels_its_request(fault: str) 
         return real(*args, **kwargs)
 
     core.on_response_audio = on_response_audio  # type: ignore[method-assign]
-    events: list[dict[str, Any]] = []
-    apply = driver.apply
-
-    def recording_apply(out: Any) -> None:
-        events.extend(out.events)
-        apply(out)
-
-    driver.apply = recording_apply  # type: ignore[method-assign]
+    events = record_events(driver)
     try:
         driver._on_client_text(json.dumps({"type": "response.create"}))
         await until(lambda: chunks >= 3)
@@ -90,14 +96,7 @@ async def test_a_response_cancelled_before_it_began_submits_nothing() -> None:
         return await real_submit(params, **kwargs)
 
     orch.submit = counting_submit  # type: ignore[method-assign]
-    events: list[dict[str, Any]] = []
-    apply = driver.apply
-
-    def recording_apply(out: Any) -> None:
-        events.extend(out.events)
-        apply(out)
-
-    driver.apply = recording_apply  # type: ignore[method-assign]
+    events = record_events(driver)
     try:
         for _ in range(50):  # no await between: none of the responses' tasks has run
             driver._on_client_text(json.dumps({"type": "response.create"}))
