@@ -22,11 +22,23 @@ import uvicorn
 from web.commands.serve import uvicorn_config
 from web.settings import ServerSettings
 
+_GIVEN_PORTS: set[int] = set()
+_GIVEN_LOCK = threading.Lock()
+
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now and never handed out before in this process: the kernel may give
+    the same ephemeral port to two binds in a row once the first socket is closed, and two servers
+    started one after the other (before either binds) then race for one port."""
+    with _GIVEN_LOCK:
+        for _ in range(1000):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if port not in _GIVEN_PORTS:
+                _GIVEN_PORTS.add(port)
+                return port
+    raise RuntimeError("no loopback port left that this process has not handed out")
 
 
 @dataclass
