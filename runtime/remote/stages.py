@@ -8,6 +8,8 @@ and is kept out, retried later), and removes replicas whose lease lapsed. A repl
 vanishes from the registry but still answers keeps serving for ``missing_grace_s`` (Redis
 restarted: hosts register again on their next heartbeat); one whose host is gone is dropped as
 soon as the registry drops it, and its requests failed the moment the connection closed.
+A replica that left is closed on a task of its own (within ``CLOSE_WITHIN_S``), so a host that
+does not answer its close holds up no adoption of new members on any stage.
 It is also the connector's :class:`~runtime.remote.connector.RemoteOwners`: releases and
 cleanups of slices a host owns go to that host over the control plane.
 """
@@ -36,6 +38,7 @@ from runtime.stage import STICKY_KEYS, Replica, Stage, StageSink
 log = logging.getLogger(__name__)
 
 REFUSED_RETRY_S = 10.0
+CLOSE_WITHIN_S = 10.0  # a removed replica's close (its control thread joins within 5 s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,16 +87,26 @@ class RemoteStage(Stage):
         self.members[member.entry.replica_id] = member
         self.replicas.append(member.replica)
 
-    async def remove(self, replica_id: str, reason: str | None) -> None:
-        """Drop a replica; with a ``reason``, fail what it still holds (at once) with it."""
+    def detach(self, replica_id: str, reason: str | None) -> Member | None:
+        """Take a replica out of assignment; with a ``reason``, fail what it still holds (at
+        once) with it. The caller closes it (:meth:`close_member`)."""
         member = self.members.pop(replica_id, None)
         if member is None:
-            return
+            return None
         self.replicas.remove(member.replica)
         if reason is not None:
             member.worker.report_lost(reason)
+        return member
+
+    async def close_member(self, member: Member) -> None:
         await member.replica.close()
         self.metrics.queue(self.name, member.replica.index, 0, 0)
+
+    async def remove(self, replica_id: str, reason: str | None) -> None:
+        """Drop a replica and close it."""
+        member = self.detach(replica_id, reason)
+        if member is not None:
+            await self.close_member(member)
 
     async def close(self) -> None:
         for replica_id in list(self.members):
@@ -149,7 +162,8 @@ class RemoteStages:
     refused: dict[str, tuple[float, str]] = field(default_factory=dict)  # replica id -> (until, why)
     _owners: dict[str, RemoteWorker] = field(default_factory=dict)  # host session -> a worker
     _adding: set[str] = field(default_factory=set)
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)  # adds and KV exports: cancelled on close
+    _closing: set[asyncio.Task[None]] = field(default_factory=set)  # removed replicas: awaited on close
     _task: asyncio.Task[None] | None = None
 
     # -- RemoteOwners (any thread) ------------------------------------------------------------
@@ -176,7 +190,7 @@ class RemoteStages:
                 await self._task
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._closing, return_exceptions=True)
         for stage in self.stages.values():
             await stage.close()
 
@@ -204,13 +218,13 @@ class RemoteStages:
             member = stage.members.get(rid)
             if member is not None:
                 if member.entry.state == "SERVING" and entry.state == "DRAINING":
-                    self._spawn(self._export(stage, member), f"remote-kv-{rid}")
+                    self._spawn(self._export(stage, member), f"remote-kv-{rid}", self._tasks)
                 member.entry, member.missing_since = entry, None
                 continue
             until = self.refused.get(rid, (0.0, ""))[0]
             if rid not in self._adding and now >= until:
                 self._adding.add(rid)
-                self._spawn(self._add(stage, entry), f"remote-add-{rid}")
+                self._spawn(self._add(stage, entry), f"remote-add-{rid}", self._tasks)
         for rid, member in list(stage.members.items()):
             if rid in seen:
                 continue
@@ -218,13 +232,25 @@ class RemoteStages:
                 member.missing_since = now
             if not member.replica.ready or now - member.missing_since >= self.missing_grace_s:
                 log.warning("stage %s: replica %s left the registry", stage.name, rid)
-                await stage.remove(rid, f"host {member.worker.endpoint} left the registry (lease lapsed)")
+                stage.detach(rid, f"host {member.worker.endpoint} left the registry (lease lapsed)")
                 self._forget(member.worker)
+                self._spawn(self._close_removed(stage, member), f"remote-remove-{rid}", self._closing)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str, tasks: set[asyncio.Task[None]]) -> None:
         task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _close_removed(self, stage: RemoteStage, member: Member) -> None:
+        """Close a replica that left the registry, off the watcher (which adopts new members)."""
+        rid = member.entry.replica_id
+        try:
+            async with asyncio.timeout(CLOSE_WITHIN_S):
+                await stage.close_member(member)
+        except TimeoutError:
+            log.warning("stage %s: replica %s did not close within %.0f s", stage.name, rid, CLOSE_WITHIN_S)
+        except Exception:
+            log.exception("stage %s: closing replica %s failed", stage.name, rid)
 
     async def _export(self, stage: RemoteStage, member: Member) -> None:
         """A replica turned DRAINING: have it hand its sessions' KV on (runtime/kv.py), so the

@@ -1,27 +1,30 @@
 """Stages on other hosts: the pure parts (slice pool, keys, listen checks, edge rewriting,
-sticky assignment over remote replicas, the re-run rules)."""
+sticky assignment over remote replicas, the re-run rules, the registry watcher, cancels)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import pytest
 
 from runtime.metrics import RuntimeMetrics
 from runtime.progress import AdmissionError
+from runtime.remote import stages as remote_stages
 from runtime.remote.auth import CurveKeys, StageKeyError, check_listen
+from runtime.remote.host import HostInfo
 from runtime.remote.orchestrator import with_remote_stages
 from runtime.remote.rerun import Reruns
 from runtime.remote.slices import PoolFull, SlicePool
-from runtime.remote.stages import Member, Registered, RemoteStage
+from runtime.remote.stages import Member, Registered, RemoteStage, RemoteStages
 from runtime.remote.transfer import TransferError, check_local_address, check_peer
 from runtime.remote.worker import RemoteWorker
 from runtime.spec import load_pipeline
 from runtime.stage import Replica
-from web.deploy.stages import split_listen
+from web.deploy.stages import _serve_until, split_listen
 
 pytestmark = pytest.mark.unit
 
@@ -185,3 +188,131 @@ async def test_a_replica_removed_while_its_worker_says_hello_again_stops_restart
     await asyncio.wait_for(replica.close(), 2)
     assert not replica.ready and replica.restarts == 0
     assert len(client.replies) == 1  # no hello after the close
+
+
+class _Host:
+    """A stand-in for a RemoteWorker: its host answers the hello at once; its close waits until
+    the test lets it end (``may_close``), then fails with ``fails`` if set."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.info: HostInfo | None = None
+        self.kv_moves: dict[str, Any] = {}
+        self.lost: str | None = None
+        self.may_close = asyncio.Event()
+        self.fails: Exception | None = None
+        self.closed = False
+
+    async def open(self) -> None:
+        self.info = HostInfo("qwen3-omni-tiny", "talker", "fake", 0, 1, f"{self.endpoint}#pool", 1, "h")
+
+    def watch(self, on_death: Any) -> None:
+        pass
+
+    def report_lost(self, reason: str) -> None:
+        self.lost = reason
+
+    async def close(self) -> None:
+        await self.may_close.wait()
+        if self.fails is not None:
+            raise self.fails
+        self.closed = True
+
+
+def _watched(
+    monkeypatch: pytest.MonkeyPatch, registry: list[Registered]
+) -> tuple[RemoteStages, dict[str, _Host]]:
+    """A registry watcher over one remote stage whose hosts are :class:`_Host` s; a replica that
+    leaves the registry is removed at once (no grace)."""
+    hosts: dict[str, _Host] = {}
+
+    def connect(pipeline: str, stage: str, endpoint: str, index: int, keys: Any, connector: Any) -> _Host:
+        hosts[endpoint] = _Host(endpoint)
+        return hosts[endpoint]
+
+    async def lister(stage: str) -> list[Registered]:
+        return list(registry)
+
+    monkeypatch.setattr(remote_stages, "RemoteWorker", connect)
+    stage = RemoteStage(load_pipeline("qwen3-omni-tiny").stage("talker"), RuntimeMetrics())
+    watcher = RemoteStages("qwen3-omni-tiny", lister, None, missing_grace_s=0.0, stages={"talker": stage})
+    watcher.connector = cast(Any, SimpleNamespace(kind="mooncake"))
+    watcher.sink = cast(Any, SimpleNamespace())
+    return watcher, hosts
+
+
+async def _refreshed(watcher: RemoteStages) -> None:
+    """One poll of the registry, and the adoptions it began, ended."""
+    async with asyncio.timeout(5):  # a guard: the old watcher waited here on a close for ever
+        await watcher.refresh()
+        await asyncio.gather(*watcher._tasks)
+
+
+async def test_a_replica_whose_close_hangs_does_not_hold_up_adopting_a_new_one(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The host of replica a left the registry and does not answer its close; b registered.
+    The next poll adopts b while a is still closing (the watcher used to await a's close first,
+    and every stage's adoptions waited on it); the server's close awaits a's close, and an
+    error there is logged, not raised."""
+    caplog.set_level(logging.WARNING, logger="runtime.remote.stages")
+    registry = [Registered("a", "tcp://10.0.0.1:7000/0")]
+    watcher, hosts = _watched(monkeypatch, registry)
+    stage = watcher.stages["talker"]
+    await _refreshed(watcher)
+    assert set(stage.members) == {"a"}
+    a = hosts["tcp://10.0.0.1:7000"]
+    registry[:] = [Registered("b", "tcp://10.0.0.2:7000/0")]
+    await _refreshed(watcher)
+    assert set(stage.members) == {"b"} and [r.index for r in stage.replicas] == [1]
+    assert a.lost is not None and "left the registry" in a.lost and not a.closed
+    assert len(watcher._closing) == 1  # a's close, tracked
+    a.fails = RuntimeError("control socket gone")
+    a.may_close.set()
+    hosts["tcp://10.0.0.2:7000"].may_close.set()
+    await watcher.close()
+    assert not watcher._closing and hosts["tcp://10.0.0.2:7000"].closed
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["stage talker: closing replica a failed"]
+
+
+async def test_a_removed_replica_that_never_closes_is_given_up_after_its_time(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Closing removed replicas is bounded: one still closing after ``CLOSE_WITHIN_S`` (here 0)
+    is left, with a warning, and the server's close does not wait on it for ever."""
+    caplog.set_level(logging.WARNING, logger="runtime.remote.stages")
+    monkeypatch.setattr(remote_stages, "CLOSE_WITHIN_S", 0.0)
+    registry = [Registered("a", "tcp://10.0.0.1:7000/0")]
+    watcher, hosts = _watched(monkeypatch, registry)
+    await _refreshed(watcher)
+    registry.clear()
+    await _refreshed(watcher)
+    async with asyncio.timeout(5):  # a guard, as above
+        await watcher.close()
+    assert not watcher.stages["talker"].members and not hosts["tcp://10.0.0.1:7000"].closed
+    assert "stage talker: replica a did not close within 0 s" in [r.getMessage() for r in caplog.records]
+
+
+class _StopCancelling(asyncio.Event):
+    """A stage host's stop that cancels the task waiting on it in the turn it arrives."""
+
+    waiter: asyncio.Task[None] | None = None
+
+    async def wait(self) -> Literal[True]:
+        await super().wait()
+        assert self.waiter is not None
+        self.waiter.cancel()
+        return True
+
+
+async def test_a_stage_host_cancelled_as_its_stop_arrives_is_cancelled() -> None:
+    """``omniduplex stage``'s serve loop is cancelled in the turn its stop arrives: the cancel
+    ends it (3.11's wait_for swallowed it, and the host went on to drain as if only stopped)."""
+    host = SimpleNamespace(replicas=[], reap=lambda: None)
+    stop = _StopCancelling()
+    stop.waiter = serving = asyncio.create_task(_serve_until(stop, host, []))
+    await asyncio.sleep(0)  # waiting on the stop
+    stop.set()
+    await asyncio.gather(serving, return_exceptions=True)
+    assert serving.cancelled()

@@ -139,12 +139,7 @@ async def _serve(host: Any, args: Any) -> int:
         f"control={host.endpoint} transfer={host.connector.session}",
         flush=True,
     )
-    while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 1.0)
-        for lease, replica in zip(leases, host.replicas, strict=True):
-            lease.set_load(replica.load)
-        await asyncio.to_thread(host.reap)
+    await _serve_until(stop, host, leases)
     exported = await asyncio.to_thread(host.export_kv)
     log.info("stage host: draining (%d request(s) held, %d sessions' KV handed on)", host.load, exported)
     for lease in leases:
@@ -156,6 +151,19 @@ async def _serve(host: Any, args: Any) -> int:
         await asyncio.sleep(0.1)
     await _close(host, redis, leases)
     return 0
+
+
+async def _serve_until(stop: asyncio.Event, host: Any, leases: list[ReplicaLease]) -> None:
+    """Until ``stop``: once a second, each replica's load to its lease, and the host's reaping."""
+    while not stop.is_set():
+        # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands as the
+        # stop arrives, and the host would drain and close as if nothing had cancelled it
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await stop.wait()
+        for lease, replica in zip(leases, host.replicas, strict=True):
+            lease.set_load(replica.load)
+        await asyncio.to_thread(host.reap)
 
 
 async def _close(host: Any, redis: Redis, leases: list[ReplicaLease]) -> None:

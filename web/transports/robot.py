@@ -298,5 +298,8 @@ async def openpi_port(
         yield
     finally:
         server.should_exit = True
+        # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel of this task that
+        # lands as the server ends, and the caller would go on as if it had not been cancelled
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 10)
+            async with asyncio.timeout(10):
+                await task
