@@ -131,7 +131,9 @@ async def connect(rig: Rig, *, silent: bool = False) -> ClientConnection:
 async def drain_until(ws: ClientConnection, kind: str, within_s: float = 60) -> dict[str, object]:
     deadline = time.monotonic() + within_s
     while True:
-        event = json.loads(await asyncio.wait_for(ws.recv(), max(0.1, deadline - time.monotonic())))
+        async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+            message = await ws.recv()
+        event = json.loads(message)
         if event["type"] in (kind, "error"):
             return dict(event)
 
@@ -187,7 +189,9 @@ async def _retrieves_read(rig: Rig, *, burst: bool) -> str:
                 await ws.send(RETRIEVE_BIG)
             wanted = got + per_round
             while got < wanted:
-                event = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                async with asyncio.timeout(60):
+                    message = await ws.recv()
+                event = json.loads(message)
                 got += event["type"] == "conversation.item.retrieved"
     except websockets.ConnectionClosed as closed:
         outcome = f"closed {closed.rcvd.code if closed.rcvd else 'without a close frame'}"
@@ -241,7 +245,9 @@ async def audio(rig: Rig) -> str:
     await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime"}}))
     errors = 0
     while True:
-        event = json.loads(await asyncio.wait_for(ws.recv(), 60))
+        async with asyncio.timeout(60):
+            message = await ws.recv()
+        event = json.loads(message)
         errors += event["type"] == "error"
         if event["type"] == "session.updated" and errors:
             break

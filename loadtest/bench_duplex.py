@@ -84,7 +84,8 @@ async def one_session(orch: Orchestrator, index: int, seconds: float, latencies:
         sent.append(time.perf_counter())
         await orch.append_input(handle.request_id, AudioInput(audio, RATE))
     await orch.append_input(handle.request_id, AudioInput(np.zeros(0, np.float32), RATE, final=True))
-    await asyncio.wait_for(reader, 60 + seconds)
+    async with asyncio.timeout(60 + seconds):
+        await reader
     return frames
 
 

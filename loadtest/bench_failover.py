@@ -242,7 +242,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await dep.start()
                 for i in range(args.trials):
                     try:
-                        trial = await asyncio.wait_for(run_trial(dep, redis, i, rng), timeout=120)
+                        async with asyncio.timeout(120):
+                            trial = await run_trial(dep, redis, i, rng)
                     except Exception as exc:  # recorded, the run goes on
                         where = traceback.extract_tb(exc.__traceback__)
                         step = next(

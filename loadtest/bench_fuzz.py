@@ -85,7 +85,9 @@ async def fuzz_session(rig: Rig, rng: random.Random, until_t: float, *, slow: bo
                     continue
                 while answered.qsize():
                     answered.get_nowait()
-                if await asyncio.wait_for(answered.get(), 60) == "closed":  # else answered: not broken
+                async with asyncio.timeout(60):
+                    answer = await answered.get()
+                if answer == "closed":  # else answered: not broken
                     return sent, f"closed {ws.close_code} {ws.close_reason}"
         except websockets.ConnectionClosed as closed:
             return sent, f"closed {closed.rcvd or 'without a close frame'}"

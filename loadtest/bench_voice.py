@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,10 +196,14 @@ class VoiceClient:
                 if not self._script and self._done is not None and not self._done.done():
                     self._done.set_result(None)
 
-    def wait(self, predicate: Callable[[dict[str, Any]], bool], within_s: float = 60.0) -> Any:
+    def wait(
+        self, predicate: Callable[[dict[str, Any]], bool], within_s: float = 60.0
+    ) -> Coroutine[Any, Any, Arrival]:
+        """The first event ``predicate`` takes from now on (watched from this call, not from
+        the await: send what it answers after); TimeoutError ``within_s`` after the await."""
         future: asyncio.Future[Arrival] = asyncio.get_running_loop().create_future()
         self._waiters.append((predicate, future))
-        return asyncio.wait_for(future, within_s)
+        return _within(future, within_s)
 
     async def speak(self, frames: list[str]) -> tuple[float, float, int]:
         """Queue an utterance; returns (first frame sent, last frame sent, timeline sample of
@@ -215,6 +219,11 @@ class VoiceClient:
         updated = self.wait(lambda e: e["type"] == "session.updated")
         await self.ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime", **session}}))
         await updated
+
+
+async def _within(future: asyncio.Future[Arrival], within_s: float) -> Arrival:
+    async with asyncio.timeout(within_s):  # not wait_for: on 3.11 it can swallow a cancel
+        return await future
 
 
 @contextlib.asynccontextmanager

@@ -193,7 +193,8 @@ async def webrtc_call(target: Target) -> AsyncIterator[Any]:
     finally:
         # Hang up first: a peer that just goes away keeps its session (and slot) for the grace period.
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(client.hangup(), 10.0)
+            async with asyncio.timeout(10.0):
+                await client.hangup()
         await client.close()
 
 

@@ -100,7 +100,8 @@ class StreamClient:
         meta: dict[str, Any] | None = None
         while time.perf_counter() < until:
             try:
-                message = await asyncio.wait_for(self.ws.recv(), max(0.01, until - time.perf_counter()))
+                async with asyncio.timeout(max(0.01, until - time.perf_counter())):
+                    message = await self.ws.recv()
             except TimeoutError:
                 return
             now = time.perf_counter()

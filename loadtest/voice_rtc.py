@@ -102,7 +102,8 @@ class CallClient(RealtimeCallClient):
 
         self.call = CallInfo(location.rsplit("/", 1)[-1], location, resp.text, resp.status_code)
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=resp.text, type="answer"))
-        await asyncio.wait_for(self._open.wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await self._open.wait()
         return None
 
     def _on_message(self, message: str | bytes) -> None:
@@ -181,7 +182,8 @@ class VoiceRtcSession(VoiceSession[np.ndarray]):
             self.counters.live -= 1
             if not self._closed:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(client.hangup(), 10.0)
+                    async with asyncio.timeout(10.0):
+                        await client.hangup()
             await client.close()
         return self.result
 

@@ -95,7 +95,8 @@ class VoiceWsSession(VoiceSession[EncodedUtterance]):
                 finally:
                     mic.cancel()
                     with contextlib.suppress(Exception):
-                        await asyncio.wait_for(self._ws.close(), 5.0)
+                        async with asyncio.timeout(5.0):
+                            await self._ws.close()
                     reader.cancel()
         except* ConnectionClosed as group:
             if not self._closed:

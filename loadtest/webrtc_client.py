@@ -176,7 +176,8 @@ class RealtimeCallClient:
             location.rsplit("/", 1)[-1], location, resp.text, resp.status_code, dict(resp.headers)
         )
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=resp.text, type="answer"))
-        await asyncio.wait_for(self._open.wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await self._open.wait()
         return self.call
 
     async def hangup(self) -> int:
@@ -234,8 +235,9 @@ class RealtimeCallClient:
                 seen = [e.get("type") for _, e in self.events[after:]]
                 raise TimeoutError(f"no {type_} within {timeout_s} s; got {seen}")
             self._new_event.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._new_event.wait(), remaining)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await self._new_event.wait()
 
     # --- audio --------------------------------------------------------------------------------
 

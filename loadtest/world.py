@@ -201,7 +201,8 @@ class WorldSession:
         finally:
             self.counters.live -= 1
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._ws.close(), 5.0)
+                async with asyncio.timeout(5.0):
+                    await self._ws.close()
         return self.result
 
     async def _session(self, end_at: float) -> None:
