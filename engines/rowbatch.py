@@ -15,10 +15,11 @@ differ in the last bits from the same request stepped alone, and greedy outputs 
   bits for every M >= 4 but not for M = 1 (a GEMV path) or 2-3 (measured on this CPU, every
   projection shape of the models here). Two formulations follow, chosen per engine:
 
-  - :class:`RowExact` (Qwen3-Omni): every ``linear`` of a batched step runs once per batch row on
-    that row alone, and every MoE expert call once per token (:func:`install_rows_experts`).
-    Exact by construction, whatever the kernels; the batch saves the model's per-call overhead
-    (the tiny model is overhead-bound), not FLOPs.
+  - :class:`RowExact` (Qwen3-Omni): every ``linear`` of a batched step computes each batch row
+    as that row alone computes it (:func:`row_linear`: one broadcast batched product whose every
+    entry is the one-row GEMV, or row by row where no such product keeps the bits), MoE routers
+    the same way, and every MoE expert call once per token (:func:`install_rows_experts`). The
+    batch saves the model's per-call overhead (the tiny model is overhead-bound), not FLOPs.
   - :func:`pad_rows` (the responder's dense LM, memory-bound): every step, alone included, runs
     at least :data:`MIN_GEMM_ROWS` rows (filler rows with an empty cache), so each product is one
     real GEMM in the M >= 4 regime and the weights are read once for the whole batch. Its exactness
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -244,51 +245,84 @@ class RowExact:
 
 def _row_exact_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.dim() >= 2 and x.shape[0] > 1 and getattr(_local, "exact", False):
-        return _rowwise_linear(F.linear, x, self.weight, self.bias)
+        return row_linear(x, self.weight, self.bias, owner=self)
     return F.linear(x, self.weight, self.bias)
 
 
-def _per_row(forward: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
-    """``forward`` (of a module taking one ``[rows, ...]`` tensor) once per row in a RowExact step;
-    its outputs (a tensor or a tuple of them) concatenated along dim 0."""
+def row_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, owner: Any = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with every row of ``x`` (dim 0) computed as that row alone
+    computes it. One token per row (``[B, K]`` or ``[B, 1, K]``) and at least 4 outputs:
+    one broadcast batched product (each batch entry the one-row GEMV of ``F.linear``; a weight of
+    fewer than :data:`BMM_MIN_ELEMENTS` elements is padded with zero rows up to it, which leaves
+    the real outputs' bits as they are, so the product does not take bmm's naive small kernel);
+    anything else row by row. ``owner`` (the module holding ``weight``) keeps the transposed,
+    padded weight between calls."""
+    one_token = x.dim() == 2 or (x.dim() == 3 and x.shape[1] == 1)
+    if one_token:
+        wt = _row_weight(weight, owner)
+        if wt is not None:
+            out = torch.matmul(x.reshape(x.shape[0], 1, -1), wt)
+            n = weight.shape[0]
+            if out.shape[-1] != n:
+                out = out[..., :n]
+            if bias is not None:
+                out = out + bias  # a one-row F.linear adds the bias to the finished product
+            return out.reshape(*x.shape[:-1], n)
+    return torch.cat([F.linear(x[i : i + 1].clone(), weight, bias) for i in range(x.shape[0])], dim=0)
 
-    def wrapped(x: torch.Tensor) -> Any:
-        if x.shape[0] <= 1 or not getattr(_local, "exact", False):
-            return forward(x)
-        outs = [forward(x[i : i + 1].clone()) for i in range(x.shape[0])]
-        if isinstance(outs[0], tuple):
-            return tuple(torch.cat(parts, dim=0) for parts in zip(*outs, strict=True))
-        return torch.cat(outs, dim=0)
 
-    return wrapped
+def _row_weight(weight: torch.Tensor, owner: Any) -> torch.Tensor | None:
+    """``weight`` [N, K] as a ``[1, K, P]`` view for :func:`row_linear` (P >= N: zero rows up to
+    BMM_MIN_ELEMENTS elements), or None where no batched product keeps a row's bits (N < 4: a
+    one-row product of so few outputs takes other paths; measured for N = 1)."""
+    key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+    cached = getattr(owner, "_rows_weight", None) if owner is not None else None
+    if cached is not None and cached[0] == key:
+        return cached[1]  # type: ignore[no-any-return]
+    n, k = weight.shape
+    wt: torch.Tensor | None = None
+    if n >= MIN_GEMM_ROWS:
+        rows = max(n, -(-BMM_MIN_ELEMENTS // k))
+        padded = weight if rows == n else torch.cat([weight, weight.new_zeros(rows - n, k)])
+        wt = padded.t().unsqueeze(0)
+    if owner is not None:
+        owner._rows_weight = (key, wt)
+    return wt
 
 
-def install_row_exact(*modules: nn.Module, per_row: tuple[type, ...] = ()) -> None:
+def _row_exact_router(self: nn.Module, hidden_states: torch.Tensor) -> Any:
+    """A MoE top-k router (transformers' ``TopKRouter.forward``) whose logits of every token are
+    that token's alone (:func:`row_linear`) in a RowExact step; softmax and top-k run per row."""
+    router: Any = self
+    flat = hidden_states.reshape(-1, router.hidden_dim)
+    if flat.shape[0] <= 1 or not getattr(_local, "exact", False):
+        return router._plain_forward(hidden_states)
+    logits = row_linear(flat, router.weight, owner=router)
+    probs = F.softmax(logits, dtype=torch.float, dim=-1)
+    top_value, indices = torch.topk(probs, router.top_k, dim=-1)
+    if router.norm_topk_prob:
+        top_value /= top_value.sum(dim=-1, keepdim=True)
+    return logits, top_value.to(logits.dtype), indices
+
+
+def install_row_exact(*modules: nn.Module, routers: tuple[type, ...] = ()) -> None:
     """Make every ``nn.Linear`` under ``modules`` row-exact inside :class:`RowExact` (unchanged
-    outside it), and run each module of a ``per_row`` type once per row there (MoE routers,
-    which call ``F.linear`` on a flattened ``[tokens, hidden]`` view)."""
+    outside it), and every MoE router of a ``routers`` type (they call ``F.linear`` on a
+    flattened ``[tokens, hidden]`` view, then softmax and top-k per token)."""
     for root in modules:
         for module in root.modules():
             if getattr(module, "_row_exact", False):
                 continue
             if isinstance(module, nn.Linear):
                 module.forward = types.MethodType(_row_exact_linear, module)  # type: ignore[method-assign]
-            elif per_row and isinstance(module, per_row):
-                module.forward = _per_row(module.forward)  # type: ignore[method-assign]
+            elif routers and isinstance(module, routers):
+                module._plain_forward = module.forward  # type: ignore[assignment]
+                module.forward = types.MethodType(_row_exact_router, module)  # type: ignore[method-assign]
             else:
                 continue
             module._row_exact = True  # type: ignore[assignment]
-
-
-def _rowwise_linear(func: Callable[..., Any], x: torch.Tensor, *rest: Any, **kwargs: Any) -> torch.Tensor:
-    weight = rest[0] if rest else kwargs["weight"]
-    bias = rest[1] if len(rest) > 1 else kwargs.get("bias")
-    one_token = x.dim() == 2 or (x.dim() == 3 and x.shape[1] == 1)
-    if one_token and bias is None and weight.shape[0] * weight.shape[1] >= BMM_MIN_ELEMENTS:
-        rows = x.reshape(x.shape[0], -1)
-        out = torch.bmm(rows.unsqueeze(1), weight.t().unsqueeze(0).expand(rows.shape[0], -1, -1))
-        return out.reshape(*x.shape[:-1], weight.shape[0])
-    return torch.cat([func(x[i : i + 1].clone(), *rest, **kwargs) for i in range(x.shape[0])], dim=0)
 
 
 def pad_rows(rows: torch.Tensor, minimum: int = MIN_GEMM_ROWS) -> torch.Tensor:

@@ -25,6 +25,7 @@ critical). :class:`CriticalPath` is the policy, with no I/O (unit-tested alone);
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ class CriticalPath:
     sinks: frozenset[str]  # stages whose first client output is the request's first output
     waiting: set[str] = field(default_factory=set)  # requests before their first output
     held: int = 0  # calls parked so far (tests and metrics read it)
+    settling: int = 0  # calls whose results are being applied (GatedWorker): admit after them
     _running: list[Ticket] = field(default_factory=list)
     _parked: list[Ticket] = field(default_factory=list)
     _order: itertools.count[int] = field(default_factory=itertools.count)
@@ -69,18 +71,19 @@ class CriticalPath:
 
     def output(self, stage: str, request_id: str) -> list[Ticket]:
         """``stage`` gave the client output for the request, or finished it: past its first
-        output once that stage is a sink. Returns the parked calls that may start now."""
+        output once that stage is a sink. Returns the parked calls that may start now (none
+        while a call's results are being applied: its :meth:`done` admits them after)."""
         if stage not in self.sinks or request_id not in self.waiting:
             return []
         self.waiting.discard(request_id)
-        return self._admit()
+        return self._admit() if not self.settling else []
 
     def closed(self, request_id: str) -> list[Ticket]:
         """The request ended (any outcome): it holds nothing back any more."""
         if request_id not in self.waiting:
             return []
         self.waiting.discard(request_id)
-        return self._admit()
+        return self._admit() if not self.settling else []
 
     # -- calls --------------------------------------------------------------------------------
 
@@ -138,11 +141,21 @@ def run_started(tickets: Iterable[Ticket]) -> None:
         ticket.start()
 
 
+def _ended(policy: CriticalPath, ticket: Ticket) -> None:
+    run_started(policy.done(ticket))
+
+
 class GatedWorker(Worker):
     """A replica's worker whose calls pass the pipeline's :class:`CriticalPath` first (on the
-    event loop, like every other use of a worker). The replica's result callback runs before
-    the policy hears that the call ended, so a stage that submits its next critical call from
-    that callback (code2wav's next requests' first chunks) keeps the upstream stages held."""
+    event loop, like every other use of a worker). The policy hears that a call ended only
+    after the replica's result callback and one more turn of the loop: the results a call
+    hands downstream schedule the downstream stages' next calls (``Replica.wake``: a callback
+    of its own) and those, when critical, keep the upstream stages held; a call the stage
+    submits from its own callback (code2wav's next requests' first chunks) does so at once.
+    Without it, the upstream call parked behind a finished one (the thinker behind the talker's
+    frame) would start before the call it would only run ahead of (code2wav's first chunk of
+    that frame) and share the cores with it. Parked calls never wait for more than that turn.
+    Outside a running loop (tests driving it by hand) the policy hears it at once."""
 
     def __init__(self, inner: Worker, policy: CriticalPath, stage: str) -> None:
         self.inner = inner
@@ -156,10 +169,18 @@ class GatedWorker(Worker):
         ticket = Ticket(self._stage, frozenset(item.request_id for item in call.items))
 
         def finished(outcome: Outcome) -> None:
+            policy = self._policy
+            policy.settling += 1
             try:
                 done(outcome)
             finally:
-                run_started(self._policy.done(ticket))
+                policy.settling -= 1
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:
+                    run_started(policy.done(ticket))
+                else:
+                    loop.call_soon(_ended, policy, ticket)
 
         ticket.start = lambda: self.inner.submit(call, finished)
         if self._policy.ready(ticket):

@@ -166,7 +166,7 @@ def _build(name: str, seed: int, options: Mapping[str, Any]) -> LoadedModel:
         model.thinker.lm_head,
         model.talker,
         model.code2wav.pre_transformer,
-        per_row=routers,
+        routers=routers,
     )
     loaded = _describe(name, model, tokenizer, extractor)
     _warm_up(loaded)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +52,24 @@ def select_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(row, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def select_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+) -> list[int]:
+    """:func:`select_token` for every row of ``logits`` [B, V]: the greedy rows' argmax in one call
+    (row by row it is the same first maximum), the sampling rows one by one with their own
+    generators."""
+    picked: list[int | None] = [None] * len(params)
+    greedy = [b for b, p in enumerate(params) if p.greedy]
+    if greedy:
+        rows = logits if len(greedy) == len(params) else logits[greedy]
+        for b, token in zip(greedy, rows.float().argmax(dim=-1).tolist(), strict=True):
+            picked[b] = int(token)
+    for b, p in enumerate(params):
+        if picked[b] is None:
+            picked[b] = select_token(logits[b], p, generators[b])
+    return [int(t) for t in picked if t is not None]
 
 
 def make_generator(seed: int) -> torch.Generator:

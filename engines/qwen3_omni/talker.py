@@ -27,6 +27,7 @@ from engines.qwen3_omni.sampling import (
     make_generator,
     mask_tokens,
     select_token,
+    select_tokens,
 )
 from engines.qwen3_omni.talker_prompt import special_text_rows
 from engines.rowbatch import RowExact
@@ -143,7 +144,11 @@ class TalkerEngine(ModelEngine):
                     state.pending = sums[row : row + 1]
                     state.done = state.frames >= state.max_frames
                     outputs[i] = StepOutput(
-                        downstream=[CodecCodes(codes[row : row + 1].copy())], done=state.done
+                        downstream=[CodecCodes(codes[row : row + 1].copy())],
+                        done=state.done,
+                        # The next frame needs a text row not here yet: not stepped until it arrives
+                        # (an empty step would only answer wait_for_input).
+                        wait_for_input=not state.done and not self._text_ready(state),
                     )
         return [out if out is not None else StepOutput() for out in outputs]
 
@@ -194,6 +199,11 @@ class TalkerEngine(ModelEngine):
                 state.upstream_done = True
         if item.upstream_finished:
             state.upstream_done = True
+
+    @staticmethod
+    def _text_ready(state: TalkerState) -> bool:
+        """Whether :meth:`_next_text` has a row for the next frame now."""
+        return bool(state.texts) or state.text_ended or state.upstream_done
 
     def _next_text(self, state: TalkerState) -> torch.Tensor | None:
         if state.texts:
@@ -274,6 +284,8 @@ class TalkerEngine(ModelEngine):
         batch = len(states)
         cache = loaded.predictor_cache()
         exact = RowExact() if batch > 1 else contextlib.nullcontext()
+        sampling = [s.predictor_sampling for s in states]
+        generators = [s.generator for s in states]
         with exact:
             prefix = torch.cat([hidden, first], dim=1)
             out = predictor(inputs_embeds=prefix, cache=cache, use_cache=True)
@@ -282,9 +294,7 @@ class TalkerEngine(ModelEngine):
             groups = loaded.num_code_groups
             for g in range(1, groups):
                 logits = out.logits[:, -1]
-                step = [
-                    select_token(logits[b], s.predictor_sampling, s.generator) for b, s in enumerate(states)
-                ]
+                step = select_tokens(logits, sampling, generators)
                 codes.append(step)
                 code_t = torch.tensor([[c] for c in step])
                 rows.append(embeds[g - 1](code_t))

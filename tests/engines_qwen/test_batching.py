@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engines.qwen3_omni.code2wav_rows import decode_windows
-from engines.rowbatch import RowExact
+from engines.rowbatch import RowExact, row_linear
 from runtime.engine import EdgeChunk, EngineRequest, StepInput
 from runtime.payloads import AudioChunk, CodecCodes
 from tests.engines_qwen.batch_driver import Member, run_batched
@@ -153,3 +153,23 @@ def test_code_predictor_rows_in_one_batched_cache_keep_their_bits(engines: Engin
     for b in range(rows):
         alone = logits(slice(b, b + 1), exact=False)
         assert together[b : b + 1].numpy().tobytes() == alone.numpy().tobytes()
+
+
+@pytest.mark.parametrize(
+    ("outputs", "inputs", "bias"),
+    [(64, 64, False), (128, 64, False), (64, 128, False), (4, 64, False), (1, 64, False), (128, 64, True)],
+)
+def test_row_linear_computes_every_row_as_the_row_alone(outputs: int, inputs: int, bias: bool) -> None:
+    """One broadcast batched product (a weight under 400 elements padded with zero rows: a MoE
+    router's 4 experts), a product with a bias, and the row-by-row fallback (one output): every
+    row's bits are F.linear's on that row alone, for [B, K] and [B, 1, K] rows."""
+    gen = torch.Generator().manual_seed(outputs + inputs)
+    weight = torch.randn(outputs, inputs, generator=gen)
+    b = torch.randn(outputs, generator=gen) if bias else None
+    for rows in (2, 3, 8, 16):
+        x = torch.randn(rows, 1, inputs, generator=gen)
+        alone = torch.cat([torch.nn.functional.linear(x[i : i + 1].clone(), weight, b) for i in range(rows)])
+        for shaped, expect in ((x, alone), (x[:, 0], alone[:, 0])):
+            got = row_linear(shaped, weight, b)
+            assert got.shape == expect.shape
+            assert got.numpy().tobytes() == expect.numpy().tobytes()
