@@ -181,3 +181,54 @@ def test_the_gated_worker_parks_calls_and_hands_them_over_after_the_replica_saw_
     sink.pending.pop()(CallResult())
     # the replica's callback (it may submit its next call) comes first, then the parked call
     assert log == ["sink runs ['r1']", "sink result applied", "gen runs ['r1']"]
+
+
+async def test_a_parked_call_starts_after_the_downstream_calls_that_a_result_schedules() -> None:
+    """The relay's frame ends and hands the sink its first chunk; the replica builds the sink's
+    call in a callback of its own (Replica.wake). The gen's call parked behind the frame must not
+    start before that call (it would run beside it), only after it ended."""
+    p = policy()
+    p.opened("r1")
+    log: list[str] = []
+    loop = asyncio.get_running_loop()
+    workers = {name: _Recorder(name, log) for name in ("gen", "relay", "sink")}
+    gated = {name: GatedWorker(w, p, name) for name, w in workers.items()}
+
+    def frame_applied(_: object) -> None:
+        log.append("relay result applied")
+        loop.call_soon(gated["sink"].submit, WorkCall(items=[WorkItem("r1")]), lambda _: None)
+
+    gated["relay"].submit(WorkCall(items=[WorkItem("r1")]), frame_applied)
+    gated["gen"].submit(WorkCall(items=[WorkItem("r1")]), lambda _: None)
+    assert log == ["relay runs ['r1']"]
+    workers["relay"].pending.pop()(CallResult())
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert log == ["relay runs ['r1']", "relay result applied", "sink runs ['r1']"]  # gen still parked
+    workers["sink"].pending.pop()(CallResult())
+    await asyncio.sleep(0)
+    assert log[-1] == "gen runs ['r1']"
+
+
+async def test_a_first_output_admits_nothing_before_the_sink_submitted_its_next_call() -> None:
+    """The sink's call gives r1 its first output and the sink submits its next call (r2's first
+    chunk) from the same result callback: the gen's call of r2, parked, keeps waiting for it."""
+    p = policy()
+    p.opened("r1")
+    p.opened("r2")
+    log: list[str] = []
+    sink, gen = _Recorder("sink", log), _Recorder("gen", log)
+    gated_sink, gated_gen = GatedWorker(sink, p, "sink"), GatedWorker(gen, p, "gen")
+
+    def first_output(_: object) -> None:
+        p.output("sink", "r1")  # what the orchestrator does on the sink's first audio of r1
+        gated_sink.submit(WorkCall(items=[WorkItem("r2")]), lambda _: None)
+
+    gated_sink.submit(WorkCall(items=[WorkItem("r1")]), first_output)
+    gated_gen.submit(WorkCall(items=[WorkItem("r1"), WorkItem("r2")]), lambda _: None)
+    sink.pending.pop()(CallResult())
+    await asyncio.sleep(0)
+    assert log == ["sink runs ['r1']", "sink runs ['r2']"]  # the gen's call still parked
+    sink.pending.pop()(CallResult())
+    await asyncio.sleep(0)
+    assert log[-1] == "gen runs ['r1', 'r2']"
