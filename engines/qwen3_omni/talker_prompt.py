@@ -23,6 +23,12 @@ def thinker_embed(loaded: LoadedModel, ids: Sequence[int]) -> torch.Tensor:
     return embed(torch.tensor([list(ids)], dtype=torch.long))
 
 
+def thinker_embed_rows(loaded: LoadedModel, ids: Sequence[int]) -> torch.Tensor:
+    """``thinker.embed_tokens`` of one id per row: [len(ids), 1, thinker_hidden]."""
+    embed = loaded.model.thinker.model.language_model.embed_tokens
+    return embed(torch.tensor([[i] for i in ids], dtype=torch.long))
+
+
 def project_text(loaded: LoadedModel, embeds: torch.Tensor) -> torch.Tensor:
     return loaded.model.talker.text_projection(embeds)
 

@@ -21,7 +21,13 @@ from transformers.cache_utils import DynamicCache
 from engines.qwen3_omni.batched import packable, thinker_logits, thinker_prefill_logits
 from engines.qwen3_omni.model import ModelEngine
 from engines.qwen3_omni.prompt import Prompt, build_prompt
-from engines.qwen3_omni.sampling import SamplingParams, make_generator, mask_tokens, select_token
+from engines.qwen3_omni.sampling import (
+    SamplingParams,
+    make_generator,
+    mask_tokens,
+    select_token,
+    select_tokens,
+)
 from engines.qwen3_omni.session_kv import SessionEntry, common_prefix
 from engines.qwen3_omni.talker_prompt import (
     project_text,
@@ -29,8 +35,10 @@ from engines.qwen3_omni.talker_prompt import (
     special_text_rows,
     talker_prefill,
     thinker_embed,
+    thinker_embed_rows,
 )
 from engines.qwen3_omni.tokenizer import IncrementalDecoder
+from engines.rowbatch import RowExact
 from runtime.engine import EngineRequest, StepInput, StepOutput
 from runtime.kv import SessionKVStore, current_kv_store
 from runtime.payloads import Embeddings, Payload, TextDelta
@@ -87,6 +95,7 @@ class ThinkerEngine(ModelEngine):
             "packed_prefills": 0,
         }
         self._tts_eos: np.ndarray | None = None
+        self._eos_banned: torch.Tensor | None = None
 
     @property
     def sessions(self) -> SessionKVStore:
@@ -182,19 +191,56 @@ class ThinkerEngine(ModelEngine):
                 states = [batch[i].state for i in packing]
                 logits = self._batch_guarded(states, self._prefill_packed)
                 self.stats["packed_prefills"] += len(states)
-                for row, i in enumerate(packing):
-                    select = functools.partial(self._select, logits=logits[row])
-                    outputs[i] = self._guarded(states[row], select)
+                for i, out in zip(packing, self._select_rows(states, logits), strict=True):
+                    outputs[i] = out
             for i, item in enumerate(batch):
                 if i not in decoding and outputs[i] is None:
                     outputs[i] = self._guarded(item.state, self._advance)
             if decoding:
                 states = [batch[i].state for i in decoding]
                 logits = self._batch_guarded(states, self._decode_batch)
-                for row, i in enumerate(decoding):
-                    select = functools.partial(self._select, logits=logits[row])
-                    outputs[i] = self._guarded(states[row], select)
+                for i, out in zip(decoding, self._select_rows(states, logits), strict=True):
+                    outputs[i] = out
         return [out if out is not None else StepOutput() for out in outputs]
+
+    def _select_rows(self, states: list[ThinkerState], logits: torch.Tensor) -> list[StepOutput]:
+        """:meth:`_select` of every row of a batched forward's logits ``[B, vocab]``: the EOS
+        ban of the rows under ``min_tokens``, the greedy rows' argmax, the next embeddings and
+        their talker projections each in one call for all rows (every row's bits its own)."""
+        try:
+            banned = [len(s.generated) < s.min_tokens for s in states]
+            if any(banned):
+                rows = torch.tensor(banned).unsqueeze(1)
+                logits = logits.masked_fill(rows & self._eos_mask(logits.shape[-1]), float("-inf"))
+            tokens = select_tokens(logits, [s.sampling for s in states], [s.generator for s in states])
+            embeds = thinker_embed_rows(self.loaded, tokens)
+            projected = None
+            if any(s.audio_out and s.generated for s in states):
+                with RowExact():
+                    projected = project_text(self.loaded, embeds)
+        except BaseException:
+            for state in states:
+                state.broken = True
+            raise
+        outputs = []
+        for row, (state, token) in enumerate(zip(states, tokens, strict=True)):
+            emit = functools.partial(
+                self._emit,
+                token=token,
+                embed=embeds[row : row + 1],
+                projected=projected[row : row + 1] if projected is not None else None,
+            )
+            outputs.append(self._guarded(state, emit))
+        return outputs
+
+    def _eos_mask(self, vocab: int) -> torch.Tensor:
+        """A bool row over the vocabulary, True at the thinker's stop tokens (kept once)."""
+        mask = self._eos_banned
+        if mask is None or mask.shape[-1] != vocab:
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            mask[list(self.loaded.ids.eos)] = True
+            self._eos_banned = mask
+        return mask
 
     @staticmethod
     def _batch_guarded(
@@ -238,9 +284,7 @@ class ThinkerEngine(ModelEngine):
     def _select(self, state: ThinkerState, logits: torch.Tensor) -> StepOutput:
         k = len(state.generated)
         if k < state.min_tokens:
-            banned = torch.zeros(logits.shape[-1], dtype=torch.bool)
-            banned[list(self.loaded.ids.eos)] = True
-            logits = mask_tokens(logits, banned)
+            logits = mask_tokens(logits, self._eos_mask(logits.shape[-1]))
         token = select_token(logits, state.sampling, state.generator)
         return self._emit(state, token)
 
@@ -301,7 +345,15 @@ class ThinkerEngine(ModelEngine):
             state.next_embed = None
         return thinker_logits(self.loaded, embeds, starts, [s.cache for s in states])
 
-    def _emit(self, state: ThinkerState, token: int) -> StepOutput:
+    def _emit(
+        self,
+        state: ThinkerState,
+        token: int,
+        embed: torch.Tensor | None = None,
+        projected: torch.Tensor | None = None,
+    ) -> StepOutput:
+        """``token`` out: text to the client, rows to the talker. ``embed`` (its embedding) and
+        ``projected`` (that through the talker's text projection), when a batch made them."""
         loaded = self.loaded
         k = len(state.generated)
         state.generated.append(token)
@@ -319,16 +371,22 @@ class ThinkerEngine(ModelEngine):
             if tail:
                 out.client.append(TextDelta(tail))
         if not last:
-            state.next_embed = thinker_embed(loaded, [token])
+            state.next_embed = embed if embed is not None else thinker_embed(loaded, [token])
         if state.audio_out:
-            out.downstream.extend(self._talker_items(state, token, k, is_eos, last))
+            out.downstream.extend(self._talker_items(state, token, k, is_eos, last, projected))
         if last:
             state.finished = True
             out.done = True
         return out
 
     def _talker_items(
-        self, state: ThinkerState, token: int, k: int, is_eos: bool, last: bool
+        self,
+        state: ThinkerState,
+        token: int,
+        k: int,
+        is_eos: bool,
+        last: bool,
+        projected: torch.Tensor | None = None,
     ) -> list[Payload]:
         items: list[Payload] = []
         if k == 0 and not is_eos:
@@ -339,9 +397,9 @@ class ThinkerEngine(ModelEngine):
             state.talker_started = True
         elif k > 0 and not last:
             assert state.next_embed is not None
-            items.append(
-                Embeddings(to_payload_array(project_text(self.loaded, state.next_embed)), role="text_token")
-            )
+            if projected is None:
+                projected = project_text(self.loaded, state.next_embed)
+            items.append(Embeddings(to_payload_array(projected), role="text_token"))
         if last and state.talker_started:
             items.append(Embeddings(self._tts_eos_row().copy(), role="tts_eos"))
         return items
