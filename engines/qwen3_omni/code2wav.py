@@ -60,8 +60,10 @@ class Code2WavEngine(ModelEngine):
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
         self.gain = float(self.options.get("gain", 1.0))
-        # Frames (rows × window) per forward: bounds the activations of batched long decodes.
-        self.max_batch_frames = max(1, int(self.options.get("max_batch_frames", 400)))
+        # Frames (rows × window) per forward. Batching pays while the batch's activations stay in
+        # cache: 8 first chunks (32 frames) in one call cost ~3× one, 8 steady windows (400
+        # frames) cost more than 8 calls of one (loadtest.bench_code2wav).
+        self.max_batch_frames = max(1, int(self.options.get("max_batch_frames", 64)))
         #: Shapes of the batched forwards of the last step (tests and metrics read it).
         self.last_batch_shapes: list[tuple[int, ...]] = []
 

@@ -1,5 +1,5 @@
 """code2wav over windows of several requests and different lengths in one call, each request's
-samples bit-identical to its window decoded alone (``code2wav(codes)``).
+samples bit-identical to its window decoded alone (``decode_windows([window])``).
 
 * **Embedding and transformer** run once per group of equal-length windows under
   :class:`~engines.rowbatch.RowExact` (one-row products, per-row attention); windows of another
@@ -7,14 +7,25 @@ samples bit-identical to its window decoded alone (``code2wav(codes)``).
 * **Convolutional tail** runs once for all windows, right-padded to the longest. Every stage is
   causal except the transposed convolutions' one-frame lookahead, which the model trims, so a
   window's own samples never depend on what follows it: each row's valid prefix is tracked
-  through every stage and its samples are that prefix. Two kinds of kernels give a row other
-  bits in a batch than alone (measured on this CPU's oneDNN): the dense convolutions with a
-  kernel wider than 1 and the transposed convolutions (a short input takes another algorithm per
-  batch size and length). Those run per row on the row's own valid prefix (a fresh contiguous
-  copy: the input's alignment also picks the algorithm) and are padded back; the elementwise
-  activations, the 1-wide and depthwise convolutions and the ConvNeXt blocks' per-position
-  layers run batched. The tiny model's tail is overhead-bound at the first chunk's 4 frames, so a
-  batch of first chunks costs well under the sum of the rows alone.
+  through every stage and its samples are that prefix.
+
+The model's own forward lets ATen pick each convolution's kernel by shape (oneDNN for a batch or a
+long input, otherwise im2col + GEMM or a dilated loop), so a row takes other kernels, and gets
+other bits, in a batch than alone. Here every kind of convolution has one fixed kernel whose bits
+per output position do not depend on the batch size, the row's length or what the other rows hold
+(measured on this CPU; ``tests/engines_qwen/test_batching.py`` checks it on the machine it runs
+on), and a row alone runs the same kernels:
+
+* dense and depthwise convolutions with a kernel wider than 1: oneDNN (``mkldnn_convolution``);
+* 1-wide convolutions and the transposed convolutions: ATen's im2col + GEMM (``thnn_conv2d``,
+  ``slow_conv_transpose2d``), whose GEMM runs the positions as columns, at least
+  :data:`MIN_COLUMNS` of them (1 to 3 take another path): shorter inputs get zero columns on the
+  right, which only reach the trimmed or padded samples;
+* the ConvNeXt blocks' per-position layers: one product over every position of the batch, at least
+  :data:`MIN_COLUMNS` rows (MKL's sgemm keeps a row's bits for any row count from 4 on).
+
+So the samples differ from ``code2wav(window[None])`` by float rounding (~1e-6 of the peak), and
+a batch of first chunks pays each kernel's call once instead of once per row.
 """
 
 from __future__ import annotations
@@ -30,11 +41,15 @@ from engines.rowbatch import RowExact
 
 Lengths = list[int]
 
+MIN_COLUMNS = 4  # MKL's sgemm: one code path for 4 or more rows (columns), others below
+
 
 def decode_windows(code2wav: Any, windows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Samples ``[1920·T_i − 555]`` of each window ``[num_quantizers, T_i]`` (int64 codes),
-    each bit-identical to ``code2wav(window[None])[0, 0]``."""
+    """Samples ``[1920·T_i − 555]`` of each window ``[num_quantizers, T_i]`` (int64 codes), each
+    bit-identical to ``decode_windows(code2wav, [window])[0]``, whatever the other windows."""
     quantizers = code2wav.config.num_quantizers
+    if not windows:
+        raise ValueError("code2wav: no windows to decode")
     for window in windows:
         if window.dim() != 2 or window.shape[0] != quantizers or window.shape[1] < 1:
             raise ValueError(f"code2wav: a window must be [{quantizers}, T >= 1], got {tuple(window.shape)}")
@@ -47,7 +62,7 @@ def decode_windows(code2wav: Any, windows: Sequence[torch.Tensor]) -> list[torch
             x, lengths = _stage(block, x, lengths)
     for block in code2wav.decoder:
         x, lengths = _stage(block, x, lengths)
-    wav = x.clamp(min=-1, max=1)
+    wav = x.clamp_(min=-1, max=1)
     return [wav[i, 0, :n] for i, n in enumerate(lengths)]
 
 
@@ -68,38 +83,80 @@ def _transformer(code2wav: Any, windows: Sequence[torch.Tensor], lengths: Length
 
 
 def _stage(block: torch.nn.Module, x: torch.Tensor, lengths: Lengths) -> tuple[torch.Tensor, Lengths]:
-    """One stage of the tail over the padded batch; the rows' valid lengths after it."""
-    x = x.contiguous()  # a permuted input would take other kernels than the row alone does
+    """One stage of the tail over the padded batch ``[B, C, T]``; the rows' valid lengths after it."""
     if isinstance(block, qm.Qwen3OmniMoeCausalTransConvNet):
         stride, kernel = block.conv.stride[0], block.conv.kernel_size[0]
-        out_lengths = [(n + 1) * stride - kernel for n in lengths]
-        return _per_row(block, x, lengths, out_lengths, (x.shape[-1] + 1) * stride - kernel), out_lengths
+        return _transposed(block, x), [(n + 1) * stride - kernel for n in lengths]
     if isinstance(block, qm.Qwen3OmniMoeCausalConvNet):
-        conv = block.conv
-        if conv.groups == 1 and conv.kernel_size[0] > 1:
-            return _per_row(block, x, lengths, lengths, x.shape[-1]), lengths
-        return block(x), lengths
+        return _causal(block, x), lengths
+    if isinstance(block, qm.Qwen3OmniMoeSnakeBeta):
+        return _snake(block, x), lengths
     if isinstance(block, qm.Qwen3OmniMoeCode2WavDecoderResidualUnit):
-        h, _ = _stage(block.conv1, block.act1(x), lengths)
-        h, _ = _stage(block.conv2, block.act2(h), lengths)
-        return h + x, lengths
+        h = _causal(block.conv1, _snake(block.act1, x))
+        return _causal(block.conv2, _snake(block.act2, h)).add_(x), lengths
     if isinstance(block, qm.Qwen3OmniMoeCode2WavDecoderBlock):
         for inner in block.block:
             x, lengths = _stage(inner, x, lengths)
         return x, lengths
-    if isinstance(block, (qm.Qwen3OmniMoeConvNeXtBlock, qm.Qwen3OmniMoeSnakeBeta)):
-        return block(x), lengths  # depthwise causal conv, per-position layers, elementwise
+    if isinstance(block, qm.Qwen3OmniMoeConvNeXtBlock):
+        return _convnext(block, x), lengths
     raise TypeError(f"code2wav: no batched rule for {type(block).__name__}")
 
 
-def _per_row(
-    block: torch.nn.Module, x: torch.Tensor, lengths: Lengths, out_lengths: Lengths, width: int
-) -> torch.Tensor:
-    """``block`` on each row's valid prefix alone (a fresh copy), right-padded to ``width``."""
-    if x.shape[0] == 1:
-        return block(x[:, :, : lengths[0]])
-    rows = [
-        F.pad(block(x[i : i + 1, :, :n].clone()), (0, width - m))
-        for i, (n, m) in enumerate(zip(lengths, out_lengths, strict=True))
-    ]
-    return torch.cat(rows, dim=0)
+def _causal(block: Any, x: torch.Tensor) -> torch.Tensor:
+    """``Qwen3OmniMoeCausalConvNet`` (stride 1): left zero padding, then the fixed kernel."""
+    conv = block.conv
+    if conv.stride[0] != 1:
+        raise TypeError("code2wav: strided causal convolutions have no batched rule")
+    kernel = conv.kernel_size[0]
+    weight = conv.weight[:, :, None]  # 1-D as 2-D: [O, C/groups, 1, K]
+    if kernel == 1:
+        columns = x.shape[-1]
+        x = _at_least_columns(x)[:, :, None]
+        out = torch.ops.aten.thnn_conv2d(x, weight, [1, 1], conv.bias, [1, 1], [0, 0])
+        return out[:, :, 0, :columns]
+    x = F.pad(x, (block.padding, 0))[:, :, None]
+    out = torch.mkldnn_convolution(x, weight, conv.bias, [0, 0], [1, 1], [1, conv.dilation[0]], conv.groups)
+    return out[:, :, 0]
+
+
+def _transposed(block: Any, x: torch.Tensor) -> torch.Tensor:
+    """``Qwen3OmniMoeCausalTransConvNet``: im2col + GEMM over at least :data:`MIN_COLUMNS`
+    input positions, then the model's trim."""
+    conv = block.conv
+    columns = x.shape[-1]
+    x = _at_least_columns(x)[:, :, None]
+    stride, kernel = conv.stride[0], conv.kernel_size[0]
+    out = torch.ops.aten.slow_conv_transpose2d(
+        x, conv.weight[:, :, None], [1, kernel], conv.bias, [1, stride], [0, 0], [0, 0], [1, 1]
+    )[:, :, 0]
+    full = (columns - 1) * stride + kernel  # the model's output length before its trim
+    return out[:, :, block.left_pad : full - block.right_pad]
+
+
+def _at_least_columns(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous, with zero columns on the right up to :data:`MIN_COLUMNS`."""
+    if x.shape[-1] < MIN_COLUMNS:
+        return F.pad(x, (0, MIN_COLUMNS - x.shape[-1]))
+    return x.contiguous()
+
+
+def _snake(block: Any, x: torch.Tensor) -> torch.Tensor:
+    """``Qwen3OmniMoeSnakeBeta`` with one allocation: ``x + 1/(e^β + ε) · sin(x·e^α)²``, the
+    model's operations in its order (so its bits)."""
+    alpha = block.alpha.exp()[None, :, None]
+    inverse = 1.0 / (block.beta.exp()[None, :, None] + block.no_div_by_zero)
+    out = torch.mul(x, alpha).sin_()
+    return out.mul_(out).mul_(inverse).add_(x)
+
+
+def _convnext(block: Any, x: torch.Tensor) -> torch.Tensor:
+    """``Qwen3OmniMoeConvNeXtBlock``: its depthwise convolution, then its per-position layers as
+    one product over every position of the batch (at least :data:`MIN_COLUMNS`)."""
+    h = _causal(block.dwconv, x).permute(0, 2, 1)
+    batch, positions, channels = h.shape
+    flat = h.reshape(batch * positions, channels)
+    flat = F.pad(flat, (0, 0, 0, max(0, MIN_COLUMNS - flat.shape[0])))
+    flat = block.pwconv2(block.act(block.pwconv1(block.norm(flat))))[: batch * positions]
+    h = (block.gamma * flat).reshape(batch, positions, channels).permute(0, 2, 1)
+    return x + h
