@@ -58,10 +58,8 @@ def decode_windows(code2wav: Any, windows: Sequence[torch.Tensor]) -> list[torch
     longest = max(lengths)
     x = torch.cat([F.pad(h, (0, 0, 0, longest - h.shape[1])) for h in hidden]).permute(0, 2, 1)
     for blocks in code2wav.upsample:
-        for block in blocks:
-            x, lengths = _stage(block, x, lengths)
-    for block in code2wav.decoder:
-        x, lengths = _stage(block, x, lengths)
+        x, lengths = _sequence(blocks, x, lengths)
+    x, lengths = _sequence(code2wav.decoder, x, lengths)
     wav = x.clamp_(min=-1, max=1)
     return [wav[i, 0, :n] for i, n in enumerate(lengths)]
 
@@ -82,6 +80,23 @@ def _transformer(code2wav: Any, windows: Sequence[torch.Tensor], lengths: Length
     return [h for h in hidden if h is not None]
 
 
+def _sequence(
+    blocks: Sequence[torch.nn.Module], x: torch.Tensor, lengths: Lengths
+) -> tuple[torch.Tensor, Lengths]:
+    """Stages one after another; an activation that feeds a causal convolution writes its output
+    after the convolution's zero padding (one allocation instead of the output and a padded copy)."""
+    i = 0
+    while i < len(blocks):
+        block, after = blocks[i], blocks[i + 1] if i + 1 < len(blocks) else None
+        if isinstance(block, qm.Qwen3OmniMoeSnakeBeta) and isinstance(after, qm.Qwen3OmniMoeCausalConvNet):
+            x = _causal(after, _snake(block, x, _left_padding(after)), padded=True)
+            i += 2
+        else:
+            x, lengths = _stage(block, x, lengths)
+            i += 1
+    return x, lengths
+
+
 def _stage(block: torch.nn.Module, x: torch.Tensor, lengths: Lengths) -> tuple[torch.Tensor, Lengths]:
     """One stage of the tail over the padded batch ``[B, C, T]``; the rows' valid lengths after it."""
     if isinstance(block, qm.Qwen3OmniMoeCausalTransConvNet):
@@ -92,31 +107,36 @@ def _stage(block: torch.nn.Module, x: torch.Tensor, lengths: Lengths) -> tuple[t
     if isinstance(block, qm.Qwen3OmniMoeSnakeBeta):
         return _snake(block, x), lengths
     if isinstance(block, qm.Qwen3OmniMoeCode2WavDecoderResidualUnit):
-        h = _causal(block.conv1, _snake(block.act1, x))
-        return _causal(block.conv2, _snake(block.act2, h)).add_(x), lengths
+        h, _ = _sequence([block.act1, block.conv1, block.act2, block.conv2], x, lengths)
+        return h.add_(x), lengths
     if isinstance(block, qm.Qwen3OmniMoeCode2WavDecoderBlock):
-        for inner in block.block:
-            x, lengths = _stage(inner, x, lengths)
-        return x, lengths
+        return _sequence(list(block.block), x, lengths)
     if isinstance(block, qm.Qwen3OmniMoeConvNeXtBlock):
         return _convnext(block, x), lengths
     raise TypeError(f"code2wav: no batched rule for {type(block).__name__}")
 
 
-def _causal(block: Any, x: torch.Tensor) -> torch.Tensor:
-    """``Qwen3OmniMoeCausalConvNet`` (stride 1): left zero padding, then the fixed kernel."""
+def _left_padding(block: Any) -> int:
+    """Zero columns a causal convolution's input gets on the left (none for a 1-wide one)."""
+    return int(block.padding) if block.conv.kernel_size[0] > 1 else 0
+
+
+def _causal(block: Any, x: torch.Tensor, padded: bool = False) -> torch.Tensor:
+    """``Qwen3OmniMoeCausalConvNet`` (stride 1): left zero padding (already there if ``padded``),
+    then the fixed kernel."""
     conv = block.conv
     if conv.stride[0] != 1:
         raise TypeError("code2wav: strided causal convolutions have no batched rule")
-    kernel = conv.kernel_size[0]
     weight = conv.weight[:, :, None]  # 1-D as 2-D: [O, C/groups, 1, K]
-    if kernel == 1:
+    if conv.kernel_size[0] == 1:
         columns = x.shape[-1]
         x = _at_least_columns(x)[:, :, None]
         out = torch.ops.aten.thnn_conv2d(x, weight, [1, 1], conv.bias, [1, 1], [0, 0])
         return out[:, :, 0, :columns]
-    x = F.pad(x, (block.padding, 0))[:, :, None]
-    out = torch.mkldnn_convolution(x, weight, conv.bias, [0, 0], [1, 1], [1, conv.dilation[0]], conv.groups)
+    if not padded:
+        x = F.pad(x, (block.padding, 0))
+    dilation = [1, conv.dilation[0]]
+    out = torch.mkldnn_convolution(x[:, :, None], weight, conv.bias, [0, 0], [1, 1], dilation, conv.groups)
     return out[:, :, 0]
 
 
@@ -141,13 +161,17 @@ def _at_least_columns(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def _snake(block: Any, x: torch.Tensor) -> torch.Tensor:
-    """``Qwen3OmniMoeSnakeBeta`` with one allocation: ``x + 1/(e^β + ε) · sin(x·e^α)²``, the
-    model's operations in its order (so its bits)."""
+def _snake(block: Any, x: torch.Tensor, left: int = 0) -> torch.Tensor:
+    """``Qwen3OmniMoeSnakeBeta``, ``x + 1/(e^β + ε) · sin(x·e^α)²`` (the model's operations in its
+    order, so its bits), in one new tensor with ``left`` zero columns before it."""
     alpha = block.alpha.exp()[None, :, None]
     inverse = 1.0 / (block.beta.exp()[None, :, None] + block.no_div_by_zero)
-    out = torch.mul(x, alpha).sin_()
-    return out.mul_(out).mul_(inverse).add_(x)
+    batch, channels, columns = x.shape
+    buffer = x.new_empty(batch, channels, left + columns)
+    buffer[:, :, :left].zero_()
+    out = torch.mul(x, alpha, out=buffer[:, :, left:]).sin_()
+    out.mul_(out).mul_(inverse).add_(x)
+    return buffer
 
 
 def _convnext(block: Any, x: torch.Tensor) -> torch.Tensor:
