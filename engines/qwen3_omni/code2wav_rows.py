@@ -25,7 +25,9 @@ on), and a row alone runs the same kernels:
   :data:`MIN_COLUMNS` rows (MKL's sgemm keeps a row's bits for any row count from 4 on).
 
 So the samples differ from ``code2wav(window[None])`` by float rounding (~1e-6 of the peak), and
-a batch of first chunks pays each kernel's call once instead of once per row.
+a batch of first chunks pays each kernel's call once instead of once per row. Where those kernels
+were not measured (another dtype or device, no oneDNN: :func:`fixed_kernels`), each window runs
+the model's forward on its own.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def decode_windows(code2wav: Any, windows: Sequence[torch.Tensor]) -> list[torch
     for window in windows:
         if window.dim() != 2 or window.shape[0] != quantizers or window.shape[1] < 1:
             raise ValueError(f"code2wav: a window must be [{quantizers}, T >= 1], got {tuple(window.shape)}")
+    if not fixed_kernels(code2wav):
+        return [code2wav(window[None])[0, 0] for window in windows]
     lengths = [int(w.shape[1]) for w in windows]
     hidden = _transformer(code2wav, windows, lengths)
     longest = max(lengths)
@@ -62,6 +66,15 @@ def decode_windows(code2wav: Any, windows: Sequence[torch.Tensor]) -> list[torch
     x, lengths = _sequence(code2wav.decoder, x, lengths)
     wav = x.clamp_(min=-1, max=1)
     return [wav[i, 0, :n] for i, n in enumerate(lengths)]
+
+
+def fixed_kernels(code2wav: Any) -> bool:
+    """Whether the fixed kernels below exist for this model: float32 on a CPU with oneDNN (where
+    they were measured). Elsewhere every window runs the model's own forward, one call each."""
+    weight = code2wav.code_embedding.weight
+    return bool(
+        weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    )
 
 
 def _transformer(code2wav: Any, windows: Sequence[torch.Tensor], lengths: Lengths) -> list[torch.Tensor]:

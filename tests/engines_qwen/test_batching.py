@@ -5,12 +5,13 @@ also when requests join late or are cancelled mid-batch."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import numpy as np
 import pytest
 import torch
 
-from engines.qwen3_omni.code2wav_rows import decode_windows
+from engines.qwen3_omni.code2wav_rows import decode_windows, fixed_kernels
 from engines.rowbatch import RowExact, row_linear
 from runtime.engine import EdgeChunk, EngineRequest, StepInput
 from runtime.payloads import AudioChunk, CodecCodes
@@ -104,6 +105,19 @@ def test_code2wav_windows_of_any_lengths_decode_in_one_call_bitwise(engines: Eng
             assert single.shape == reference.shape == (window.shape[1] * 1920 - 555,)
             peak = float(reference.abs().max())
             np.testing.assert_allclose(single.numpy(), reference.numpy(), rtol=0, atol=1e-5 * peak)
+
+
+def test_code2wav_without_the_fixed_kernels_decodes_each_window_with_the_model(engines: Engines) -> None:
+    """In another dtype (or on another device) the batch-invariant kernels were never measured, so
+    each window runs the model's own forward: its samples are the model's, bit for bit."""
+    code2wav = copy.deepcopy(engines.code2wav.loaded.model.code2wav).to(torch.float64)
+    assert not fixed_kernels(code2wav) and fixed_kernels(engines.code2wav.loaded.model.code2wav)
+    rng = np.random.default_rng(7)
+    windows = [torch.from_numpy(rng.integers(0, 128, size=(16, n))) for n in (4, 29, 1)]
+    with torch.inference_mode():
+        for window, got in zip(windows, decode_windows(code2wav, windows), strict=True):
+            assert got.dtype == torch.float64
+            assert got.numpy().tobytes() == code2wav(window[None])[0, 0].numpy().tobytes()
 
 
 def test_code2wav_rows_joining_and_leaving_keep_their_samples(engines: Engines) -> None:
