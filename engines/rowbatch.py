@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 import types
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -253,43 +254,76 @@ def row_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, owner: Any = None
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with every row of ``x`` (dim 0) computed as that row alone
-    computes it. One token per row (``[B, K]`` or ``[B, 1, K]``) and at least 4 outputs:
-    one broadcast batched product (each batch entry the one-row GEMV of ``F.linear``; a weight of
-    fewer than :data:`BMM_MIN_ELEMENTS` elements is padded with zero rows up to it, which leaves
-    the real outputs' bits as they are, so the product does not take bmm's naive small kernel);
-    anything else row by row. ``owner`` (the module holding ``weight``) keeps the transposed,
-    padded weight between calls."""
+    computes it. One token per row (``[B, K]`` or ``[B, 1, K]``) and at least 4 outputs: one
+    batched product whose every entry is the one-row GEMV of ``F.linear`` (each entry its own
+    copy of the weight in ``F.linear``'s layout, or a stride-0 view of it where copies would be
+    large; a weight of fewer than :data:`BMM_MIN_ELEMENTS` elements is padded with zero rows up to
+    it, which leaves the real outputs' bits as they are, so the product does not take bmm's naive
+    small kernel); anything else row by row. ``owner`` (the module holding ``weight``) keeps the
+    prepared weight between calls."""
     one_token = x.dim() == 2 or (x.dim() == 3 and x.shape[1] == 1)
+    rows = x.shape[0]
     if one_token:
-        wt = _row_weight(weight, owner)
+        wt = _row_weight(weight, owner, rows)
         if wt is not None:
-            out = torch.matmul(x.reshape(x.shape[0], 1, -1), wt)
+            out = torch.bmm(x.reshape(rows, 1, -1), wt)
             n = weight.shape[0]
             if out.shape[-1] != n:
                 out = out[..., :n]
             if bias is not None:
                 out = out + bias  # a one-row F.linear adds the bias to the finished product
             return out.reshape(*x.shape[:-1], n)
-    return torch.cat([F.linear(x[i : i + 1].clone(), weight, bias) for i in range(x.shape[0])], dim=0)
+    return torch.cat([F.linear(x[i : i + 1].clone(), weight, bias) for i in range(rows)], dim=0)
 
 
-def _row_weight(weight: torch.Tensor, owner: Any) -> torch.Tensor | None:
-    """``weight`` [N, K] as a ``[1, K, P]`` view for :func:`row_linear` (P >= N: zero rows up to
+ROW_COPIES_MAX = 1 << 21  # elements of one weight's per-row copies kept for row_linear (8 MB)
+
+
+@dataclass(frozen=True, slots=True)
+class _RowWeight:
+    weight: torch.Tensor  # the parameter it was made from (identity and version checked)
+    version: int
+    rows: int  # how many rows ``batched`` serves (copies), or -1: any (a stride-0 view)
+    batched: torch.Tensor | None  # [rows, K, P] (copies) or [1, K, P]; None: no batched product
+
+
+def _row_weight(weight: torch.Tensor, owner: Any, rows: int) -> torch.Tensor | None:
+    """``weight`` [N, K] as ``[rows, K, P]`` for :func:`row_linear` (P >= N: zero rows up to
     BMM_MIN_ELEMENTS elements), or None where no batched product keeps a row's bits (N < 4: a
     one-row product of so few outputs takes other paths; measured for N = 1)."""
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape))
-    cached = getattr(owner, "_rows_weight", None) if owner is not None else None
-    if cached is not None and cached[0] == key:
-        return cached[1]  # type: ignore[no-any-return]
+    made = getattr(owner, "_rows_weight", None) if owner is not None else None
+    fresh = (
+        isinstance(made, _RowWeight)
+        and made.weight is weight
+        and made.version == weight._version
+        and (made.rows < 0 or made.rows >= rows)
+    )
+    if not fresh:
+        made = _make_row_weight(weight, rows)
+        if owner is not None:
+            owner._rows_weight = made
+    assert isinstance(made, _RowWeight)
+    if made.batched is None:
+        return None
+    if made.rows < 0:
+        return made.batched.expand(rows, -1, -1)
+    return made.batched[:rows]
+
+
+def _make_row_weight(weight: torch.Tensor, rows: int) -> _RowWeight:
     n, k = weight.shape
-    wt: torch.Tensor | None = None
-    if n >= MIN_GEMM_ROWS:
-        rows = max(n, -(-BMM_MIN_ELEMENTS // k))
-        padded = weight if rows == n else torch.cat([weight, weight.new_zeros(rows - n, k)])
-        wt = padded.t().unsqueeze(0)
-    if owner is not None:
-        owner._rows_weight = (key, wt)
-    return wt
+    version = weight._version
+    if n < MIN_GEMM_ROWS:
+        return _RowWeight(weight, version, -1, None)
+    outputs = max(n, -(-BMM_MIN_ELEMENTS // k))
+    padded = weight if outputs == n else torch.cat([weight, weight.new_zeros(outputs - n, k)])
+    capacity = max(rows, 16)
+    if capacity * outputs * k <= ROW_COPIES_MAX:
+        # Contiguous copies, transposed as F.linear reads its weight: bmm then runs each entry
+        # as a plain one-row product (faster than over a stride-0 view; the same bits).
+        copies = padded.unsqueeze(0).expand(capacity, -1, -1).contiguous().transpose(1, 2)
+        return _RowWeight(weight, version, capacity, copies)
+    return _RowWeight(weight, version, -1, padded.t().unsqueeze(0))
 
 
 def _row_exact_router(self: nn.Module, hidden_states: torch.Tensor) -> Any:

@@ -218,19 +218,31 @@ def test_code_predictor_rows_in_one_batched_cache_keep_their_bits(engines: Engin
 
 @pytest.mark.parametrize(
     ("outputs", "inputs", "bias"),
-    [(64, 64, False), (128, 64, False), (64, 128, False), (4, 64, False), (1, 64, False), (128, 64, True)],
+    [
+        (64, 64, False),
+        (128, 64, False),
+        (64, 128, False),
+        (4, 64, False),
+        (1, 64, False),
+        (128, 64, True),
+        (4096, 64, False),
+    ],
 )
 def test_row_linear_computes_every_row_as_the_row_alone(outputs: int, inputs: int, bias: bool) -> None:
-    """One broadcast batched product (a weight under 400 elements padded with zero rows: a MoE
-    router's 4 experts), a product with a bias, and the row-by-row fallback (one output): every
-    row's bits are F.linear's on that row alone, for [B, K] and [B, 1, K] rows."""
+    """One batched product over per-row copies of the weight (a weight under 400 elements
+    padded with zero rows: a MoE router's 4 experts; copies for more rows made when asked), over
+    a stride-0 view where copies would be large (4096 x 64), a product with a bias, and the
+    row-by-row fallback (one output): every row's bits are F.linear's on that row alone, for
+    [B, K] and [B, 1, K] rows, with and without a module keeping the prepared weight."""
     gen = torch.Generator().manual_seed(outputs + inputs)
     weight = torch.randn(outputs, inputs, generator=gen)
     b = torch.randn(outputs, generator=gen) if bias else None
-    for rows in (2, 3, 8, 16):
+    owner = torch.nn.Module()
+    for rows in (2, 3, 8, 16, 20, 5):
         x = torch.randn(rows, 1, inputs, generator=gen)
         alone = torch.cat([torch.nn.functional.linear(x[i : i + 1].clone(), weight, b) for i in range(rows)])
         for shaped, expect in ((x, alone), (x[:, 0], alone[:, 0])):
-            got = row_linear(shaped, weight, b)
-            assert got.shape == expect.shape
-            assert got.numpy().tobytes() == expect.numpy().tobytes()
+            for kept in (None, owner):
+                got = row_linear(shaped, weight, b, owner=kept)
+                assert got.shape == expect.shape
+                assert got.numpy().tobytes() == expect.numpy().tobytes()
