@@ -129,14 +129,13 @@ class TalkerEngine(ModelEngine):
                     talking.append((i, embeds))
                 outputs[i] = out
             self._talk_rows([batch[i].state for i, _ in talking], [e for _, e in talking])
-            for i, item in enumerate(batch):
-                if outputs[i] is None:
-                    state = item.state
-                    c0 = self._first_code(state)
-                    if c0 is None:
-                        outputs[i] = StepOutput(done=True)
-                    else:
-                        framing.append((i, state, c0))
+            choosing = [i for i in range(len(batch)) if outputs[i] is None]
+            c0s = self._first_codes([batch[i].state for i in choosing])
+            for i, c0 in zip(choosing, c0s, strict=True):
+                if c0 is None:
+                    outputs[i] = StepOutput(done=True)
+                else:
+                    framing.append((i, batch[i].state, c0))
             if framing:
                 codes, sums = self._residuals([s for _, s, _ in framing], [c for _, _, c in framing])
                 for row, (i, state, _c0) in enumerate(framing):
@@ -245,6 +244,42 @@ class TalkerEngine(ModelEngine):
             state.pending = None
             return None, row
         return None, None  # the hidden state is ready: sample this frame
+
+    def _first_codes(self, states: Sequence[TalkerState]) -> list[int | None]:
+        """:meth:`_first_code` of every state: the codec head over all rows in one row-exact
+        product, each row's repetition penalty on its own row, the suppression of all rows in
+        one masked_fill and the greedy rows' choice in one argmax (every row's bits its own)."""
+        if len(states) < 2:
+            return [self._first_code(state) for state in states]
+        loaded = self.loaded
+        hidden = torch.cat([s.hidden for s in states if s.hidden is not None], dim=0)
+        with RowExact():
+            logits = loaded.model.talker.codec_head(hidden)
+        logits = logits.reshape(len(states), -1).float()
+        rows = [
+            apply_repetition_penalty(logits[b], s.c0_history, s.sampling.repetition_penalty)
+            for b, s in enumerate(states)
+        ]
+        banned = self._banned
+        if banned is not None:
+            mask = banned.expand(len(states), -1)
+            early = [b for b, s in enumerate(states) if s.frames < s.min_frames]
+            if early:
+                mask = mask.clone()
+                mask[early, loaded.ids.codec_eos] = True
+            logits = torch.stack(rows).masked_fill(mask, float("-inf"))
+        else:
+            logits = torch.stack(rows)
+        picked = select_tokens(logits, [s.sampling for s in states], [s.generator for s in states])
+        codes: list[int | None] = []
+        for state, c0 in zip(states, picked, strict=True):
+            state.c0_history.append(c0)
+            if c0 == loaded.ids.codec_eos:
+                state.done = True
+                codes.append(None)
+            else:
+                codes.append(c0)
+        return codes
 
     def _first_code(self, state: TalkerState) -> int | None:
         """c0 from the codec head (repetition penalty, suppression); None at codec EOS."""
