@@ -51,8 +51,10 @@ def talker_prefill(
     accept_hidden: Mapping[int, torch.Tensor],
     first_token: int,
     speaker_id: int,
+    special: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The talker's prompt embeddings [1, L_user + 9, talker_hidden]."""
+    """The talker's prompt embeddings [1, L_user + 9, talker_hidden]. ``special``: the
+    :func:`special_text_rows` when the caller keeps them (they never change)."""
     ids = loaded.ids
     talker = loaded.model.talker
     mask = user_mask(prompt_ids, ids.im_start, ids.user)
@@ -71,7 +73,7 @@ def talker_prefill(
         states = torch.stack([accept_hidden[user_positions[i]] for i in mm_at]).unsqueeze(0)
         user_rows[0, mm_at] = talker.hidden_projection(states)[0].to(loaded.dtype)
 
-    tts_bos, _tts_eos, tts_pad = special_text_rows(loaded)
+    tts_bos, _tts_eos, tts_pad = special if special is not None else special_text_rows(loaded)
     header = project_tokens(loaded, [*prompt_ids[-3:], first_token])  # im_start assistant \n tok0
     text_channel = torch.cat([header[:, :3], tts_pad.expand(1, 4, -1), tts_bos, header[:, 3:4]], dim=1)
     codec_ids = torch.tensor(

@@ -96,6 +96,7 @@ class ThinkerEngine(ModelEngine):
         }
         self._tts_eos: np.ndarray | None = None
         self._eos_banned: torch.Tensor | None = None
+        self._special: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def sessions(self) -> SessionKVStore:
@@ -391,7 +392,12 @@ class ThinkerEngine(ModelEngine):
         items: list[Payload] = []
         if k == 0 and not is_eos:
             prefill = talker_prefill(
-                self.loaded, state.prompt.ids, state.accept_hidden, token, state.speaker_id
+                self.loaded,
+                state.prompt.ids,
+                state.accept_hidden,
+                token,
+                state.speaker_id,
+                special=self._special_rows(),
             )
             items.append(Embeddings(to_payload_array(prefill), role="talker_prefill"))
             state.talker_started = True
@@ -404,8 +410,14 @@ class ThinkerEngine(ModelEngine):
             items.append(Embeddings(self._tts_eos_row().copy(), role="tts_eos"))
         return items
 
+    def _special_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tts_bos, tts_eos, tts_pad through the talker's text projection, made once."""
+        if self._special is None:
+            self._special = special_text_rows(self.loaded)
+        return self._special
+
     def _tts_eos_row(self) -> np.ndarray:
         if self._tts_eos is None:
-            _bos, eos, _pad = special_text_rows(self.loaded)
+            _bos, eos, _pad = self._special_rows()
             self._tts_eos = to_payload_array(eos)
         return self._tts_eos
