@@ -64,6 +64,17 @@ class DropAhead:
 
 
 @dataclass(slots=True)
+class DropTranscript:
+    """The words of the pause of an earlier `PrepareTranscript` with this `key` are not needed:
+    the end-of-turn model's score there is below every bar words could lower it to, so the
+    pause does not end the turn on its decision. The driver gives the transcription up (a live
+    ASR that has not made it yet never does); a response that starts at that pause anyway (the
+    maximum pause) transcribes its audio as a response without a prepared transcript does."""
+
+    key: tuple[str, int]
+
+
+@dataclass(slots=True)
 class CancelResponse:
     """Cancel the pipeline request of `response_id` (the core already told the client)."""
 
@@ -161,6 +172,7 @@ Effect = (
     | PrepareTranscript
     | RespondAhead
     | DropAhead
+    | DropTranscript
     | CancelResponse
     | TranscribeInput
     | DetectSpeech

@@ -123,6 +123,11 @@ class TurnCues:
     def for_eagerness(eagerness: str) -> TurnCues:
         return TurnCues(threshold_for(eagerness), closed_threshold_for(eagerness))
 
+    def may_finish(self, probability: float) -> bool:
+        """Whether some words could end the turn at `probability` (below both bars none can:
+        the pause's transcript cannot change the decision)."""
+        return probability >= min(self.threshold, self.closed_threshold)
+
     def finished(self, probability: float, transcript: str | None) -> bool:
         cue = transcript_cue(transcript)
         if cue == "open":
@@ -138,6 +143,14 @@ class ScoreTurn:
     ref: str
     start: int
     end: int
+
+
+@dataclass(frozen=True, slots=True)
+class WordsUnneeded:
+    """The model's score leaves the pause `key` (item id, pause start) open whatever its words
+    say (`TurnCues.may_finish`): the transcript still on its way need not be made for it."""
+
+    key: tuple[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,10 +227,12 @@ class SemanticTurn:
 
     def on_score(
         self, ref: str, probability: float, item_id: str | None, pause: int | None, at: int
-    ) -> EndTurn | None:
+    ) -> EndTurn | WordsUnneeded | None:
         """The model's answer for `ref` (`at`: the end of the audio scored by the VAD so far);
         the turn ends now if it is the current pause's (still silent, same item), finished by
-        the cues (its transcript's, once it is there) and the silence long enough."""
+        the cues (its transcript's, once it is there) and the silence long enough. A score no
+        words could make finished while they are on their way: `WordsUnneeded` (the decision
+        is made without them)."""
         if ref != self._ref or self._asked is None:
             return None  # an older pause's, or after a reset
         self.scores = [*self.scores[-15:], probability]
@@ -225,6 +240,9 @@ class SemanticTurn:
             return None  # the user went on speaking (or the turn already ended)
         text = self._words(self._asked)
         if text is _PENDING:
+            if not self.cues.may_finish(probability):
+                self._coming = False  # unfinished: the maximum pause ends it, unless they go on
+                return WordsUnneeded(self._asked)
             self._held = probability  # decided when the transcript comes
             return None
         return self._decide(probability, text if isinstance(text, str) else None, at)

@@ -45,6 +45,7 @@ from session.realtime.effects import (
     CoreOutput,
     DetectSpeech,
     DropAhead,
+    DropTranscript,
     LiveAudio,
     LiveControl,
     LiveUpdate,
@@ -351,6 +352,8 @@ class RealtimeDriver:
             elif isinstance(effect, DropAhead):
                 if self._ahead is not None:
                     self._ahead.drop(effect.key)
+            elif isinstance(effect, DropTranscript):
+                self._drop_prepared(effect.key)
             elif isinstance(effect, CancelResponse):
                 resp = self._responses.get(effect.response_id)
                 if resp is not None:
@@ -386,7 +389,11 @@ class RealtimeDriver:
         handle = await self._orch.submit(
             {"audio": audio}, session_key=self.options.session_key, entry=caps.transcribe_entry
         )
-        payloads, status = await handle.collect()
+        try:
+            payloads, status = await handle.collect()
+        except asyncio.CancelledError:  # given up (`DropTranscript`): so is the request
+            await asyncio.shield(self._orch.cancel(handle.request_id))
+            raise
         if status.status != "completed":
             raise RuntimeError(status.error or f"transcription {status.status}")
         finals = [p.text for p in payloads if isinstance(p, Transcript) and p.final]
@@ -440,6 +447,15 @@ class RealtimeDriver:
         self.stats.transcripts_prepared += 1
         # An earlier one (the speaker went on after a pause) is left to finish unread.
         self._prepared = (effect.key, self._spawn(prepare(), f"prepare:{effect.key[0]}"))
+
+    def _drop_prepared(self, key: tuple[str, int]) -> None:
+        """The words of the pause `key` are not needed (`DropTranscript`): give them up (the
+        live ASR never makes them if it has not yet); a response at that pause transcribes
+        its audio in the pipeline."""
+        prepared = self._prepared
+        if prepared is not None and prepared[0] == key:
+            self._prepared = None
+            prepared[1].cancel()
 
     def _respond_ahead(self, effect: RespondAhead) -> None:
         prepared = self._prepared

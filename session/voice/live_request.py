@@ -193,6 +193,9 @@ class LiveRequest:
         except TimeoutError:  # never left waiting: the response's own ASR transcribes instead
             self.control(LiveControl("transcribe_cancel", {"ref": ref}))  # nor the stage for us
             return ""
+        except asyncio.CancelledError:  # given up (`DropTranscript`): the stage need not make it
+            self.control(LiveControl("transcribe_cancel", {"ref": ref}))  # (made already: a no-op)
+            raise
         finally:
             self._asked.pop(ref, None)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from session.realtime.effects import LiveControl, PrepareTranscript
+from session.realtime.effects import DropTranscript, LiveControl, PrepareTranscript
 from session.realtime.input_audio import SAMPLES_PER_MS
 from session.realtime.semantic_turn import (
     CLOSED_THRESHOLDS,
@@ -18,6 +18,7 @@ from session.realtime.semantic_turn import (
     ScoreTurn,
     SemanticTurn,
     TurnCues,
+    WordsUnneeded,
     transcript_cue,
 )
 from tests.session.realtime_harness import Harness, silence, tone, types
@@ -280,12 +281,31 @@ def test_a_score_waits_for_the_pause_transcript_which_may_veto_it() -> None:
     assert turn.on_score(ask.ref, 0.97, "item_1", 2000 * MS, 2200 * MS) is None
     words = "Book a flight to"
     assert turn.on_transcript(("item_1", 2000 * MS), words, "item_1", 2000 * MS, 2300 * MS) is None
-    # Words with a period do not end a turn the model calls unfinished.
+    # Words with a period do not end a turn the model calls unfinished: decided without them.
     ask = turn.on_frame("item_1", 0, 3000 * MS, 3200 * MS, transcript_coming=True)
     assert isinstance(ask, ScoreTurn)
-    assert turn.on_score(ask.ref, 0.4, "item_1", 3000 * MS, 3200 * MS) is None
+    assert turn.on_score(ask.ref, 0.4, "item_1", 3000 * MS, 3200 * MS) == WordsUnneeded(("item_1", 3000 * MS))
     words = "I would like to book a flight to me."
     assert turn.on_transcript(("item_1", 3000 * MS), words, "item_1", 3000 * MS, 3300 * MS) is None
+
+
+def test_words_are_unneeded_only_below_every_bar_they_could_lower_it_to() -> None:
+    cues = TurnCues(threshold=0.7, closed_threshold=0.5)
+    assert not cues.may_finish(0.49) and cues.may_finish(0.5) and cues.may_finish(0.9)
+    for p in (0.0, 0.49):  # no words end the turn here: the decision needs none
+        assert not any(cues.finished(p, w) for w in (None, "Book it.", "book it", "a flight to"))
+    turn = SemanticTurn(threshold=0.7, closed_threshold=0.5)
+    ask = turn.on_frame("item_1", 0, 1000 * MS, 1032 * MS, transcript_coming=True)
+    assert isinstance(ask, ScoreTurn)
+    assert turn.on_score(ask.ref, 0.55, "item_1", 1000 * MS, 1032 * MS) is None  # held: words may end it
+    # Words that came first, or none coming: nothing to give up.
+    assert turn.on_transcript(("item_1", 2000 * MS), "Book it", "item_1", 2000 * MS, 2000 * MS) is None
+    ask = turn.on_frame("item_1", 0, 2000 * MS, 2032 * MS, transcript_coming=True)
+    assert isinstance(ask, ScoreTurn)
+    assert turn.on_score(ask.ref, 0.1, "item_1", 2000 * MS, 2032 * MS) is None
+    ask = turn.on_frame("item_1", 0, 3000 * MS, 3032 * MS)
+    assert isinstance(ask, ScoreTurn)
+    assert turn.on_score(ask.ref, 0.1, "item_1", 3000 * MS, 3032 * MS) is None
 
 
 def test_a_transcript_before_the_score_is_used_and_a_missing_one_leaves_the_model() -> None:
@@ -357,3 +377,25 @@ def test_core_prepares_the_words_with_the_ask_and_closed_words_lower_the_bar() -
     h.take(h.core.on_turn_transcript(prepare.key, "Book a flight to Madrid.", h.now))
     h.take(h.core.on_turn_score(ask.params["ref"], CLOSED_THRESHOLDS["auto"] / 2, h.now))
     assert types(h.events).count("input_audio_buffer.speech_stopped") == 1
+
+
+def test_core_gives_up_the_words_of_a_pause_no_words_could_end() -> None:
+    h = _semantic(pipeline_transcribes_input=True)
+    h.append(tone(1.0))
+    h.append(silence(0.2))
+    (prepare,) = _prepares(h)
+    (ask,) = _asks(h)
+    h.take(h.core.on_turn_score(ask.params["ref"], CLOSED_THRESHOLDS["auto"] - 0.01, h.now))
+    assert [e for e in h.effects if isinstance(e, DropTranscript)] == [DropTranscript(prepare.key)]
+    h.take(h.core.on_turn_transcript(prepare.key, None, h.now))  # what a given-up ask answers
+    assert "input_audio_buffer.speech_stopped" not in types(h.events)
+    # The maximum pause still ends the turn; its response transcribes the audio itself.
+    h.append(silence(MAX_PAUSE_MS["auto"] / 1000))
+    assert types(h.events).count("input_audio_buffer.speech_stopped") == 1
+    assert h.started().params.get("audio") is not None
+    # A score the words could still make finished keeps them coming.
+    h.append(tone(1.0))
+    h.append(silence(0.2))
+    ask = _asks(h)[-1]
+    h.take(h.core.on_turn_score(ask.params["ref"], CLOSED_THRESHOLDS["auto"], h.now))
+    assert len([e for e in h.effects if isinstance(e, DropTranscript)]) == 1

@@ -1,0 +1,107 @@
+"""A pause transcript the session gives up (`DropTranscript`: the end-of-turn model's score
+leaves the pause open whatever its words) is cancelled on the live request too: the live ASR
+gets `transcribe_cancel` for it and never makes it. Real Silero VAD stage on the live request;
+the stage after it records the turn controls that reach it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import pytest
+
+from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
+from runtime.orchestrator import Orchestrator
+from runtime.payloads import TurnControl
+from runtime.registry import register_engine, unregister_engine
+from runtime.spec import parse_pipeline
+from session.realtime.core import CoreOptions, RealtimeSessionCore
+from session.realtime.effects import CoreOutput
+from session.realtime.ids import SequentialIds
+from session.voice.live_request import LiveEntry, LiveRequest
+
+pytestmark = pytest.mark.system
+
+PIPELINE = """
+name: asks
+entry: vad
+entries: {live: vad}
+stages:
+  - {name: vad, engine: "engines.speech.vad_stage:VadEngine"}
+  - {name: live_asr, engine: test.control_recorder}
+edges:
+  - {from: vad, to: live_asr}
+"""
+
+
+class ControlRecorder(Engine):
+    """A live ASR stage that answers nothing and records the turn controls reaching it."""
+
+    provides = frozenset({"input_transcription"})
+    seen: ClassVar[list[tuple[str, str]]] = []
+    lock = threading.Lock()
+
+    def start(self, request: EngineRequest) -> dict[str, Any]:
+        return {}
+
+    def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
+        for item in batch:
+            for chunk in item.chunks:
+                for payload in chunk.items:
+                    if isinstance(payload, TurnControl):
+                        with ControlRecorder.lock:
+                            ControlRecorder.seen.append((payload.kind, str(payload.params.get("ref"))))
+        return [StepOutput(wait_for_input=True) for _ in batch]
+
+
+@pytest.fixture(autouse=True)
+def recorder() -> Iterator[None]:
+    register_engine("test.control_recorder", ControlRecorder)
+    ControlRecorder.seen.clear()
+    yield
+    unregister_engine("test.control_recorder")
+
+
+async def reached(kind: str) -> str:
+    """The ref of the first `kind` control that reached the stage (waits up to 20 s)."""
+    for _ in range(1000):
+        with ControlRecorder.lock:
+            refs = [ref for k, ref in ControlRecorder.seen if k == kind]
+        if refs:
+            return refs[0]
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no {kind} reached the stage: {ControlRecorder.seen}")
+
+
+async def test_a_transcript_given_up_is_cancelled_on_the_live_asr() -> None:
+    orch = Orchestrator.from_spec(parse_pipeline(PIPELINE))
+    await orch.start()
+    core = RealtimeSessionCore(CoreOptions(new_id=SequentialIds()))
+    core.start(0.0, 1_700_000_000)
+
+    def apply(out: CoreOutput) -> None:
+        """Nothing to drive: only the transcript is asked here."""
+
+    live = LiveRequest(
+        orch,
+        LiveEntry("vad", 16_000, frames=True, transcribes=True),
+        core,
+        apply,
+        time.monotonic,
+        session_key="s",
+    )
+    task = asyncio.create_task(live.run())
+    try:
+        ask = asyncio.create_task(live.transcribe(0, 16_000, first=True))
+        ref = await reached("transcribe")
+        ask.cancel()  # the driver gives the words up
+        assert await reached("transcribe_cancel") == ref
+        with pytest.raises(asyncio.CancelledError):
+            await ask
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await orch.close()
