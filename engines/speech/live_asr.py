@@ -13,7 +13,11 @@ speech probability; the session marks its turns on that timeline with ``TurnCont
 * ``transcribe`` (``ref``, ``start``, ``end``): one final ``Transcript`` of that stretch, e.g.
   the turn so far once a pause may end it (the response then starts on that text). One step
   makes one of them: of every session's, the newest with ``first`` (an end-of-turn decision
-  waits on it, until its turn ends), else the oldest (a response waits on it).
+  waits on it, until its turn ends), else the oldest (a response waits on it). A ``first``
+  one is answered with the short encode's words at once, as a draft (``final=False``) where
+  the ASR's guard would redo them on the 30 s window (a third of this voice's pauses; the
+  decision reads where the words stop, which the redo hardly ever changes); the final words
+  follow from a later run, as a transcript only a response waits on.
   ``transcribe_cancel`` (``ref``): the session stopped waiting; never made.
   One the session no longer needs is answered with no words and never transcribed: a pause of
   an utterance the user spoke past (``spoken_past``, ``start``, ``end``: the session saw them go
@@ -89,6 +93,7 @@ class _Job:
     seq: int
     first: bool = False  # a decision waits on it (`first`): made before those without
     taken_at: float = field(default_factory=time.monotonic)  # for the stage's wait counter
+    drafted: bool = False  # its decision has a draft: the words a response reads are still due
 
     @property
     def rank(self) -> tuple[bool, int]:
@@ -180,17 +185,39 @@ class LiveAsrEngine(Engine):
             if first is not None and first[1] == i:
                 job = min((j for j in state.jobs if j.end <= state.end), key=lambda j: j.rank)
                 state.jobs.remove(job)
-                text = self._transcribe(state.span(job.start, job.end))
-                out.append(Transcript(text, final=True, ref=job.ref))
-                counters["transcripts"] = 1
-                # From the step that took the ask in to its transcript (what a decision waits).
-                counters["transcript_wait_ms"] = round((time.monotonic() - job.taken_at) * 1000)
+                counters.update(self._make(state, job, out))
             elif first is None:  # a partial skipped here is due again at the next step
                 self._partial(state, out)
             self._trim(state)
             more = any(job.end <= state.end for job in state.jobs)
             outputs.append(StepOutput(client=out, wait_for_input=not more, counters=counters))
         return outputs
+
+    def _make(self, state: LiveAsrState, job: _Job, out: list[Payload]) -> dict[str, int]:
+        """One Whisper run for `job`. A decision's (`first`) gets the short encode's words at
+        once: final when the guard finds them sound, else a draft (`final=False`) for the
+        decision, and the job stays, as one only a response waits on, for the 30 s window's
+        words (the final) in a later step."""
+        audio = state.span(job.start, job.end)
+        waited = {"transcript_wait_ms": round((time.monotonic() - job.taken_at) * 1000)}
+        if job.drafted:
+            out.append(Transcript(self._asr_model().transcribe_full(audio), final=True, ref=job.ref))
+            return {"transcripts": 1}
+        if not job.first:
+            out.append(Transcript(self._transcribe(audio), final=True, ref=job.ref))
+            return {"transcripts": 1, **waited}
+        text, final = self._asr_model().draft(audio) if len(audio) else ("", True)
+        out.append(Transcript(text, final=final, ref=job.ref))
+        if final:
+            return {"transcripts": 1, **waited}
+        job.first, job.drafted = False, True
+        state.jobs.append(job)
+        return {"transcript_drafts": 1, **waited}
+
+    def _asr_model(self) -> WhisperAsr:
+        if self._asr is None:
+            raise RuntimeError("LiveAsrEngine.load() must run before the first step")
+        return self._asr
 
     def _trim(self, state: LiveAsrState) -> None:
         utt = state.utterance
@@ -287,6 +314,4 @@ class LiveAsrEngine(Engine):
             utt.sent = len(agreed)
 
     def _transcribe(self, audio: np.ndarray) -> str:
-        if self._asr is None:
-            raise RuntimeError("LiveAsrEngine.load() must run before the first step")
-        return self._asr.transcribe(audio) if len(audio) else ""
+        return self._asr_model().transcribe(audio) if len(audio) else ""

@@ -429,10 +429,22 @@ class RealtimeDriver:
         if live is None and (caps is None or caps.transcribe_entry is None):
             return
 
+        drafted = False
+
+        def decide(text: str | None) -> None:  # semantic_vad decides on these words too
+            nonlocal drafted
+            if not drafted:
+                drafted = True
+                self.apply(self.core.on_turn_transcript(effect.key, text, self.now()))
+
         async def transcribe() -> str | None:
             try:
                 if live is not None:
-                    text = await live.transcribe(effect.start_sample, effect.key[1], first=effect.decides)
+                    # A decision reads the live ASR's draft where one comes first (the words
+                    # where they stop); a response reads the final words.
+                    draft = (lambda text: decide(text or None)) if effect.decides else None
+                    start, end = effect.start_sample, effect.key[1]
+                    text = await live.transcribe(start, end, first=effect.decides, draft=draft)
                     return text or None  # None: not transcribed (the response's ASR then does)
                 return await self._transcribe_audio(effect.audio)
             except Exception as exc:  # the response then transcribes in the pipeline as usual
@@ -440,8 +452,8 @@ class RealtimeDriver:
                 return None
 
         async def prepare() -> str | None:
-            text = await transcribe()  # semantic_vad decides on these words too
-            self.apply(self.core.on_turn_transcript(effect.key, text, self.now()))
+            text = await transcribe()
+            decide(text)
             return text
 
         self.stats.transcripts_prepared += 1

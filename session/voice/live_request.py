@@ -129,6 +129,7 @@ class LiveRequest:
         self._segments: deque[_Segment] = deque()  # of the current request (VAD frames)
         self._spans: deque[_Segment] = deque(maxlen=SPANS_MAX)  # ... scored or not (positions)
         self._asked: dict[str, asyncio.Future[str]] = {}  # `transcribe` refs awaiting their text
+        self._drafts: dict[str, Callable[[str], None]] = {}  # ... and who takes a draft of it
         self._asks = 0
         self._sent = 0  # input-rate samples handed on or dropped (where a new request starts)
         self._base = 0  # ... when the current request opened
@@ -175,14 +176,19 @@ class LiveRequest:
     def transcribes(self) -> bool:
         return self._entry.transcribes
 
-    async def transcribe(self, start: int, end: int, *, first: bool = False) -> str:
+    async def transcribe(
+        self, start: int, end: int, *, first: bool = False, draft: Callable[[str], None] | None = None
+    ) -> str:
         """The live ASR's final transcript of core timeline [start, end) (audio it already
         holds); "" when the live request ended before it answered, or after 10 s. `first`: a
-        decision waits for it (the stage makes it before those that only a response reads)."""
+        decision waits for it (the stage makes it before those that only a response reads);
+        `draft` is called with the stage's draft of it, if one comes before the final words."""
         self._asks += 1
         ref = f"t{self._asks}"
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._asked[ref] = future
+        if draft is not None:
+            self._drafts[ref] = draft
         params: dict[str, Any] = {"ref": ref, "start": start, "end": end}
         if first:
             params["first"] = True
@@ -198,6 +204,7 @@ class LiveRequest:
             raise
         finally:
             self._asked.pop(ref, None)
+            self._drafts.pop(ref, None)
 
     def _request_sample(self, core_sample: int) -> int:
         """Where core timeline `core_sample` lies on the current request's timeline (a sample
@@ -350,7 +357,11 @@ class LiveRequest:
                 self._apply(core.on_live_speech_stopped(sample, now))
         elif isinstance(out, Transcript) and out.ref is not None:
             future = self._asked.get(out.ref)
-            if future is not None:
+            if future is not None and not out.final:  # a draft: the final words follow
+                take = self._drafts.pop(out.ref, None)
+                if take is not None:
+                    take(out.text)
+            elif future is not None:
                 if not future.done():
                     future.set_result(out.text)
             else:  # the words of the item being spoken, while it is spoken

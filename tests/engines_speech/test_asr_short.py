@@ -170,6 +170,23 @@ def test_a_looping_short_decode_falls_back_to_the_30s_window(
     assert fallbacks >= 2, "the bare short encode used to loop on most of these sentences"
 
 
+def test_a_draft_is_the_short_encodes_words_and_says_whether_they_are_final(
+    asr: Any, speak16k: Callable[[str], np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`draft` (what an end-of-turn decision reads) never takes the 30 s window for a suspect
+    short transcript: it hands it over marked not final, and `transcribe` redoes it."""
+    audio = speak16k(TEST_SENTENCES[0])
+    assert asr.draft(audio) == (asr.transcribe(audio), True)  # sound: the final words at once
+    monkeypatch.setattr(asr, "_pad_states", asr._pad_states[:, :0])  # the looping short encode
+    drafts = [asr.draft(speak16k(sentence)) for sentence in TEST_SENTENCES[:5]]
+    suspect = [text for text, final in drafts if not final]
+    assert len(suspect) >= 2, "the bare short encode loops on most of these sentences"
+    before = asr.stats()["full"]
+    for sentence in TEST_SENTENCES[:5]:
+        asr.draft(speak16k(sentence))
+    assert asr.stats()["full"] == before  # a draft never runs the 30 s window for a suspect one
+
+
 def test_silence_is_dropped_on_the_short_path(asr: Any) -> None:
     text, delta = _short_only(asr, np.zeros(16000, dtype=np.float32))
     assert delta["short"] == 1

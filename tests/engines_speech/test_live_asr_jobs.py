@@ -27,10 +27,20 @@ class FakeWhisper:
 
     def __init__(self) -> None:
         self.runs: list[tuple[int, int]] = []
+        self.sure = True  # what `draft` says of its words (False: the guard would redo them)
+        self.full = 0  # runs on the 30 s window
 
     def transcribe(self, audio: np.ndarray) -> str:
         self.runs.append((int(audio[0]), len(audio)))
         return f"[{int(audio[0])}:{int(audio[0]) + len(audio)}]"
+
+    def draft(self, audio: np.ndarray) -> tuple[str, bool]:
+        text = self.transcribe(audio)
+        return (text, True) if self.sure else ("~" + text, False)
+
+    def transcribe_full(self, audio: np.ndarray) -> str:
+        self.full += 1
+        return self.transcribe(audio)
 
 
 def engine() -> tuple[LiveAsrEngine, FakeWhisper]:
@@ -179,3 +189,38 @@ def test_decisions_newest_first_a_turns_end_demotes_and_a_cancel_is_never_made()
     out = step(eng, (a, []), (b, []), (c, []))
     assert texts(out[0]) == [("a1", f"[0:{S // 4}]")]
     assert len(whisper.runs) == 3 and not any(texts(o) for o in out[1:])  # c1 never made
+
+
+def finals(out: StepOutput) -> list[tuple[str | None, str, bool]]:
+    return [(t.ref, t.text, t.final) for t in out.client if isinstance(t, Transcript)]
+
+
+def test_a_decision_gets_a_draft_at_once_and_the_final_words_after_the_other_decisions() -> None:
+    """A decision's words the ASR's guard would redo on the 30 s window come as a draft at
+    once (where the words stop is what the decision reads); the redo follows as a transcript
+    only a response waits on: behind the other sessions' decisions."""
+    eng, whisper = engine()
+    whisper.sure = False
+    a, b = start(eng), start(eng)
+    a_in = [*scored(0, 1.0, 0.9), control("transcribe", ref="a1", start=0, end=S // 2, first=True)]
+    out = step(eng, (a, a_in), (b, []))
+    assert finals(out[0]) == [("a1", f"~[0:{S // 2}]", False)] and out[0].wait_for_input is False
+    b_in = [*scored(0, 1.0, 0.9), control("transcribe", ref="b1", start=0, end=S // 4, first=True)]
+    whisper.sure = True
+    out = step(eng, (a, []), (b, b_in))
+    assert [finals(o) for o in out] == [[], [("b1", f"[0:{S // 4}]", True)]]
+    out = step(eng, (a, []), (b, []))
+    assert finals(out[0]) == [("a1", f"[0:{S // 2}]", True)] and whisper.full == 1
+    assert out[0].wait_for_input is True
+
+
+def test_the_final_words_of_a_pause_spoken_past_are_never_made() -> None:
+    eng, whisper = engine()
+    whisper.sure = False
+    a = start(eng)
+    a_in = [control("speech_started", ref="ia", start=0), *scored(0, 1.0, 0.9)]
+    a_in.append(control("transcribe", ref="a1", start=0, end=S // 2, first=True))
+    out = step(eng, (a, a_in))
+    assert finals(out[0]) == [("a1", f"~[0:{S // 2}]", False)]
+    out = step(eng, (a, [control("spoken_past", start=0, end=S // 2)]))
+    assert finals(out[0]) == [("a1", "", True)] and whisper.full == 0 and len(whisper.runs) == 1

@@ -1,7 +1,9 @@
-"""A pause transcript the session gives up (`DropTranscript`: the end-of-turn model's score
-leaves the pause open whatever its words) is cancelled on the live request too: the live ASR
-gets `transcribe_cancel` for it and never makes it. Real Silero VAD stage on the live request;
-the stage after it records the turn controls that reach it."""
+"""A pause transcript on the live request: a draft the live ASR sends before the final words
+goes to whoever reads drafts (the end-of-turn decision), the final words are the answer; one
+the session gives up (`DropTranscript`: the end-of-turn model's score leaves the pause open
+whatever its words) is cancelled on the live ASR too (`transcribe_cancel`: never made). Real
+Silero VAD stage on the live request; the stage after it records the turn controls that reach
+it and answers a `transcribe` with a draft and the final words when told to."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 
 from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
 from runtime.orchestrator import Orchestrator
-from runtime.payloads import TurnControl
+from runtime.payloads import Payload, Transcript, TurnControl
 from runtime.registry import register_engine, unregister_engine
 from runtime.spec import parse_pipeline
 from session.realtime.core import CoreOptions, RealtimeSessionCore
@@ -42,25 +44,34 @@ class ControlRecorder(Engine):
 
     provides = frozenset({"input_transcription"})
     seen: ClassVar[list[tuple[str, str]]] = []
+    answer = False  # answer a `transcribe`: a draft, then the final words
     lock = threading.Lock()
 
     def start(self, request: EngineRequest) -> dict[str, Any]:
         return {}
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
+        outputs = []
         for item in batch:
+            out: list[Payload] = []
             for chunk in item.chunks:
                 for payload in chunk.items:
                     if isinstance(payload, TurnControl):
+                        ref = str(payload.params.get("ref"))
                         with ControlRecorder.lock:
-                            ControlRecorder.seen.append((payload.kind, str(payload.params.get("ref"))))
-        return [StepOutput(wait_for_input=True) for _ in batch]
+                            ControlRecorder.seen.append((payload.kind, ref))
+                        if payload.kind == "transcribe" and ControlRecorder.answer:
+                            out += [Transcript("book a fight", final=False, ref=ref)]
+                            out += [Transcript("book a flight", final=True, ref=ref)]
+            outputs.append(StepOutput(client=out, wait_for_input=True))
+        return outputs
 
 
 @pytest.fixture(autouse=True)
 def recorder() -> Iterator[None]:
     register_engine("test.control_recorder", ControlRecorder)
     ControlRecorder.seen.clear()
+    ControlRecorder.answer = False
     yield
     unregister_engine("test.control_recorder")
 
@@ -76,7 +87,7 @@ async def reached(kind: str) -> str:
     raise AssertionError(f"no {kind} reached the stage: {ControlRecorder.seen}")
 
 
-async def test_a_transcript_given_up_is_cancelled_on_the_live_asr() -> None:
+async def live_request() -> tuple[Orchestrator, LiveRequest]:
     orch = Orchestrator.from_spec(parse_pipeline(PIPELINE))
     await orch.start()
     core = RealtimeSessionCore(CoreOptions(new_id=SequentialIds()))
@@ -93,6 +104,26 @@ async def test_a_transcript_given_up_is_cancelled_on_the_live_asr() -> None:
         time.monotonic,
         session_key="s",
     )
+    return orch, live
+
+
+async def test_a_draft_goes_to_its_reader_and_the_final_words_are_the_answer() -> None:
+    ControlRecorder.answer = True
+    orch, live = await live_request()
+    task = asyncio.create_task(live.run())
+    drafts: list[str] = []
+    try:
+        text = await live.transcribe(0, 16_000, first=True, draft=drafts.append)
+        assert (drafts, text) == (["book a fight"], "book a flight")
+        assert await live.transcribe(0, 16_000) == "book a flight"  # no reader: the final alone
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await orch.close()
+
+
+async def test_a_transcript_given_up_is_cancelled_on_the_live_asr() -> None:
+    orch, live = await live_request()
     task = asyncio.create_task(live.run())
     try:
         ask = asyncio.create_task(live.transcribe(0, 16_000, first=True))
