@@ -255,18 +255,19 @@ def row_linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with every row of ``x`` (dim 0) computed as that row alone
     computes it. One token per row (``[B, K]`` or ``[B, 1, K]``) and at least 4 outputs: one
-    batched product whose every entry is the one-row GEMV of ``F.linear`` (each entry its own
-    copy of the weight in ``F.linear``'s layout, or a stride-0 view of it where copies would be
-    large; a weight of fewer than :data:`BMM_MIN_ELEMENTS` elements is padded with zero rows up to
-    it, which leaves the real outputs' bits as they are, so the product does not take bmm's naive
-    small kernel); anything else row by row. ``owner`` (the module holding ``weight``) keeps the
-    prepared weight between calls."""
+    ``bmm`` over a stride-0 view of the transposed weight, whose every entry is the one-row GEMV
+    of ``F.linear`` (a weight of fewer than :data:`BMM_MIN_ELEMENTS` elements is padded with zero
+    rows up to it, which leaves the real outputs' bits as they are, so the product does not take
+    bmm's naive small kernel); anything else row by row. ``owner`` (the module holding ``weight``)
+    keeps the prepared view between calls. (Per-row contiguous copies of the weight made each
+    product faster alone but a batched talker frame slower: eight copies of every weight do not
+    stay in cache.)"""
     one_token = x.dim() == 2 or (x.dim() == 3 and x.shape[1] == 1)
     rows = x.shape[0]
     if one_token:
-        wt = _row_weight(weight, owner, rows)
+        wt = _row_weight(weight, owner)
         if wt is not None:
-            out = torch.bmm(x.reshape(rows, 1, -1), wt)
+            out = torch.bmm(x.reshape(rows, 1, -1), wt.expand(rows, -1, -1))
             n = weight.shape[0]
             if out.shape[-1] != n:
                 out = out[..., :n]
@@ -276,54 +277,29 @@ def row_linear(
     return torch.cat([F.linear(x[i : i + 1].clone(), weight, bias) for i in range(rows)], dim=0)
 
 
-ROW_COPIES_MAX = 1 << 21  # elements of one weight's per-row copies kept for row_linear (8 MB)
-
-
 @dataclass(frozen=True, slots=True)
 class _RowWeight:
     weight: torch.Tensor  # the parameter it was made from (identity and version checked)
     version: int
-    rows: int  # how many rows ``batched`` serves (copies), or -1: any (a stride-0 view)
-    batched: torch.Tensor | None  # [rows, K, P] (copies) or [1, K, P]; None: no batched product
+    transposed: torch.Tensor | None  # [1, K, P]; None: no batched product keeps the bits
 
 
-def _row_weight(weight: torch.Tensor, owner: Any, rows: int) -> torch.Tensor | None:
-    """``weight`` [N, K] as ``[rows, K, P]`` for :func:`row_linear` (P >= N: zero rows up to
+def _row_weight(weight: torch.Tensor, owner: Any) -> torch.Tensor | None:
+    """``weight`` [N, K] as a ``[1, K, P]`` view for :func:`row_linear` (P >= N: zero rows up to
     BMM_MIN_ELEMENTS elements), or None where no batched product keeps a row's bits (N < 4: a
     one-row product of so few outputs takes other paths; measured for N = 1)."""
     made = getattr(owner, "_rows_weight", None) if owner is not None else None
-    fresh = (
-        isinstance(made, _RowWeight)
-        and made.weight is weight
-        and made.version == weight._version
-        and (made.rows < 0 or made.rows >= rows)
-    )
-    if not fresh:
-        made = _make_row_weight(weight, rows)
+    if not (isinstance(made, _RowWeight) and made.weight is weight and made.version == weight._version):
+        n, k = weight.shape
+        transposed = None
+        if n >= MIN_GEMM_ROWS:
+            outputs = max(n, -(-BMM_MIN_ELEMENTS // k))
+            padded = weight if outputs == n else torch.cat([weight, weight.new_zeros(outputs - n, k)])
+            transposed = padded.t().unsqueeze(0)
+        made = _RowWeight(weight, weight._version, transposed)
         if owner is not None:
             owner._rows_weight = made
-    assert isinstance(made, _RowWeight)
-    if made.batched is None:
-        return None
-    if made.rows < 0:
-        return made.batched.expand(rows, -1, -1)
-    return made.batched[:rows]
-
-
-def _make_row_weight(weight: torch.Tensor, rows: int) -> _RowWeight:
-    n, k = weight.shape
-    version = weight._version
-    if n < MIN_GEMM_ROWS:
-        return _RowWeight(weight, version, -1, None)
-    outputs = max(n, -(-BMM_MIN_ELEMENTS // k))
-    padded = weight if outputs == n else torch.cat([weight, weight.new_zeros(outputs - n, k)])
-    capacity = max(rows, 16)
-    if capacity * outputs * k <= ROW_COPIES_MAX:
-        # Contiguous copies, transposed as F.linear reads its weight: bmm then runs each entry
-        # as a plain one-row product (faster than over a stride-0 view; the same bits).
-        copies = padded.unsqueeze(0).expand(capacity, -1, -1).contiguous().transpose(1, 2)
-        return _RowWeight(weight, version, capacity, copies)
-    return _RowWeight(weight, version, -1, padded.t().unsqueeze(0))
+    return made.transposed
 
 
 def _row_exact_router(self: nn.Module, hidden_states: torch.Tensor) -> Any:

@@ -229,11 +229,10 @@ def test_code_predictor_rows_in_one_batched_cache_keep_their_bits(engines: Engin
     ],
 )
 def test_row_linear_computes_every_row_as_the_row_alone(outputs: int, inputs: int, bias: bool) -> None:
-    """One batched product over per-row copies of the weight (a weight under 400 elements
-    padded with zero rows: a MoE router's 4 experts; copies for more rows made when asked), over
-    a stride-0 view where copies would be large (4096 x 64), a product with a bias, and the
-    row-by-row fallback (one output): every row's bits are F.linear's on that row alone, for
-    [B, K] and [B, 1, K] rows, with and without a module keeping the prepared weight."""
+    """One batched product over a stride-0 view of the weight (a weight under 400 elements
+    padded with zero rows: a MoE router's 4 experts), a product with a bias, and the row-by-row
+    fallback (one output): every row's bits are F.linear's on that row alone, for [B, K] and
+    [B, 1, K] rows, with and without a module keeping the prepared weight."""
     gen = torch.Generator().manual_seed(outputs + inputs)
     weight = torch.randn(outputs, inputs, generator=gen)
     b = torch.randn(outputs, generator=gen) if bias else None
