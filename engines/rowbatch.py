@@ -254,20 +254,21 @@ def row_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, owner: Any = None
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with every row of ``x`` (dim 0) computed as that row alone
-    computes it. One token per row (``[B, K]`` or ``[B, 1, K]``) and at least 4 outputs: one
-    ``bmm`` over a stride-0 view of the transposed weight, whose every entry is the one-row GEMV
-    of ``F.linear`` (a weight of fewer than :data:`BMM_MIN_ELEMENTS` elements is padded with zero
-    rows up to it, which leaves the real outputs' bits as they are, so the product does not take
-    bmm's naive small kernel); anything else row by row. ``owner`` (the module holding ``weight``)
-    keeps the prepared view between calls. (Per-row contiguous copies of the weight made each
-    product faster alone but a batched talker frame slower: eight copies of every weight do not
-    stay in cache.)"""
-    one_token = x.dim() == 2 or (x.dim() == 3 and x.shape[1] == 1)
+    computes it. Rows ``[B, K]`` (a token each) or ``[B, T, K]`` (T tokens each) and at least 4
+    outputs: one ``bmm`` over a stride-0 view of the transposed weight, whose every entry is the
+    product ``F.linear`` runs on that row alone (a weight of fewer than :data:`BMM_MIN_ELEMENTS`
+    elements is padded with zero rows up to it, which leaves the real outputs' bits as they are,
+    so the product does not take bmm's naive small kernel); anything else row by row. ``owner``
+    (the module holding ``weight``) keeps the prepared view between calls. (Per-row contiguous
+    copies of the weight made each product faster alone but a batched talker frame slower:
+    eight copies of every weight do not stay in cache.)"""
     rows = x.shape[0]
-    if one_token:
+    # A bias is added after the product only where that was checked: one token per row.
+    if x.dim() == 2 or (x.dim() == 3 and (bias is None or x.shape[1] == 1)):
         wt = _row_weight(weight, owner)
         if wt is not None:
-            out = torch.bmm(x.reshape(rows, 1, -1), wt.expand(rows, -1, -1))
+            # [B, K]: one token per row; [B, T, K]: each row's T tokens, one GEMM each as alone
+            out = torch.bmm(x.reshape(rows, -1, x.shape[-1]), wt.expand(rows, -1, -1))
             n = weight.shape[0]
             if out.shape[-1] != n:
                 out = out[..., :n]

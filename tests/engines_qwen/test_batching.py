@@ -231,16 +231,17 @@ def test_code_predictor_rows_in_one_batched_cache_keep_their_bits(engines: Engin
 def test_row_linear_computes_every_row_as_the_row_alone(outputs: int, inputs: int, bias: bool) -> None:
     """One batched product over a stride-0 view of the weight (a weight under 400 elements
     padded with zero rows: a MoE router's 4 experts), a product with a bias, and the row-by-row
-    fallback (one output): every row's bits are F.linear's on that row alone, for [B, K] and
-    [B, 1, K] rows, with and without a module keeping the prepared weight."""
+    fallback (one output): every row's bits are F.linear's on that row alone, for [B, K],
+    [B, 1, K] and [B, T, K] rows (T tokens each: the code predictor's 2-position first pass,
+    code2wav's windows), with and without a module keeping the prepared weight."""
     gen = torch.Generator().manual_seed(outputs + inputs)
     weight = torch.randn(outputs, inputs, generator=gen)
     b = torch.randn(outputs, generator=gen) if bias else None
     owner = torch.nn.Module()
-    for rows in (2, 3, 8, 16, 20, 5):
-        x = torch.randn(rows, 1, inputs, generator=gen)
+    for rows, tokens in ((2, 1), (3, 1), (8, 1), (16, 1), (20, 1), (5, 1), (8, 2), (4, 29), (3, 75)):
+        x = torch.randn(rows, tokens, inputs, generator=gen)
         alone = torch.cat([torch.nn.functional.linear(x[i : i + 1].clone(), weight, b) for i in range(rows)])
-        for shaped, expect in ((x, alone), (x[:, 0], alone[:, 0])):
+        for shaped, expect in ((x, alone), (x[:, 0], alone[:, 0])) if tokens == 1 else ((x, alone),):
             for kept in (None, owner):
                 got = row_linear(shaped, weight, b, owner=kept)
                 assert got.shape == expect.shape
