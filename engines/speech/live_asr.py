@@ -94,13 +94,18 @@ class _Job:
     first: bool = False  # a decision waits on it (`first`): made before those without
     taken_at: float = field(default_factory=time.monotonic)  # for the stage's wait counter
     drafted: bool = False  # its decision has a draft: the words a response reads are still due
+    needed: bool = False  # its decision's score is back and waits for these words
 
     @property
-    def rank(self) -> tuple[bool, int]:
-        """The order jobs are made in: those a decision waits on, the newest first (under
-        load an old one is past its decision's maximum pause, a new one can still end its turn
-        in time); then the others, the oldest first (a response waits on each)."""
-        return (False, -self.seq) if self.first else (True, self.seq)
+    def rank(self) -> tuple[int, int]:
+        """The order jobs are made in: those a decision is known to wait on (its score is
+        back: `transcribe_needed`), the oldest first; then the others a decision may wait on,
+        the newest first (under load an old one is past its decision's maximum pause, a new
+        one can still end its turn in time); then the rest, the oldest first (a response
+        waits on each)."""
+        if self.first and self.needed:
+            return (0, self.seq)
+        return (1, -self.seq) if self.first else (2, self.seq)
 
 
 @dataclass(slots=True)
@@ -271,6 +276,9 @@ class LiveAsrEngine(Engine):
             # began at `start`: that pause did not end the turn.
             start, end = int(params.get("start", -1)), int(params.get("end", -1))
             self._drop(state, lambda old: old.start == start and old.end <= end)
+        elif control.kind == "transcribe_needed":  # the decision's score is back, waiting for it
+            for job in state.jobs:
+                job.needed = job.needed or job.ref == params.get("ref")
         elif control.kind == "transcribe_cancel":  # the session stopped waiting for it
             state.jobs = [job for job in state.jobs if job.ref != params.get("ref")]
         elif control.kind == "speech_stopped":

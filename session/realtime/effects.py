@@ -75,6 +75,15 @@ class DropTranscript:
 
 
 @dataclass(slots=True)
+class NeedTranscript:
+    """The end-of-turn model's score of the pause of an earlier `PrepareTranscript` with this
+    `key` ends the turn if its words allow it (the decision waits for them): a live ASR with a
+    backlog makes them before the words of pauses whose score it does not know yet."""
+
+    key: tuple[str, int]
+
+
+@dataclass(slots=True)
 class CancelResponse:
     """Cancel the pipeline request of `response_id` (the core already told the client)."""
 
@@ -173,6 +182,7 @@ Effect = (
     | RespondAhead
     | DropAhead
     | DropTranscript
+    | NeedTranscript
     | CancelResponse
     | TranscribeInput
     | DetectSpeech

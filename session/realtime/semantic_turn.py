@@ -154,6 +154,14 @@ class WordsUnneeded:
 
 
 @dataclass(frozen=True, slots=True)
+class WordsAwaited:
+    """The model's score of the pause `key` ends the turn if its words allow it: the decision
+    waits for the transcript on its way (the sooner it comes, the sooner the turn ends)."""
+
+    key: tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
 class EndTurn:
     """The model called the turn finished: end it at the pause that began at `pause`."""
 
@@ -227,12 +235,12 @@ class SemanticTurn:
 
     def on_score(
         self, ref: str, probability: float, item_id: str | None, pause: int | None, at: int
-    ) -> EndTurn | WordsUnneeded | None:
+    ) -> EndTurn | WordsUnneeded | WordsAwaited | None:
         """The model's answer for `ref` (`at`: the end of the audio scored by the VAD so far);
         the turn ends now if it is the current pause's (still silent, same item), finished by
         the cues (its transcript's, once it is there) and the silence long enough. A score no
         words could make finished while they are on their way: `WordsUnneeded` (the decision
-        is made without them)."""
+        is made without them); any other then: `WordsAwaited` (it waits for them)."""
         if ref != self._ref or self._asked is None:
             return None  # an older pause's, or after a reset
         self.scores = [*self.scores[-15:], probability]
@@ -244,7 +252,7 @@ class SemanticTurn:
                 self._coming = False  # unfinished: the maximum pause ends it, unless they go on
                 return WordsUnneeded(self._asked)
             self._held = probability  # decided when the transcript comes
-            return None
+            return WordsAwaited(self._asked)
         return self._decide(probability, text if isinstance(text, str) else None, at)
 
     def on_transcript(

@@ -15,10 +15,17 @@ import numpy as np
 
 from session.realtime.config import TurnDetection
 from session.realtime.core_state import CoreState, IdleTimeout
-from session.realtime.effects import DropAhead, DropTranscript, LiveControl, PrepareTranscript, RespondAhead
+from session.realtime.effects import (
+    DropAhead,
+    DropTranscript,
+    LiveControl,
+    NeedTranscript,
+    PrepareTranscript,
+    RespondAhead,
+)
 from session.realtime.input_audio import FRAME, SAMPLES_PER_MS, ms_of
 from session.realtime.response_control import ResponseControl
-from session.realtime.semantic_turn import EndTurn, SemanticTurn, WordsUnneeded, max_pause_ms
+from session.realtime.semantic_turn import EndTurn, SemanticTurn, WordsAwaited, WordsUnneeded, max_pause_ms
 from session.realtime.turn_live import TurnParts
 from session.realtime.turns import SpeechDetector, SpeechStarted, SpeechStopped
 from session.realtime.user_audio import UserAudio
@@ -113,11 +120,12 @@ class VadTurns(TurnParts):
             return
         at = self.user.input.first_unscored
         end = self.semantic.on_score(ref, probability, self.speech_item_id, self.vad.silence_start, at)
-        if isinstance(end, WordsUnneeded):
-            # No words can end the turn here: a live ASR with a backlog makes the words of the
-            # pauses that can first (a response at the maximum pause transcribes its audio).
+        if isinstance(end, WordsUnneeded | WordsAwaited):
+            # The words decide (a live ASR with a backlog makes them first) or cannot (given
+            # up: a response at the maximum pause transcribes its audio).
             if self.prepared == end.key:
-                self.state.out.effect(DropTranscript(end.key))
+                verdict = NeedTranscript if isinstance(end, WordsAwaited) else DropTranscript
+                self.state.out.effect(verdict(end.key))
             return
         self._end_turn(end, td, now)
 

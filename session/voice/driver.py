@@ -49,6 +49,7 @@ from session.realtime.effects import (
     LiveAudio,
     LiveControl,
     LiveUpdate,
+    NeedTranscript,
     PlayAudio,
     PrepareTranscript,
     RespondAhead,
@@ -354,6 +355,10 @@ class RealtimeDriver:
                     self._ahead.drop(effect.key)
             elif isinstance(effect, DropTranscript):
                 self._drop_prepared(effect.key)
+            elif isinstance(effect, NeedTranscript):
+                prepared = self._prepared
+                if self.live is not None and prepared is not None and prepared[0] == effect.key:
+                    self.live.need(effect.key[1])
             elif isinstance(effect, CancelResponse):
                 resp = self._responses.get(effect.response_id)
                 if resp is not None:

@@ -130,6 +130,7 @@ class LiveRequest:
         self._spans: deque[_Segment] = deque(maxlen=SPANS_MAX)  # ... scored or not (positions)
         self._asked: dict[str, asyncio.Future[str]] = {}  # `transcribe` refs awaiting their text
         self._drafts: dict[str, Callable[[str], None]] = {}  # ... and who takes a draft of it
+        self._ends: dict[int, str] = {}  # ... by where their stretch ends (`need`)
         self._asks = 0
         self._sent = 0  # input-rate samples handed on or dropped (where a new request starts)
         self._base = 0  # ... when the current request opened
@@ -189,6 +190,7 @@ class LiveRequest:
         self._asked[ref] = future
         if draft is not None:
             self._drafts[ref] = draft
+        self._ends[end] = ref
         params: dict[str, Any] = {"ref": ref, "start": start, "end": end}
         if first:
             params["first"] = True
@@ -205,6 +207,15 @@ class LiveRequest:
         finally:
             self._asked.pop(ref, None)
             self._drafts.pop(ref, None)
+            if self._ends.get(end) == ref:
+                del self._ends[end]
+
+    def need(self, end: int) -> None:
+        """A decision waits for the transcript asked of the stretch ending at `end`: the live
+        ASR makes it before those whose need it does not know (`transcribe_needed`)."""
+        ref = self._ends.get(end)
+        if ref is not None:
+            self.control(LiveControl("transcribe_needed", {"ref": ref}))
 
     def _request_sample(self, core_sample: int) -> int:
         """Where core timeline `core_sample` lies on the current request's timeline (a sample

@@ -224,3 +224,21 @@ def test_the_final_words_of_a_pause_spoken_past_are_never_made() -> None:
     assert finals(out[0]) == [("a1", f"~[0:{S // 2}]", False)]
     out = step(eng, (a, [control("spoken_past", start=0, end=S // 2)]))
     assert finals(out[0]) == [("a1", "", True)] and whisper.full == 0 and len(whisper.runs) == 1
+
+
+def test_a_decision_known_to_wait_goes_before_newer_ones_whose_score_is_not_back() -> None:
+    """`transcribe_needed`: the decision's score came back and waits for these words; of the
+    asks a decision may wait on, such ones go first (the oldest first), ahead of newer ones
+    whose pause the model may yet call unfinished."""
+    eng, _ = engine()
+    a, b, c = start(eng), start(eng), start(eng)
+    a_in = [*scored(0, 1.0, 0.9), control("transcribe", ref="a1", start=0, end=S // 4, first=True)]
+    b_in = [*scored(0, 1.0, 0.9), control("transcribe", ref="b1", start=0, end=S // 2, first=True)]
+    b_in.append(control("transcribe_needed", ref="b1"))
+    c_in = [*scored(0, 1.0, 0.9), control("transcribe", ref="c1", start=0, end=S // 2, first=True)]
+    out = step(eng, (a, a_in), (b, b_in), (c, c_in))
+    assert [texts(o) for o in out] == [[], [("b1", f"[0:{S // 2}]")], []]  # not c1, the newest
+    out = step(eng, (a, [control("transcribe_needed", ref="a1")]), (b, []), (c, []))
+    assert [texts(o) for o in out] == [[("a1", f"[0:{S // 4}]")], [], []]
+    out = step(eng, (a, []), (b, []), (c, []))
+    assert [texts(o) for o in out] == [[], [], [("c1", f"[0:{S // 2}]")]]

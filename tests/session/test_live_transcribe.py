@@ -1,6 +1,7 @@
 """A pause transcript on the live request: a draft the live ASR sends before the final words
 goes to whoever reads drafts (the end-of-turn decision), the final words are the answer; one
-the session gives up (`DropTranscript`: the end-of-turn model's score leaves the pause open
+the decision awaits is marked so (`transcribe_needed`: made before others); one the session
+gives up (`DropTranscript`: the end-of-turn model's score leaves the pause open
 whatever its words) is cancelled on the live ASR too (`transcribe_cancel`: never made). Real
 Silero VAD stage on the live request; the stage after it records the turn controls that reach
 it and answers a `transcribe` with a draft and the final words when told to."""
@@ -122,12 +123,14 @@ async def test_a_draft_goes_to_its_reader_and_the_final_words_are_the_answer() -
         await orch.close()
 
 
-async def test_a_transcript_given_up_is_cancelled_on_the_live_asr() -> None:
+async def test_a_transcript_awaited_is_marked_needed_and_one_given_up_is_cancelled() -> None:
     orch, live = await live_request()
     task = asyncio.create_task(live.run())
     try:
         ask = asyncio.create_task(live.transcribe(0, 16_000, first=True))
         ref = await reached("transcribe")
+        live.need(16_000)  # its decision's score is back and awaits the words: made first
+        assert await reached("transcribe_needed") == ref
         ask.cancel()  # the driver gives the words up
         assert await reached("transcribe_cancel") == ref
         with pytest.raises(asyncio.CancelledError):

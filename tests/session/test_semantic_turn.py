@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from session.realtime.effects import DropTranscript, LiveControl, PrepareTranscript
+from session.realtime.effects import DropTranscript, LiveControl, NeedTranscript, PrepareTranscript
 from session.realtime.input_audio import SAMPLES_PER_MS
 from session.realtime.semantic_turn import (
     CLOSED_THRESHOLDS,
@@ -18,6 +18,7 @@ from session.realtime.semantic_turn import (
     ScoreTurn,
     SemanticTurn,
     TurnCues,
+    WordsAwaited,
     WordsUnneeded,
     transcript_cue,
 )
@@ -272,13 +273,14 @@ def test_a_score_waits_for_the_pause_transcript_which_may_veto_it() -> None:
     turn = SemanticTurn(threshold=0.7, closed_threshold=0.7)
     ask = turn.on_frame("item_1", 0, 1000 * MS, 1200 * MS, transcript_coming=True)
     assert isinstance(ask, ScoreTurn)
-    assert turn.on_score(ask.ref, 0.8, "item_1", 1000 * MS, 1200 * MS) is None  # held for the words
+    held = turn.on_score(ask.ref, 0.8, "item_1", 1000 * MS, 1200 * MS)
+    assert held == WordsAwaited(("item_1", 1000 * MS))  # held for the words
     end = turn.on_transcript(("item_1", 1000 * MS), "Book it.", "item_1", 1000 * MS, 1300 * MS)
     assert end == EndTurn("item_1", 1000 * MS, 0.8)
     # An open transcript keeps a confident score from ending the turn.
     ask = turn.on_frame("item_1", 0, 2000 * MS, 2200 * MS, transcript_coming=True)
     assert isinstance(ask, ScoreTurn)
-    assert turn.on_score(ask.ref, 0.97, "item_1", 2000 * MS, 2200 * MS) is None
+    assert turn.on_score(ask.ref, 0.97, "item_1", 2000 * MS, 2200 * MS) == WordsAwaited(("item_1", 2000 * MS))
     words = "Book a flight to"
     assert turn.on_transcript(("item_1", 2000 * MS), words, "item_1", 2000 * MS, 2300 * MS) is None
     # Words with a period do not end a turn the model calls unfinished: decided without them.
@@ -297,7 +299,8 @@ def test_words_are_unneeded_only_below_every_bar_they_could_lower_it_to() -> Non
     turn = SemanticTurn(threshold=0.7, closed_threshold=0.5)
     ask = turn.on_frame("item_1", 0, 1000 * MS, 1032 * MS, transcript_coming=True)
     assert isinstance(ask, ScoreTurn)
-    assert turn.on_score(ask.ref, 0.55, "item_1", 1000 * MS, 1032 * MS) is None  # held: words may end it
+    held = turn.on_score(ask.ref, 0.55, "item_1", 1000 * MS, 1032 * MS)
+    assert held == WordsAwaited(("item_1", 1000 * MS))  # words may end it: they are awaited
     # Words that came first, or none coming: nothing to give up.
     assert turn.on_transcript(("item_1", 2000 * MS), "Book it", "item_1", 2000 * MS, 2000 * MS) is None
     ask = turn.on_frame("item_1", 0, 2000 * MS, 2032 * MS, transcript_coming=True)
@@ -317,14 +320,14 @@ def test_a_transcript_before_the_score_is_used_and_a_missing_one_leaves_the_mode
     assert end == EndTurn("item_1", 1000 * MS, 0.75)
     ask = turn.on_frame("item_2", 0, 3000 * MS, 3200 * MS, transcript_coming=True)
     assert isinstance(ask, ScoreTurn)
-    assert turn.on_score(ask.ref, 0.8, "item_2", 3000 * MS, 3200 * MS) is None
+    assert turn.on_score(ask.ref, 0.8, "item_2", 3000 * MS, 3200 * MS) == WordsAwaited(("item_2", 3000 * MS))
     # Not transcribed (the ASR failed): the model decides alone.
     end = turn.on_transcript(("item_2", 3000 * MS), None, "item_2", 3000 * MS, 3300 * MS)
     assert end == EndTurn("item_2", 3000 * MS, 0.8)
     # The user spoke again before the words came: the held score is stale.
     ask = turn.on_frame("item_2", 0, 4000 * MS, 4200 * MS, transcript_coming=True)
     assert isinstance(ask, ScoreTurn)
-    assert turn.on_score(ask.ref, 0.9, "item_2", 4000 * MS, 4200 * MS) is None
+    assert turn.on_score(ask.ref, 0.9, "item_2", 4000 * MS, 4200 * MS) == WordsAwaited(("item_2", 4000 * MS))
     assert turn.on_transcript(("item_2", 4000 * MS), "Done.", "item_2", None, 4300 * MS) is None
 
 
@@ -393,9 +396,10 @@ def test_core_gives_up_the_words_of_a_pause_no_words_could_end() -> None:
     h.append(silence(MAX_PAUSE_MS["auto"] / 1000))
     assert types(h.events).count("input_audio_buffer.speech_stopped") == 1
     assert h.started().params.get("audio") is not None
-    # A score the words could still make finished keeps them coming.
+    # A score the words could still make finished keeps them coming, and says it waits.
     h.append(tone(1.0))
     h.append(silence(0.2))
-    ask = _asks(h)[-1]
+    prepare, ask = _prepares(h)[-1], _asks(h)[-1]
     h.take(h.core.on_turn_score(ask.params["ref"], CLOSED_THRESHOLDS["auto"], h.now))
     assert len([e for e in h.effects if isinstance(e, DropTranscript)]) == 1
+    assert [e for e in h.effects if isinstance(e, NeedTranscript)] == [NeedTranscript(prepare.key)]
