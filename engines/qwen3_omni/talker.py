@@ -252,7 +252,9 @@ class TalkerEngine(ModelEngine):
         if len(states) < 2:
             return [self._first_code(state) for state in states]
         loaded = self.loaded
-        hidden = torch.cat([s.hidden for s in states if s.hidden is not None], dim=0)
+        hiddens = [s.hidden for s in states]
+        assert all(h is not None for h in hiddens)
+        hidden = torch.cat(hiddens, dim=0)  # type: ignore[arg-type]
         with RowExact():
             logits = loaded.model.talker.codec_head(hidden)
         logits = logits.reshape(len(states), -1).float()

@@ -92,9 +92,16 @@ def test_talker_stalls_instead_of_padding(engines: Engines) -> None:
     out = talker.step([StepInput(state=k_state, chunks=[chunk])])[0]
     assert len(out.downstream) == 1 and isinstance(out.downstream[0], CodecCodes)
     assert out.downstream[0].codes.shape == (1, 16)
-    # No text row for frame 1 yet and the thinker is not done: wait, emit nothing.
+    # The frame itself says the next one needs a text row not here yet (no empty step after it)
+    assert out.wait_for_input and not out.done
+    # Stepped anyway: no text row for frame 1 and the thinker is not done: wait, emit nothing.
     out = talker.step([StepInput(state=k_state)])[0]
     assert out.wait_for_input and not out.downstream and not out.done
+    # With the row there, the frame comes and, the row after it there too, no wait.
+    rows = [thinker.step([StepInput(state=t_state)])[0] for _ in range(2)]
+    chunk = EdgeChunk(items=[p for r in rows for p in r.downstream], index=1)
+    out = talker.step([StepInput(state=k_state, chunks=[chunk])])[0]
+    assert len(out.downstream) == 1 and not out.wait_for_input
 
 
 LONG = {
