@@ -60,6 +60,7 @@ from session.store.aio import cancel_and_wait
 from session.voice.ahead import ResponseAhead, with_transcript
 from session.voice.driver_hooks import DriverObserver, SessionLog
 from session.voice.live_request import LiveEntry, LiveRequest
+from session.voice.prepared import PreparedTranscript
 from session.voice.retrieved import logged_form
 from session.voice.turn_gate import TurnGate, TurnRejected
 
@@ -142,8 +143,7 @@ class RealtimeDriver:
         self.last_event_id: str | None = None  # of the last event sent or logged
         self.last_activity = self.now()  # client input or server events (retention's idle clock)
         self.stats = _Stats()
-        # The latest PrepareTranscript: its key and the transcription (None if it failed).
-        self._prepared: tuple[tuple[str, int], asyncio.Task[str | None]] | None = None
+        self._prepared = PreparedTranscript(core, self.apply, self.now, self._spawn, self._transcribe_audio)
         self._ahead: ResponseAhead | None = None
         if orchestrator is not None:
             opts = self.options
@@ -354,11 +354,9 @@ class RealtimeDriver:
                 if self._ahead is not None:
                     self._ahead.drop(effect.key)
             elif isinstance(effect, DropTranscript):
-                self._drop_prepared(effect.key)
+                self._prepared.drop(effect.key)
             elif isinstance(effect, NeedTranscript):
-                prepared = self._prepared
-                if self.live is not None and prepared is not None and prepared[0] == effect.key:
-                    self.live.need(effect.key[1])
+                self._prepared.need(effect.key, self.live)
             elif isinstance(effect, CancelResponse):
                 resp = self._responses.get(effect.response_id)
                 if resp is not None:
@@ -427,68 +425,27 @@ class RealtimeDriver:
         self.apply(self.core.on_input_transcript(effect.item_id, text, now=self.now()))
 
     def _prepare_transcript(self, effect: PrepareTranscript) -> None:
-        """Transcribe the turn so far at a pause: on the live request, whose ASR stage holds
-        that audio already (made while the user spoke), or else on the transcribe entry."""
+        """Transcribe the turn so far at a pause (`session.voice.prepared`): on the live
+        request if it transcribes, or else on the transcribe entry."""
         caps = self.options.capabilities
         live = self.live if self.live is not None and self.live.transcribes else None
         if live is None and (caps is None or caps.transcribe_entry is None):
             return
-
-        drafted = False
-
-        def decide(text: str | None) -> None:  # semantic_vad decides on these words too
-            nonlocal drafted
-            if not drafted:
-                drafted = True
-                self.apply(self.core.on_turn_transcript(effect.key, text, self.now()))
-
-        async def transcribe() -> str | None:
-            try:
-                if live is not None:
-                    # A decision reads the live ASR's draft where one comes first (the words
-                    # where they stop); a response reads the final words.
-                    draft = (lambda text: decide(text or None)) if effect.decides else None
-                    start, end = effect.start_sample, effect.key[1]
-                    text = await live.transcribe(start, end, first=effect.decides, draft=draft)
-                    return text or None  # None: not transcribed (the response's ASR then does)
-                return await self._transcribe_audio(effect.audio)
-            except Exception as exc:  # the response then transcribes in the pipeline as usual
-                log.warning("transcription ahead of the turn's end failed: %s", exc)
-                return None
-
-        async def prepare() -> str | None:
-            text = await transcribe()
-            decide(text)
-            return text
-
         self.stats.transcripts_prepared += 1
-        # An earlier one (the speaker went on after a pause) is left to finish unread.
-        self._prepared = (effect.key, self._spawn(prepare(), f"prepare:{effect.key[0]}"))
-
-    def _drop_prepared(self, key: tuple[str, int]) -> None:
-        """The words of the pause `key` are not needed (`DropTranscript`): give them up (the
-        live ASR never makes them if it has not yet); a response at that pause transcribes
-        its audio in the pipeline."""
-        prepared = self._prepared
-        if prepared is not None and prepared[0] == key:
-            self._prepared = None
-            prepared[1].cancel()
+        self._prepared.prepare(effect, live)
 
     def _respond_ahead(self, effect: RespondAhead) -> None:
-        prepared = self._prepared
-        if self._ahead is None or prepared is None or prepared[0] != effect.key:
+        pending = self._prepared.pending(effect.key)
+        if self._ahead is None or pending is None:
             return
-        self._ahead.start(effect.key, effect.params, asyncio.shield(prepared[1]))
+        self._ahead.start(effect.key, effect.params, asyncio.shield(pending))
 
     async def _prepared_params(
         self, rid: str, key: tuple[str, int], params: dict[str, Any]
     ) -> dict[str, Any]:
         """`params` with the prepared transcript of its audio as `text` (what an ASR-first
         pipeline would have made of it), or unchanged if there is none."""
-        prepared, self._prepared = self._prepared, None
-        if prepared is None or prepared[0] != key:
-            return params
-        text = await prepared[1]
+        text = await self._prepared.take(key)
         if text is None:
             return params
         self.stats.transcripts_prepared_used += 1
