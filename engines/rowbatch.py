@@ -12,8 +12,12 @@ differ in the last bits from the same request stepped alone, and greedy outputs 
   the model makes for that row alone. A plain tensor (any unbatched call, ``generate``) goes
   straight to ``sdpa`` with ``sdpa``'s mask: nothing changes for it.
 * **Matrix products whose kernel depends on the row count.** MKL's sgemm gives a row the same
-  bits for every M >= 4 but not for M = 1 (a GEMV path) or 2-3 (measured on this CPU, every
-  projection shape of the models here). Two formulations follow, chosen per engine:
+  bits for every M >= 4 but not for M = 1 (a GEMV path) or 2-3 (measured on this CPU for the
+  widths it was first checked on). Not in general: in float32 the regime ends at a row count
+  that grows with the input width K (K <= 64: none up to 300 rows; K = 128: 6; K = 256: 11;
+  K = 576: 16 with one thread); bfloat16 at K = 576 keeps a row's bits up to 32 rows. Open: a
+  forward's rows should be capped to the regime measured for its shapes. Two formulations
+  follow, chosen per engine:
 
   - :class:`RowExact` (Qwen3-Omni): every ``linear`` of a batched step computes each batch row
     as that row alone computes it (:func:`row_linear`: one broadcast batched product whose every

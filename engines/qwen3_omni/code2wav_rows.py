@@ -22,7 +22,11 @@ on), and a row alone runs the same kernels:
   :data:`MIN_COLUMNS` of them (1 to 3 take another path): shorter inputs get zero columns on the
   right, which only reach the trimmed or padded samples;
 * the ConvNeXt blocks' per-position layers: one product over every position of the batch, at least
-  :data:`MIN_COLUMNS` rows (MKL's sgemm keeps a row's bits for any row count from 4 on).
+  :data:`MIN_COLUMNS` rows. NOT exact in general: MKL's float32 sgemm changes a row's bits at a
+  row count that grows with the input width (measured: 256 inputs, pwconv2 here, one regime for
+  2-10 rows and another from 11), so a short window alone and in a batch can differ in the last
+  bits there. The tiny model's samples stay bit-identical only because its random layer scale
+  (``gamma``, ~1e-6) rounds that difference away; with trained weights it would not. Open.
 
 So the samples differ from ``code2wav(window[None])`` by float rounding (~1e-6 of the peak), and
 a batch of first chunks pays each kernel's call once instead of once per row. Where those kernels
