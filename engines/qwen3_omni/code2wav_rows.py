@@ -11,43 +11,42 @@ samples bit-identical to its window decoded alone (``decode_windows([window])``)
 
 The model's own forward lets ATen pick each convolution's kernel by shape (oneDNN for a batch or a
 long input, otherwise im2col + GEMM or a dilated loop), so a row takes other kernels, and gets
-other bits, in a batch than alone. Here every kind of convolution has one fixed kernel whose bits
-per output position do not depend on the batch size, the row's length or what the other rows hold
-(measured on this CPU; ``tests/engines_qwen/test_batching.py`` checks it on the machine it runs
-on), and a row alone runs the same kernels:
+other bits, in a batch than alone. A GEMM's kernel also changes with the number of rows (or
+columns) it multiplies, at counts that depend on the widths, the thread count and the CPU (this
+machine, an AMD EPYC under MKL: an im2col GEMM over 64 input channels gives a position other bits
+at 4 columns than at 5 to 16), so no product here is one GEMM over a count that varies with the
+batch. Instead:
 
-* dense and depthwise convolutions with a kernel wider than 1: oneDNN (``mkldnn_convolution``);
-* 1-wide convolutions and the transposed convolutions: ATen's im2col + GEMM (``thnn_conv2d``,
-  ``slow_conv_transpose2d``), whose GEMM runs the positions as columns, at least
-  :data:`MIN_COLUMNS` of them (1 to 3 take another path): shorter inputs get zero columns on the
-  right, which only reach the trimmed or padded samples;
-* the ConvNeXt blocks' per-position layers: one product over every position of the batch, at least
-  :data:`MIN_COLUMNS` rows. NOT exact in general: MKL's float32 sgemm changes a row's bits at a
-  row count that grows with the input width (measured: 256 inputs, pwconv2 here, one regime for
-  2-10 rows and another from 11), so a short window alone and in a batch can differ in the last
-  bits there. The tiny model's samples stay bit-identical only because its random layer scale
-  (``gamma``, ~1e-6) rounds that difference away; with trained weights it would not. Open.
+* every per-position product (1-wide convolutions, the transposed convolutions' ``C_out × kernel``
+  products of each input position, the ConvNeXt blocks' ``pwconv1`` / ``pwconv2``) runs as
+  :func:`~engines.rowbatch.row_linear`: one ``bmm`` of one matrix-vector product per position,
+  whose every entry is computed the same way whatever the number of entries (1 to 20,000
+  measured at these widths, 1 and 2 threads); a transposed convolution then overlap-adds its
+  positions' products elementwise in a fixed order;
+* dense and depthwise convolutions with a kernel wider than 1 run oneDNN's convolution
+  (``mkldnn_convolution``), whose bits per output position did not vary with the batch size, the
+  row's length or the other rows in any case measured (1 and 2 threads).
 
-So the samples differ from ``code2wav(window[None])`` by float rounding (~1e-6 of the peak), and
-a batch of first chunks pays each kernel's call once instead of once per row. Where those kernels
-were not measured (another dtype or device, no oneDNN: :func:`fixed_kernels`), each window runs
-the model's forward on its own.
+``tests/engines_qwen/test_batching.py`` checks both on the machine it runs on, with the ConvNeXt
+layer scale at 1 (the tiny model's random 1e-6 hides a difference there). A row alone runs the
+same kernels, so the samples differ from ``code2wav(window[None])`` by float rounding (~1e-6 of
+the peak), and a batch of first chunks pays each call once instead of once per row. Where those
+kernels were not measured (another dtype or device, no oneDNN: :func:`fixed_kernels`), each window
+runs the model's own forward on its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qm
 
-from engines.rowbatch import RowExact
+from engines.rowbatch import RowExact, row_linear
 
 Lengths = list[int]
-
-MIN_COLUMNS = 4  # MKL's sgemm: one code path for 4 or more rows (columns), others below
 
 
 def decode_windows(code2wav: Any, windows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -139,43 +138,63 @@ def _left_padding(block: Any) -> int:
 
 
 def _causal(block: Any, x: torch.Tensor, padded: bool = False) -> torch.Tensor:
-    """``Qwen3OmniMoeCausalConvNet`` (stride 1): left zero padding (already there if ``padded``),
-    then the fixed kernel."""
+    """``Qwen3OmniMoeCausalConvNet`` (stride 1): a 1-wide one as a per-position product; a wider
+    one as left zero padding (already there if ``padded``), then oneDNN's convolution."""
     conv = block.conv
     if conv.stride[0] != 1:
         raise TypeError("code2wav: strided causal convolutions have no batched rule")
-    weight = conv.weight[:, :, None]  # 1-D as 2-D: [O, C/groups, 1, K]
-    if conv.kernel_size[0] == 1:
-        columns = x.shape[-1]
-        x = _at_least_columns(x)[:, :, None]
-        out = torch.ops.aten.thnn_conv2d(x, weight, [1, 1], conv.bias, [1, 1], [0, 0])
-        return out[:, :, 0, :columns]
+    if conv.kernel_size[0] == 1 and conv.groups == 1:
+        batch, _, columns = x.shape
+        flat = x.permute(0, 2, 1).reshape(batch * columns, -1)
+        out = _positions(conv, lambda w: w[:, :, 0], flat, conv.bias)
+        return out.view(batch, columns, -1).permute(0, 2, 1)
     if not padded:
         x = F.pad(x, (block.padding, 0))
+    weight = conv.weight[:, :, None]  # 1-D as 2-D: [O, C/groups, 1, K]
     dilation = [1, conv.dilation[0]]
     out = torch.mkldnn_convolution(x[:, :, None], weight, conv.bias, [0, 0], [1, 1], dilation, conv.groups)
     return out[:, :, 0]
 
 
 def _transposed(block: Any, x: torch.Tensor) -> torch.Tensor:
-    """``Qwen3OmniMoeCausalTransConvNet``: im2col + GEMM over at least :data:`MIN_COLUMNS`
-    input positions, then the model's trim."""
+    """``Qwen3OmniMoeCausalTransConvNet``: each input position's ``[C_out, kernel]`` products
+    (:func:`_positions`), overlap-added in a fixed order (the ``kernel / stride`` contributions
+    to an output position summed first to last, then the bias), then the model's trim."""
     conv = block.conv
-    columns = x.shape[-1]
-    x = _at_least_columns(x)[:, :, None]
     stride, kernel = conv.stride[0], conv.kernel_size[0]
-    out = torch.ops.aten.slow_conv_transpose2d(
-        x, conv.weight[:, :, None], [1, kernel], conv.bias, [1, stride], [0, 0], [0, 0], [1, 1]
-    )[:, :, 0]
+    if kernel % stride or conv.groups != 1 or conv.padding[0] or conv.dilation[0] != 1:
+        raise TypeError("code2wav: this transposed convolution has no batched rule")
+    batch, channels, columns = x.shape
+    out_channels = conv.out_channels
+    flat = x.permute(0, 2, 1).reshape(batch * columns, channels)
+    cols = _positions(conv, lambda w: w.reshape(channels, -1).t(), flat, None)
+    cols = cols.view(batch, columns, out_channels, kernel).permute(0, 2, 1, 3)  # [B, O, T, kernel]
     full = (columns - 1) * stride + kernel  # the model's output length before its trim
+    out = x.new_zeros(batch, out_channels, full)
+    for q in range(kernel // stride):
+        part = cols[..., q * stride : (q + 1) * stride].reshape(batch, out_channels, columns * stride)
+        out[:, :, q * stride : q * stride + columns * stride] += part
+    if conv.bias is not None:
+        out += conv.bias[None, :, None]
     return out[:, :, block.left_pad : full - block.right_pad]
 
 
-def _at_least_columns(x: torch.Tensor) -> torch.Tensor:
-    """``x`` contiguous, with zero columns on the right up to :data:`MIN_COLUMNS`."""
-    if x.shape[-1] < MIN_COLUMNS:
-        return F.pad(x, (0, MIN_COLUMNS - x.shape[-1]))
-    return x.contiguous()
+def _positions(
+    module: Any, flatten: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x [P, K] @ W.T (+ bias)`` for every position P, each position's product computed as that
+    position alone computes it (:func:`~engines.rowbatch.row_linear`: one matrix-vector product
+    per position), whatever the number of positions; ``W = flatten(module.weight)`` ``[N, K]``,
+    made once per weight version and kept on ``module``."""
+    weight = module.weight
+    kept = getattr(module, "_c2w_positions", None)
+    key = (weight._version, weight.data_ptr(), weight.dtype)
+    if kept is None or kept[0] is not weight or kept[1] != key:
+        with torch.inference_mode(False):  # a normal tensor: row_linear tracks its version
+            flat = flatten(weight.detach()).contiguous()
+        kept = (weight, key, flat, torch.nn.Module())
+        module._c2w_positions = kept
+    return row_linear(x, kept[2], bias, owner=kept[3])
 
 
 def _snake(block: Any, x: torch.Tensor, left: int = 0) -> torch.Tensor:
@@ -192,12 +211,12 @@ def _snake(block: Any, x: torch.Tensor, left: int = 0) -> torch.Tensor:
 
 
 def _convnext(block: Any, x: torch.Tensor) -> torch.Tensor:
-    """``Qwen3OmniMoeConvNeXtBlock``: its depthwise convolution, then its per-position layers as
-    one product over every position of the batch (at least :data:`MIN_COLUMNS`)."""
+    """``Qwen3OmniMoeConvNeXtBlock``: its depthwise convolution, then its per-position layers,
+    every position's products computed as that position alone computes them (:func:`row_linear`)."""
     h = _causal(block.dwconv, x).permute(0, 2, 1)
     batch, positions, channels = h.shape
-    flat = h.reshape(batch * positions, channels)
-    flat = F.pad(flat, (0, 0, 0, max(0, MIN_COLUMNS - flat.shape[0])))
-    flat = block.pwconv2(block.act(block.pwconv1(block.norm(flat))))[: batch * positions]
+    flat = block.norm(h.reshape(batch * positions, channels))
+    flat = row_linear(flat, block.pwconv1.weight, block.pwconv1.bias, owner=block.pwconv1)
+    flat = row_linear(block.act(flat), block.pwconv2.weight, block.pwconv2.bias, owner=block.pwconv2)
     h = (block.gamma * flat).reshape(batch, positions, channels).permute(0, 2, 1)
     return x + h

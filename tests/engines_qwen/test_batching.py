@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qm
 
 from engines.qwen3_omni.code2wav_rows import decode_windows, fixed_kernels
 from engines.rowbatch import RowExact, row_linear
@@ -86,17 +89,40 @@ def test_joining_and_cancelled_requests_leave_the_others_unchanged(
     assert max(members[1].batch_sizes) >= 3
 
 
-def test_code2wav_windows_of_any_lengths_decode_in_one_call_bitwise(engines: Engines) -> None:
+@pytest.fixture(params=[(1, None), (2, None), (1, 1.0), (2, 1.0)], ids=lambda p: f"threads{p[0]}-gamma{p[1]}")
+def code2wav_case(request: pytest.FixtureRequest, engines: Engines) -> Iterator[torch.nn.Module]:
+    """The tiny code2wav at 1 or 2 threads, with its random ConvNeXt layer scale (``gamma``,
+    1e-6: it rounds a difference in the per-position products away) or a copy with the scale at
+    1, so the ConvNeXt blocks' products reach the samples."""
+    threads, gamma = request.param
+    code2wav = engines.code2wav.loaded.model.code2wav
+    if gamma is not None:
+        code2wav = copy.deepcopy(code2wav)
+        for module in code2wav.modules():
+            if isinstance(module, qm.Qwen3OmniMoeConvNeXtBlock):
+                module.gamma.data.fill_(gamma)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield code2wav
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_code2wav_windows_of_any_lengths_decode_in_one_call_bitwise(code2wav_case: torch.nn.Module) -> None:
     """Windows of different lengths (a first chunk, steady chunks with their context, a request's
     last 1-3 frames) decode together, padded in one call; each is bit for bit the window decoded
-    alone, and within float rounding of the model's own forward (whose kernels vary with shape)."""
-    code2wav = engines.code2wav.loaded.model.code2wav
+    alone, and within float rounding of the model's own forward (whose kernels vary with shape).
+    Short windows beside short ones too (4 and 5 frames: an im2col GEMM over 4 or 5 columns gave
+    other bits), every product's row count differing between alone and together."""
+    code2wav = code2wav_case
     rng = np.random.default_rng(3)
     lengths = [4, 5, 29, 29, 54, 16, 4, 1, 2, 3, 4, 4, 26, 50, 4, 8]
     windows = [torch.from_numpy(rng.integers(0, 128, size=(16, n))) for n in lengths]
     with torch.inference_mode():
         alone = [decode_windows(code2wav, [w])[0] for w in windows]
-        for rows in (slice(0, 7), slice(7, 10), slice(0, 16), slice(3, 16, 4)):
+        groups = [slice(0, 7), slice(7, 10), slice(0, 16), slice(3, 16, 4), slice(0, 2), slice(6, 8)]
+        for rows in [*groups, slice(9, 12)]:
             together = decode_windows(code2wav, windows[rows])
             for single, got in zip(alone[rows], together, strict=True):
                 assert got.numpy().tobytes() == single.numpy().tobytes()
@@ -246,3 +272,29 @@ def test_row_linear_computes_every_row_as_the_row_alone(outputs: int, inputs: in
                 got = row_linear(shaped, weight, b, owner=kept)
                 assert got.shape == expect.shape
                 assert got.numpy().tobytes() == expect.numpy().tobytes()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("outputs", "inputs"), [(256, 64), (64, 256), (128, 64), (400, 4), (50, 8), (1536, 576)]
+)
+def test_row_linear_keeps_a_rows_bits_for_any_row_count(threads: int, outputs: int, inputs: int) -> None:
+    """A plain GEMM gives a row other bits at some row counts than at others (which counts depends
+    on the widths, the threads and the CPU); row_linear gives every row the same bits at every
+    count: what code2wav's per-position products and the responder's decode rely on."""
+    gen = torch.Generator().manual_seed(outputs * inputs)
+    weight = torch.randn(outputs, inputs, generator=gen)
+    bias = torch.randn(outputs, generator=gen)
+    x = torch.randn(3000, inputs, generator=gen)
+    owner = torch.nn.Module()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        first = F.linear(x[:1].clone(), weight, bias)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16, 17, 33, 300, 3000):
+            got = row_linear(x[:rows], weight, bias, owner=owner)
+            assert got[:1].numpy().tobytes() == first.numpy().tobytes(), rows
+            last = F.linear(x[rows - 1 : rows].clone(), weight, bias)
+            assert got[rows - 1 :].numpy().tobytes() == last.numpy().tobytes(), rows
+    finally:
+        torch.set_num_threads(before)
