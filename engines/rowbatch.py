@@ -32,6 +32,7 @@ differ in the last bits from the same request stepped alone, and greedy outputs 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
 from collections.abc import Sequence
@@ -246,6 +247,20 @@ class RowExact:
 
     def __exit__(self, *exc: Any) -> None:
         _local.exact = self._outer
+
+
+def rows_exact(invariant: bool = True) -> contextlib.AbstractContextManager[Any]:
+    """The context of a batched step's products: :class:`RowExact` (every row's bits its own,
+    ``batch_invariant: true``) or nothing (``false``: plain batched GEMMs over the rows, routers
+    and MoE experts over all tokens at once; a row's logits may differ from its run alone in the
+    last bits, so a greedy choice can differ only where two candidates are that close)."""
+    return RowExact() if invariant else contextlib.nullcontext()
+
+
+def packed_experts(lengths: Sequence[int], invariant: bool = True) -> contextlib.AbstractContextManager[Any]:
+    """The MoE experts of a packed prefill: once per prompt (:class:`Segments`, each prompt's
+    bits its own) or, not ``invariant``, once over every token of the packed sequence."""
+    return Segments(lengths) if invariant else contextlib.nullcontext()
 
 
 def _row_exact_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

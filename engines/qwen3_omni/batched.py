@@ -4,7 +4,10 @@ Decodes take one new position per request (its own cache, its own position) and 
 ``transformers`` module once for all of them under :class:`~engines.rowbatch.RowExact`;
 prefills pack the prompts of several new requests along the sequence (:class:`SegmentsCache`,
 :class:`Segments`) and run the module once for all of them. Either way every request's result
-has the same bits as the same request's unbatched call.
+has the same bits as the same request's unbatched call. With ``invariant=False`` (the engines'
+``batch_invariant: false``) the products run as plain batched GEMMs and the MoE experts over all
+tokens at once (:func:`~engines.rowbatch.rows_exact`): faster at several rows, each row's
+logits equal to its run alone up to the last float bits; attention stays per row either way.
 """
 
 from __future__ import annotations
@@ -15,7 +18,14 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from engines.qwen3_omni.model import LoadedModel
-from engines.rowbatch import MIN_GEMM_ROWS, RowExact, RowsCache, Segments, SegmentsCache, rows_mask_marker
+from engines.rowbatch import (
+    MIN_GEMM_ROWS,
+    RowsCache,
+    SegmentsCache,
+    packed_experts,
+    rows_exact,
+    rows_mask_marker,
+)
 
 
 def _positions(starts: Sequence[int]) -> torch.Tensor:
@@ -24,13 +34,17 @@ def _positions(starts: Sequence[int]) -> torch.Tensor:
 
 
 def thinker_logits(
-    loaded: LoadedModel, embeds: Sequence[torch.Tensor], starts: Sequence[int], caches: Sequence[DynamicCache]
+    loaded: LoadedModel,
+    embeds: Sequence[torch.Tensor],
+    starts: Sequence[int],
+    caches: Sequence[DynamicCache],
+    invariant: bool = True,
 ) -> torch.Tensor:
     """Next-token logits ``[B, vocab]`` of B requests, each fed one embedding ``[1, 1, H]`` at
     position ``starts[i]`` on top of its own cache (which this extends by that position)."""
     thinker = loaded.model.thinker
     batch = len(embeds)
-    with RowExact():
+    with rows_exact(invariant):
         out = thinker.model.language_model(
             inputs_embeds=torch.cat(list(embeds), dim=0),
             position_ids=_positions(starts),
@@ -42,11 +56,15 @@ def thinker_logits(
 
 
 def talker_hidden(
-    loaded: LoadedModel, embeds: Sequence[torch.Tensor], starts: Sequence[int], caches: Sequence[DynamicCache]
+    loaded: LoadedModel,
+    embeds: Sequence[torch.Tensor],
+    starts: Sequence[int],
+    caches: Sequence[DynamicCache],
+    invariant: bool = True,
 ) -> torch.Tensor:
     """The talker's last hidden state ``[B, 1, D]`` after one input row per request."""
     batch = len(embeds)
-    with RowExact():
+    with rows_exact(invariant):
         out = loaded.model.talker.model(
             inputs_embeds=torch.cat(list(embeds), dim=0),
             position_ids=_positions(starts),
@@ -69,12 +87,12 @@ def _packed_positions(lengths: Sequence[int]) -> torch.Tensor:
 
 
 def _packed(
-    model: torch.nn.Module, embeds: Sequence[torch.Tensor], caches: Sequence[DynamicCache]
+    model: torch.nn.Module, embeds: Sequence[torch.Tensor], caches: Sequence[DynamicCache], invariant: bool
 ) -> torch.Tensor:
     """The last hidden state of each prompt ``[B, 1, D]``, prompts ``[1, L_i, H]`` prefilled
     from position 0 into their own empty caches in one forward."""
     lengths = [int(e.shape[1]) for e in embeds]
-    with Segments(lengths):
+    with packed_experts(lengths, invariant):
         out = model(
             inputs_embeds=torch.cat(list(embeds), dim=1),
             position_ids=_packed_positions(lengths),
@@ -87,17 +105,23 @@ def _packed(
 
 
 def thinker_prefill_logits(
-    loaded: LoadedModel, embeds: Sequence[torch.Tensor], caches: Sequence[DynamicCache]
+    loaded: LoadedModel,
+    embeds: Sequence[torch.Tensor],
+    caches: Sequence[DynamicCache],
+    invariant: bool = True,
 ) -> torch.Tensor:
     """Next-token logits ``[B, vocab]`` after each prompt, all prefilled in one forward."""
     thinker = loaded.model.thinker
-    last = _packed(thinker.model.language_model, embeds, caches)
-    with RowExact():
+    last = _packed(thinker.model.language_model, embeds, caches, invariant)
+    with rows_exact(invariant):
         return thinker.lm_head(last)[:, -1]
 
 
 def talker_prefill_hidden(
-    loaded: LoadedModel, embeds: Sequence[torch.Tensor], caches: Sequence[DynamicCache]
+    loaded: LoadedModel,
+    embeds: Sequence[torch.Tensor],
+    caches: Sequence[DynamicCache],
+    invariant: bool = True,
 ) -> torch.Tensor:
     """The talker's last hidden state ``[B, 1, D]`` after each prefill, all in one forward."""
-    return _packed(loaded.model.talker.model, embeds, caches)
+    return _packed(loaded.model.talker.model, embeds, caches, invariant)

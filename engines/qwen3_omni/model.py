@@ -263,6 +263,10 @@ class ModelEngine(Engine):
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
         self._loaded: LoadedModel | None = None
+        # Option ``batch_invariant`` (default true): every row of a batched step computed with the
+        # bits of its run alone (engines.rowbatch.RowExact); false: plain batched products, equal
+        # to the run alone up to the last float bits (engines.rowbatch.rows_exact).
+        self.batch_invariant = bool(self.options.get("batch_invariant", True))
 
     @property
     def loaded(self) -> LoadedModel:

@@ -30,7 +30,7 @@ from engines.qwen3_omni.sampling import (
     select_tokens,
 )
 from engines.qwen3_omni.talker_prompt import special_text_rows
-from engines.rowbatch import RowExact
+from engines.rowbatch import rows_exact
 from runtime.engine import EngineRequest, StepInput, StepOutput
 from runtime.payloads import CodecCodes, Embeddings
 
@@ -159,7 +159,8 @@ class TalkerEngine(ModelEngine):
             return
         caches = [s.cache for s in states]
         assert all(c is not None for c in caches)
-        hidden = talker_hidden(self.loaded, embeds, [s.position for s in states], caches)  # type: ignore[arg-type]
+        positions = [s.position for s in states]
+        hidden = talker_hidden(self.loaded, embeds, positions, caches, self.batch_invariant)  # type: ignore[arg-type]
         for i, state in enumerate(states):
             state.position += 1
             state.hidden = hidden[i : i + 1]
@@ -175,7 +176,7 @@ class TalkerEngine(ModelEngine):
             return
         caches = [self.loaded.talker_cache() for _ in ready]
         embeds = [s.prefill for s in ready if s.prefill is not None]
-        hidden = talker_prefill_hidden(self.loaded, embeds, caches)
+        hidden = talker_prefill_hidden(self.loaded, embeds, caches, self.batch_invariant)
         for i, (state, cache) in enumerate(zip(ready, caches, strict=True)):
             state.cache = cache
             state.position = embeds[i].shape[1]
@@ -255,7 +256,7 @@ class TalkerEngine(ModelEngine):
         hiddens = [s.hidden for s in states]
         assert all(h is not None for h in hiddens)
         hidden = torch.cat(hiddens, dim=0)  # type: ignore[arg-type]
-        with RowExact():
+        with rows_exact(self.batch_invariant):
             logits = loaded.model.talker.codec_head(hidden)
         logits = logits.reshape(len(states), -1).float()
         rows = [
@@ -311,7 +312,7 @@ class TalkerEngine(ModelEngine):
         ``sdpa`` whose rows keep their bits (its CPU kernel runs every (row, head) alone, with
         blocks sized by the lengths only), instead of one ``sdpa`` per row and layer (15 passes of
         a frame: the per-row calls were most of a batched frame's overhead). The products still
-        run per row under :class:`RowExact`."""
+        run per row under :class:`~engines.rowbatch.RowExact` (``batch_invariant``, the default)."""
         loaded = self.loaded
         talker = loaded.model.talker
         predictor = talker.code_predictor
@@ -320,7 +321,7 @@ class TalkerEngine(ModelEngine):
         embeds = predictor.get_input_embeddings()
         batch = len(states)
         cache = loaded.predictor_cache()
-        exact = RowExact() if batch > 1 else contextlib.nullcontext()
+        exact = rows_exact(self.batch_invariant) if batch > 1 else contextlib.nullcontext()
         sampling = [s.predictor_sampling for s in states]
         generators = [s.generator for s in states]
         with exact:

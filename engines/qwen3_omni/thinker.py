@@ -38,7 +38,7 @@ from engines.qwen3_omni.talker_prompt import (
     thinker_embed_rows,
 )
 from engines.qwen3_omni.tokenizer import IncrementalDecoder
-from engines.rowbatch import RowExact
+from engines.rowbatch import rows_exact
 from runtime.engine import EngineRequest, StepInput, StepOutput
 from runtime.kv import SessionKVStore, current_kv_store
 from runtime.payloads import Embeddings, Payload, TextDelta
@@ -217,7 +217,7 @@ class ThinkerEngine(ModelEngine):
             embeds = thinker_embed_rows(self.loaded, tokens)
             projected = None
             if any(s.audio_out and s.generated for s in states):
-                with RowExact():
+                with rows_exact(self.batch_invariant):
                     projected = project_text(self.loaded, embeds)
         except BaseException:
             for state in states:
@@ -266,7 +266,7 @@ class ThinkerEngine(ModelEngine):
         for state in states:
             embeds.append(thinker_embed(self.loaded, state.prompt.ids))
             state.keys.extend(state.prompt.keys)
-        return thinker_prefill_logits(self.loaded, embeds, [s.cache for s in states])
+        return thinker_prefill_logits(self.loaded, embeds, [s.cache for s in states], self.batch_invariant)
 
     @staticmethod
     def _guarded(state: ThinkerState, fn: Callable[[ThinkerState], StepOutput]) -> StepOutput:
@@ -344,7 +344,7 @@ class ThinkerEngine(ModelEngine):
             starts.append(len(state.keys))
             state.keys.append(state.generated[-1])
             state.next_embed = None
-        return thinker_logits(self.loaded, embeds, starts, [s.cache for s in states])
+        return thinker_logits(self.loaded, embeds, starts, [s.cache for s in states], self.batch_invariant)
 
     def _emit(
         self,

@@ -28,8 +28,11 @@ class Engines:
     code2wav: Code2WavEngine
 
 
-def make_engines(gain: float = 1.0) -> Engines:
-    engines = Engines(ThinkerEngine(TINY), TalkerEngine(TINY), Code2WavEngine({**TINY, "gain": gain}))
+def make_engines(gain: float = 1.0, batch_invariant: bool = True) -> Engines:
+    """The three engines on the tiny model; ``batch_invariant`` is the thinker's and the talker's
+    option of that name (code2wav's output is samples: always row-exact)."""
+    models = {**TINY, "batch_invariant": batch_invariant}
+    engines = Engines(ThinkerEngine(models), TalkerEngine(models), Code2WavEngine({**TINY, "gain": gain}))
     for engine in (engines.thinker, engines.talker, engines.code2wav):
         engine.load()
     return engines
