@@ -11,23 +11,25 @@ differ in the last bits from the same request stepped alone, and greedy outputs 
   :func:`install_rows_attention`) runs ``sdpa`` on each row over exactly its own cache, the call
   the model makes for that row alone. A plain tensor (any unbatched call, ``generate``) goes
   straight to ``sdpa`` with ``sdpa``'s mask: nothing changes for it.
-* **Matrix products whose kernel depends on the row count.** MKL's sgemm gives a row the same
-  bits for every M >= 4 but not for M = 1 (a GEMV path) or 2-3 (measured on this CPU for the
-  widths it was first checked on). Not in general: in float32 the regime ends at a row count
-  that grows with the input width K (K <= 64: none up to 300 rows; K = 128: 6; K = 256: 11;
-  K = 576: 16 with one thread); bfloat16 at K = 576 keeps a row's bits up to 32 rows. Open: a
-  forward's rows should be capped to the regime measured for its shapes. Two formulations
-  follow, chosen per engine:
+* **Matrix products whose kernel depends on the row count.** A GEMM gives a row other bits at
+  some row counts than at others, at counts that depend on the widths, the dtype, the thread
+  count and the CPU (this host, AMD EPYC with MKL, float32: 1-3 rows differ from 4; at two
+  threads 5-7 and 9-11 rows differ from 4, 8 and 12+; an earlier host changed at 16 rows for 576
+  inputs), so no count is safe by assumption. Two formulations follow, chosen per engine:
 
   - :class:`RowExact` (Qwen3-Omni): every ``linear`` of a batched step computes each batch row
     as that row alone computes it (:func:`row_linear`: one broadcast batched product whose every
     entry is the one-row GEMV, or row by row where no such product keeps the bits), MoE routers
     the same way, and every MoE expert call once per token (:func:`install_rows_experts`). The
     batch saves the model's per-call overhead (the tiny model is overhead-bound), not FLOPs.
-  - :func:`pad_rows` (the responder's dense LM, memory-bound): every step, alone included, runs
-    at least :data:`MIN_GEMM_ROWS` rows (filler rows with an empty cache), so each product is one
-    real GEMM in the M >= 4 regime and the weights are read once for the whole batch. Its exactness
-    rests on the kernel property above; the engine's tests check it on the machine they run on.
+  - Measured row counts (the responder's dense LM, memory-bound,
+    :class:`engines.row_counts.RowCounts`): one GEMM per weight for many rows, the weights read
+    once for all of them, but only at row counts measured at load to give every row the bits of
+    the 4-row product a reply alone runs (with filler rows).
+
+  A packed prefill (:class:`Segments`) still runs every product other than the MoE experts once
+  over all prompts, each prompt's rows at another row count than alone: exact only where those
+  two counts give the same bits (open).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 ROWS_ATTENTION = "omniduplex_rows"
 ROWS_EXPERTS = "omniduplex_rows"
-MIN_GEMM_ROWS = 4  # MKL sgemm: the same bits per row for every M >= 4 (M = 1..3 take other paths)
+MIN_GEMM_ROWS = 4  # fewer rows take other sgemm paths (more rows: at some counts too, see above)
 
 # Below this many weight elements torch's bmm takes a naive kernel whose bits differ from a
 # one-row mm; from it on, bmm runs each batch entry through the same GEMV as a one-row mm.
@@ -104,8 +106,8 @@ class SegmentsCache:
 class Segments:
     """While active (on this thread), the MoE experts of :func:`install_rows_experts` run once
     per segment of the packed token sequence (``lengths``), as each prompt alone runs them; every
-    other layer runs once over all tokens (per-token layers, and products whose rows keep their
-    bits for any row count of at least :data:`MIN_GEMM_ROWS`)."""
+    other layer runs once over all tokens (per-token layers, and products: a row keeps its bits
+    there only where the packed row count and the prompt's own give the same, see above)."""
 
     def __init__(self, lengths: Sequence[int]) -> None:
         self.lengths = list(lengths)
@@ -353,11 +355,3 @@ def install_row_exact(*modules: nn.Module, routers: tuple[type, ...] = ()) -> No
             else:
                 continue
             module._row_exact = True  # type: ignore[assignment]
-
-
-def pad_rows(rows: torch.Tensor, minimum: int = MIN_GEMM_ROWS) -> torch.Tensor:
-    """``rows`` [B, ...] with filler rows (zeros) appended up to ``minimum``."""
-    if rows.shape[0] >= minimum:
-        return rows
-    filler = rows.new_zeros((minimum - rows.shape[0], *rows.shape[1:]))
-    return torch.cat([rows, filler], dim=0)

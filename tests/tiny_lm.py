@@ -34,19 +34,22 @@ def save_tokenizer(path: Path, vocab_size: int = 300) -> Any:
     return fast
 
 
-def save_tiny_llama(path: Path) -> Path:
+def save_tiny_llama(path: Path, *, hidden: int = 32, intermediate: int = 64, layers: int = 2) -> Path:
+    """A tiny random ``LlamaForCausalLM`` (heads of 8 dimensions, 2 query heads per KV head);
+    ``hidden=576, intermediate=1536`` gives SmolLM2-135M's matrix widths."""
     import torch
     import transformers
 
     fast = save_tokenizer(path)
     torch.manual_seed(0)
+    heads = hidden // 8
     config = transformers.LlamaConfig(
         vocab_size=max(len(fast), fast.vocab_size),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         max_position_embeddings=512,
         eos_token_id=fast.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=fast.convert_tokens_to_ids("<|endoftext|>"),

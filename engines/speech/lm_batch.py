@@ -5,11 +5,13 @@ its own ``DynamicCache``; a reply's prompt is prefilled on its own in the step i
 decode in that same step), and a finished or cancelled reply simply leaves the next batch.
 
 Each reply's text is exactly what it is alone (greedy): the decode forward runs every row at its
-own position over its own cache (:class:`~engines.rowbatch.RowsCache`), and always with at least
-:data:`~engines.rowbatch.MIN_GEMM_ROWS` rows (filler rows when fewer replies are live), so every
-projection is one GEMM in the regime where a row's bits do not depend on the row count (see
-:mod:`engines.rowbatch`). The weights are read once per step for all replies: a memory-bound
-decode gets close to one reply's step time for the whole batch.
+own position over its own cache (:class:`~engines.rowbatch.RowsCache`), and only at row counts
+measured to give every row of every projection the bits it gets alone (a reply alone steps
+:data:`~engines.row_counts.REFERENCE_ROWS` rows, itself and filler rows):
+:class:`~engines.row_counts.RowCounts` measures them per thread count at load, and a step whose
+count is not one of them pads with filler rows to the next one or splits into several forwards.
+The weights are read once per forward for all its replies: a memory-bound decode gets close to
+one reply's step time for the whole batch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache
 
-from engines.rowbatch import MIN_GEMM_ROWS, RowsCache, install_rows_attention, rows_mask_marker
+from engines.row_counts import RowCounts
+from engines.rowbatch import RowsCache, install_rows_attention, rows_mask_marker
 from engines.speech.chat import IncrementalDetokenizer, Turn
 from engines.speech.responder import CausalLmResponder
 
@@ -48,6 +51,14 @@ class BatchedLm:
         self.model: Any = lm.model
         install_rows_attention(self.model.config)
         self.num_threads = num_threads
+        self.row_counts = RowCounts(self.model)
+        before = torch.get_num_threads()
+        try:  # measured now, not in the first reply's step
+            if num_threads is not None:
+                torch.set_num_threads(num_threads)
+            self.row_counts.counts()
+        finally:
+            torch.set_num_threads(before)
 
     def reply(self, turn: Turn) -> Reply:
         """A new reply (raises ``ContextLengthExceeded`` when the prompt cannot fit)."""
@@ -91,7 +102,13 @@ class BatchedLm:
         self._pick(reply, out.logits[0, -1])
 
     def _decode(self, replies: Sequence[Reply]) -> None:
-        rows = max(len(replies), MIN_GEMM_ROWS)
+        start = 0
+        for real, rows in self.row_counts.plan(len(replies)):
+            self._forward(replies[start : start + real], rows)
+            start += real
+
+    def _forward(self, replies: Sequence[Reply], rows: int) -> None:
+        """One decode forward of ``replies`` and ``rows - len(replies)`` filler rows."""
         ids = torch.zeros((rows, 1), dtype=torch.long)
         positions = torch.zeros((rows, 1), dtype=torch.long)
         caches: list[DynamicCache | None] = [None] * rows

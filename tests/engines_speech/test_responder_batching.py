@@ -1,14 +1,21 @@
 """The transformers responder batches its live replies (engines.speech.lm_batch): each reply's
 text batched is exactly its text alone (greedy), also when replies join late or one is cancelled
-mid-batch; on a tiny random Llama and on the bundled SmolLM2-135M."""
+mid-batch; on a tiny random Llama and on the bundled SmolLM2-135M; in float32 at every batch size
+up to 20 on a random Llama of SmolLM2's widths, logits bit for bit."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+from engines.row_counts import _plan
+from engines.speech.chat import Turn
+from engines.speech.lm_batch import BatchedLm, Reply
+from engines.speech.responder import CausalLmResponder
 from engines.speech.stages import ResponderEngine
 from runtime.engine import EdgeChunk, EngineRequest, StepInput
 from runtime.payloads import TextDelta
@@ -102,3 +109,77 @@ def test_smollm2_batched_replies_are_their_replies_alone() -> None:
     assert together == alone
     assert widest == 3
     assert "Paris" in alone[1]
+
+
+@pytest.fixture(scope="module")
+def wide_lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama of SmolLM2-135M's matrix widths (576 hidden, 1536 MLP), one layer."""
+    return save_tiny_llama(tmp_path_factory.mktemp("wide_lm_batch"), hidden=576, intermediate=1536, layers=1)
+
+
+class RecordingLm(BatchedLm):
+    """Keeps the logits every reply's tokens were picked from."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.logits: dict[int, list[bytes]] = {}
+
+    def _pick(self, reply: Reply, logits: torch.Tensor) -> None:
+        self.logits.setdefault(id(reply), []).append(logits.numpy().tobytes())
+        super()._pick(reply, logits)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_rows_keep_their_logits_at_every_batch_size(wide_lm_dir: Path, threads: int) -> None:
+    """Float32 (the engine's default dtype) at every batch size up to the shipped max_batch (16)
+    and beyond: each reply's logits, not only its greedy text, are bit for bit its logits alone.
+    A GEMM's row count changes a row's bits (on this host: 5-7 and 9-11 rows at two threads
+    differ from the 4 rows a reply alone steps), so the decode only runs measured row counts."""
+    lm = CausalLmResponder(wide_lm_dir, dtype="float32")
+    batched = RecordingLm(lm, num_threads=threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # as the steps set it
+    counts = batched.row_counts.counts()
+    assert batched.row_counts.counts() is counts  # measured once per thread count (at load)
+    turns = [
+        Turn.from_params(
+            " ".join(QUESTIONS[k % len(QUESTIONS)] for k in range(i % 4 + 1)) + f" {i}",
+            {"ignore_eos": True},
+            5,
+        )
+        for i in range(20)
+    ]
+
+    def logits(group: Sequence[Turn]) -> list[list[bytes]]:
+        replies = [batched.reply(turn) for turn in group]
+        while not all(r.done for r in replies):
+            batched.step(replies)
+        return [batched.logits.pop(id(r)) for r in replies]
+
+    try:
+        alone = [logits([turn])[0] for turn in turns]
+        assert len({a[-1] for a in alone}) == len(turns)
+        for size in (2, 3, 5, 6, 7, 8, 9, 11, 12, 15, 16, 17, 20):
+            plan = batched.row_counts.plan(size)
+            assert sum(real for real, _ in plan) == size
+            assert all(rows in counts or (real, rows) == (1, 4) for real, rows in plan)
+            assert logits(turns[:size]) == alone[:size], size
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_row_counts_plan_the_fewest_forwards_at_measured_counts() -> None:
+    """One reply pads to the 4 rows it steps alone; several share one measured count (filler rows
+    up to the next one), else the fewest forwards of measured counts; no count measured: one
+    forward per reply."""
+    every = frozenset(range(4, 33))
+    assert _plan(every, 32, 1) == ((1, 4),)
+    assert _plan(every, 32, 3) == ((3, 4),)
+    assert _plan(every, 32, 16) == ((16, 16),)
+    assert _plan(every, 32, 40) == ((8, 8), (32, 32))
+    holes = frozenset([4, 8, *range(12, 33)])  # two threads on this host
+    assert _plan(holes, 32, 5) == ((5, 8),)
+    assert _plan(holes, 32, 9) == ((9, 12),)
+    up_to_15 = frozenset(range(4, 16))  # a regime that ends at 16 rows
+    assert _plan(up_to_15, 32, 16) == ((4, 4), (12, 12))
+    assert _plan(frozenset(), 32, 3) == ((1, 4), (1, 4), (1, 4))
