@@ -289,7 +289,7 @@ def row_linear(
         wt = _row_weight(weight, owner)
         if wt is not None:
             # [B, K]: one token per row; [B, T, K]: each row's T tokens, one GEMM each as alone
-            out = torch.bmm(x.reshape(rows, -1, x.shape[-1]), wt.expand(rows, -1, -1))
+            out = torch.bmm(x.reshape(rows, -1, x.shape[-1]).contiguous(), wt.expand(rows, -1, -1))
             n = weight.shape[0]
             if out.shape[-1] != n:
                 out = out[..., :n]
