@@ -17,12 +17,15 @@ machine, an AMD EPYC under MKL: an im2col GEMM over 64 input channels gives a po
 at 4 columns than at 5 to 16), so no product here is one GEMM over a count that varies with the
 batch. Instead:
 
-* every per-position product (1-wide convolutions, the transposed convolutions' ``C_out × kernel``
-  products of each input position, the ConvNeXt blocks' ``pwconv1`` / ``pwconv2``) runs as
-  :func:`~engines.rowbatch.row_linear`: one ``bmm`` of one matrix-vector product per position,
-  whose every entry is computed the same way whatever the number of entries (1 to 20,000
-  measured at these widths, 1 and 2 threads); a transposed convolution then overlap-adds its
-  positions' products elementwise in a fixed order;
+* every per-position product computes each position as that position alone computes it: the
+  ConvNeXt blocks' ``pwconv1`` / ``pwconv2`` as :func:`~engines.rowbatch.row_linear` (one ``bmm``
+  of one matrix-vector product per position, computed the same way whatever the number of
+  entries: 1 to 20,000 measured at these widths, 1 and 2 threads); the 1-wide convolutions and
+  the transposed convolutions' ``C_out × kernel`` products of each input position, thousands of
+  positions, as :func:`~engines.rowbatch.tile_linear` (GEMMs of a fixed 64 rows each, the last
+  tile zero-padded: 1.1-1.5x one GEMM, where one GEMV per position cost ~2x and the row-by-row
+  fallback of a 4 x 4 weight far more); a transposed convolution then overlap-adds its positions'
+  products elementwise in a fixed order;
 * dense and depthwise convolutions with a kernel wider than 1 run oneDNN's convolution
   (``mkldnn_convolution``), whose bits per output position did not vary with the batch size, the
   row's length or the other rows in any case measured (1 and 2 threads).
@@ -44,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qm
 
-from engines.rowbatch import RowExact, row_linear
+from engines.rowbatch import RowExact, row_linear, tile_linear
 
 Lengths = list[int]
 
@@ -183,8 +186,8 @@ def _positions(
     module: Any, flatten: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``x [P, K] @ W.T (+ bias)`` for every position P, each position's product computed as that
-    position alone computes it (:func:`~engines.rowbatch.row_linear`: one matrix-vector product
-    per position), whatever the number of positions; ``W = flatten(module.weight)`` ``[N, K]``,
+    position alone computes it (:func:`~engines.rowbatch.tile_linear`: GEMMs of a fixed number of
+    rows, whatever the number of positions); ``W = flatten(module.weight)`` ``[N, K]``,
     made once per weight version and kept on ``module``."""
     weight = module.weight
     kept = getattr(module, "_c2w_positions", None)
@@ -194,7 +197,7 @@ def _positions(
             flat = flatten(weight.detach()).contiguous()
         kept = (weight, key, flat, torch.nn.Module())
         module._c2w_positions = kept
-    return row_linear(x, kept[2], bias, owner=kept[3])
+    return tile_linear(x, kept[2], bias)
 
 
 def _snake(block: Any, x: torch.Tensor, left: int = 0) -> torch.Tensor:
