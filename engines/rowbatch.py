@@ -27,9 +27,9 @@ differ in the last bits from the same request stepped alone, and greedy outputs 
     once for all of them, but only at row counts measured at load to give every row the bits of
     the 4-row product a reply alone runs (with filler rows).
 
-  A packed prefill (:class:`Segments`) still runs every product other than the MoE experts once
-  over all prompts, each prompt's rows at another row count than alone: exact only where those
-  two counts give the same bits (open).
+  A packed prefill (:class:`Segments`) runs every product once per prompt (the row count the
+  prompt has alone), the MoE experts too; norms, rotary and token-wise layers once over all
+  tokens, attention once per prompt over its own keys.
 """
 
 from __future__ import annotations
@@ -104,10 +104,10 @@ class SegmentsCache:
 
 
 class Segments:
-    """While active (on this thread), the MoE experts of :func:`install_rows_experts` run once
-    per segment of the packed token sequence (``lengths``), as each prompt alone runs them; every
-    other layer runs once over all tokens (per-token layers, and products: a row keeps its bits
-    there only where the packed row count and the prompt's own give the same, see above)."""
+    """While active (on this thread), every product made row-exact by :func:`install_row_exact`
+    (``nn.Linear``, MoE routers) and the MoE experts of :func:`install_rows_experts` run once per
+    segment of the packed token sequence (``lengths``), at the row count each prompt has alone (a
+    GEMM's row count changes a row's bits); every other layer runs once over all tokens."""
 
     def __init__(self, lengths: Sequence[int]) -> None:
         self.lengths = list(lengths)
@@ -260,15 +260,43 @@ def rows_exact(invariant: bool = True) -> contextlib.AbstractContextManager[Any]
 
 
 def packed_experts(lengths: Sequence[int], invariant: bool = True) -> contextlib.AbstractContextManager[Any]:
-    """The MoE experts of a packed prefill: once per prompt (:class:`Segments`, each prompt's
-    bits its own) or, not ``invariant``, once over every token of the packed sequence."""
+    """The products of a packed prefill: once per prompt (:class:`Segments`: linear layers, MoE
+    routers and experts, each prompt's bits its own) or, not ``invariant``, once over every token
+    of the packed sequence."""
     return Segments(lengths) if invariant else contextlib.nullcontext()
 
 
 def _row_exact_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.dim() >= 2 and x.shape[0] > 1 and getattr(_local, "exact", False):
         return row_linear(x, self.weight, self.bias, owner=self)
+    packed = _packed_tokens(x)
+    if packed is not None:
+        return _per_prompt(x, packed, lambda part: F.linear(part, self.weight, self.bias))
     return F.linear(x, self.weight, self.bias)
+
+
+def _packed_tokens(x: torch.Tensor) -> int | None:
+    """Inside :class:`Segments` (and no RowExact step): the dimension of ``x`` that holds the
+    packed prompts' tokens (``[1, S, H]`` or ``[S, H]``), None where there is none."""
+    lengths = getattr(_local, "segments", None)
+    if lengths is None or len(lengths) < 2 or getattr(_local, "exact", False):
+        return None
+    total = sum(lengths)
+    if x.dim() == 3 and x.shape[0] == 1 and x.shape[1] == total:
+        return 1
+    if x.dim() == 2 and x.shape[0] == total:
+        return 0
+    return None
+
+
+def _per_prompt(x: torch.Tensor, dim: int, product: Any) -> torch.Tensor:
+    """``product`` once per packed prompt (its tokens along ``dim``): the row count, and so the
+    kernel, that prompt's product has alone."""
+    parts, start = [], 0
+    for n in _local.segments:
+        parts.append(product(x.narrow(dim, start, n)))
+        start += n
+    return torch.cat(parts, dim=dim)
 
 
 def row_linear(
@@ -347,12 +375,17 @@ def _row_weight(weight: torch.Tensor, owner: Any) -> torch.Tensor | None:
 
 def _row_exact_router(self: nn.Module, hidden_states: torch.Tensor) -> Any:
     """A MoE top-k router (transformers' ``TopKRouter.forward``) whose logits of every token are
-    that token's alone (:func:`row_linear`) in a RowExact step; softmax and top-k run per row."""
+    that token's alone (:func:`row_linear`) in a RowExact step, and each packed prompt's its own
+    in a packed prefill (:class:`Segments`); softmax and top-k run per row."""
     router: Any = self
     flat = hidden_states.reshape(-1, router.hidden_dim)
-    if flat.shape[0] <= 1 or not getattr(_local, "exact", False):
+    packed = _packed_tokens(flat)
+    if packed is not None:
+        logits = _per_prompt(flat, packed, lambda part: F.linear(part, router.weight))
+    elif flat.shape[0] <= 1 or not getattr(_local, "exact", False):
         return router._plain_forward(hidden_states)
-    logits = row_linear(flat, router.weight, owner=router)
+    else:
+        logits = row_linear(flat, router.weight, owner=router)
     probs = F.softmax(logits, dtype=torch.float, dim=-1)
     top_value, indices = torch.topk(probs, router.top_k, dim=-1)
     if router.norm_topk_prob:
@@ -361,9 +394,10 @@ def _row_exact_router(self: nn.Module, hidden_states: torch.Tensor) -> Any:
 
 
 def install_row_exact(*modules: nn.Module, routers: tuple[type, ...] = ()) -> None:
-    """Make every ``nn.Linear`` under ``modules`` row-exact inside :class:`RowExact` (unchanged
-    outside it), and every MoE router of a ``routers`` type (they call ``F.linear`` on a
-    flattened ``[tokens, hidden]`` view, then softmax and top-k per token)."""
+    """Make every ``nn.Linear`` under ``modules`` row-exact inside :class:`RowExact` and once per
+    prompt inside :class:`Segments` (unchanged outside both), and every MoE router of a
+    ``routers`` type (they call ``F.linear`` on a flattened ``[tokens, hidden]`` view, then
+    softmax and top-k per token)."""
     for root in modules:
         for module in root.modules():
             if getattr(module, "_row_exact", False):

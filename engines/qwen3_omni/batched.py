@@ -76,8 +76,9 @@ def talker_hidden(
 
 
 def packable(prompt_length: int) -> bool:
-    """Whether a prompt of this length may be packed with others: each product over a packed
-    prompt keeps its rows' bits only when the prompt alone also has at least MIN_GEMM_ROWS rows."""
+    """Whether a prompt of this length is packed with others: at least MIN_GEMM_ROWS tokens (a
+    packed prefill runs each prompt's products at its own row count, so shorter ones could pack
+    too; they prefill alone as before)."""
     return prompt_length >= MIN_GEMM_ROWS
 
 
