@@ -90,8 +90,7 @@ def pipeline(folder: Path, transcripts: bool = False, gated: bool = True, coales
             {
                 "name": "end_of_turn",
                 "engine": "engines.speech.turn_stage:EndOfTurnEngine",
-                "budget": {"max_concurrency": 1024, "max_batch": 16, "worker": "thread", "workers": 1,
-                           "gather_ms": 10},
+                "budget": {"max_concurrency": 1024, "max_batch": 16, "worker": "thread", "workers": 1},
             },
         ],
         "edges": [{"from": "vad", "to": "end_of_turn", "mode": "async_chunk", "connector": "inproc",
@@ -110,7 +109,6 @@ def pipeline(folder: Path, transcripts: bool = False, gated: bool = True, coales
                     "max_batch": 64,
                     "worker": "thread",
                     "workers": 1,
-                    "gather_ms": 10,
                 },
             },
             {

@@ -11,7 +11,9 @@ there is nothing to run: new input, a drained consumer or a finish schedules a b
 timer fires when the earliest paced request falls due (its callback builds the call itself).
 With ``budget.gather_ms``, a build waits that long first, so that small inputs arriving close
 together (every session's next VAD frame) are stepped together; not when the replica holds one
-request only, or every request has input already.
+request only, or every request has input already, nor for turn control (`TurnControl` appended
+to a request: a pause to score or transcribe, which a decision waits on; a build waiting out its
+window is brought forward, and one after a step in flight is not held).
 
 Why callbacks and not tasks: on a busy loop every hand-off costs one loop iteration, and an
 iteration then lasts tens of milliseconds. A step cycle here costs one (the worker's outcome
@@ -37,7 +39,7 @@ from runtime.connectors import Connector
 from runtime.engine import Engine, EngineRequest
 from runtime.kv import SessionKVStore
 from runtime.metrics import RuntimeMetrics
-from runtime.payloads import Conditioning, Payload
+from runtime.payloads import Conditioning, Payload, TurnControl
 from runtime.progress import AdmissionError, StageTiming
 from runtime.spec import StageSpec
 from runtime.worker import ChunkRef, ItemResult, Outcome, ThreadWorker, WorkCall, Worker, WorkerDied, WorkItem
@@ -114,6 +116,8 @@ class Replica:
         self._inflight_ids: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None  # from start(): builds run on it
         self._build_at: asyncio.Handle | None = None  # a build scheduled by wake() (or gather)
+        self._gathering = False  # ... and it waits out the gather window
+        self._prompts: set[str] = set()  # requests whose inputs hold turn control (no window)
         self._timer: asyncio.TimerHandle | None = None  # wakes the loop at the next paced step
         self._timer_at = 0.0
         self._calls = 0  # work calls in flight (at most budget.workers)
@@ -183,6 +187,8 @@ class Replica:
         slot = self._open_slot(request_id)
         if slot is not None:
             slot.inputs.extend(payloads)
+            if any(isinstance(p, TurnControl) for p in payloads):
+                self._prompts.add(request_id)
             self.wake()
         return slot is not None
 
@@ -225,8 +231,15 @@ class Replica:
     def wake(self) -> None:
         """Something may have become runnable: build the next call in a callback of its own
         (not here: the caller is in the middle of its own work, often another replica's)."""
-        if self._build_at is None and self._loop is not None:
-            if self._gather_s > 0 and self._others_may_come():
+        if self._loop is None:
+            return
+        prompt = self._prompted()
+        if prompt and self._gathering and self._build_at is not None:
+            self._build_at.cancel()  # turn control waits for no window
+            self._build_at = None
+        if self._build_at is None:
+            self._gathering = not prompt and self._gather_s > 0 and self._others_may_come()
+            if self._gathering:
                 self._build_at = self._loop.call_later(self._gather_s, self._build_scheduled)
             else:
                 self._build_at = self._loop.call_soon(self._build_scheduled)
@@ -240,7 +253,7 @@ class Replica:
     def _build_next(self) -> None:
         """After a step or at a paced request's time: the next call now, unless gathering
         pays (``budget.gather_ms``), then after that wait."""
-        if self._gather_s > 0 and self._others_may_come():
+        if self._gather_s > 0 and not self._prompted() and self._others_may_come():
             self.wake()
         else:
             self._run_calls()
@@ -273,6 +286,10 @@ class Replica:
         except Exception:  # a bug applying one call's results must not stop the replica
             log.exception("stage %s replica %d: applying a result failed", self.name, self.index)
         self._build_next()
+
+    def _prompted(self) -> bool:
+        """Turn control waits in some request's input (stepped without a gather window)."""
+        return bool(self._prompts)
 
     def _others_may_come(self) -> bool:
         """Worth waiting for more input: some live request has none yet (with one request, or
@@ -358,6 +375,7 @@ class Replica:
             upstream_finished=slot.incoming > 0 and slot.finished_edges >= slot.incoming,
         )
         slot.chunks, slot.inputs, slot.updates = [], [], []
+        self._prompts.discard(slot.request_id)
         slot.input_room.set()
         if item.chunks:
             self._sink.on_taken(self.name, slot.request_id, item.chunks)
@@ -421,6 +439,7 @@ class Replica:
 
     def _close_slot(self, slot: Slot, outcome: str, *, finish: bool) -> None:
         slot.closed = True
+        self._prompts.discard(slot.request_id)
         slot.input_room.set()
         # Chunks never consumed (the engine finished before its upstream): free their data now.
         for chunk in slot.chunks:
