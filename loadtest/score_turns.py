@@ -51,7 +51,7 @@ PREFIX = 4800  # the session's prefix padding (300 ms) before the VAD's speech s
 TUNE = range(0, 10)  # sentences the threshold is tuned on (s00-s09); s10-s19 are held out
 
 
-def _pauses(audio: np.ndarray, speech_end: int) -> tuple[int, int, list[tuple[int, int]]]:
+def vad_pauses(audio: np.ndarray, speech_end: int) -> tuple[int, int, list[tuple[int, int]]]:
     """(speech start, silence onset, earlier pauses) as the session's VAD finds them in `audio`:
     the pause at `speech_end`, and every silence of at least one VAD frame before it (where
     the session asks too) as (onset, length in samples)."""
@@ -102,7 +102,7 @@ def observations(cache_dir: Path = CACHE) -> list[Row]:
     for clip in turn_set(cache_dir):
         speech = clip.audio[: clip.pause_at] if clip.paused else clip.audio
         audio = np.concatenate([np.zeros(lead, np.float32), speech, np.zeros(RATE, np.float32)])
-        start, onset, inner = _pauses(audio, lead + len(speech))
+        start, onset, inner = vad_pauses(audio, lead + len(speech))
         rows.append(
             {
                 "clip": clip.name,
@@ -141,7 +141,7 @@ def with_drafts(rows: list[Row], cache_dir: Path = CACHE) -> None:
         for clip in turn_set(cache_dir):
             speech = clip.audio[: clip.pause_at] if clip.paused else clip.audio
             audio = np.concatenate([np.zeros(lead, np.float32), speech, np.zeros(RATE, np.float32)])
-            start, onset, inner = _pauses(audio, lead + len(speech))
+            start, onset, inner = vad_pauses(audio, lead + len(speech))
             ats = [onset, *(at for at, _ in inner)]
             drafts[clip.name] = [asr.draft(audio[max(0, start - PREFIX) : at])[0] for at in ats]
         path.write_text(json.dumps(drafts, indent=1))
