@@ -68,7 +68,9 @@ MAX_WAIT_S = {
 }
 
 
-def pipeline(folder: Path, transcripts: bool = False, gated: bool = True, coalesce: bool = True) -> Path:
+def pipeline(
+    folder: Path, transcripts: bool = False, gated: bool = True, coalesce: bool = True, asr_workers: int = 1
+) -> Path:
     doc: dict[str, Any] = {
         "name": "null-turns",
         "entry": "respond",
@@ -98,7 +100,9 @@ def pipeline(folder: Path, transcripts: bool = False, gated: bool = True, coales
                    "coalesce": coalesce}],
     }  # fmt: skip
     if transcripts:  # voice-cascade's live ASR too: semantic_vad's second cue (TurnCues)
-        asr_options = {"compute_type": "int8", "cpu_threads": 1, "num_workers": 1}
+        # `asr_workers`: Whisper runs at once on the one model (and live_asr calls in flight);
+        # voice-cascade has 2, the earlier rounds measured 1 (one run at a time).
+        asr_options = {"compute_type": "int8", "cpu_threads": 1, "num_workers": asr_workers}
         doc["stages"] += [
             {
                 "name": "live_asr",
@@ -108,7 +112,7 @@ def pipeline(folder: Path, transcripts: bool = False, gated: bool = True, coales
                     "max_concurrency": 1024,
                     "max_batch": 64,
                     "worker": "thread",
-                    "workers": 1,
+                    "workers": asr_workers,
                 },
             },
             {
@@ -301,7 +305,7 @@ def cpu_per_decision(clips: list[Clip], n: int = 30) -> dict[str, Any]:
 
 
 def _spawn(folder: Path, port: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    spec = pipeline(folder, args.transcripts, not args.ungated, not args.no_coalesce)
+    spec = pipeline(folder, args.transcripts, not args.ungated, not args.no_coalesce, args.asr_workers)
     cmd = [sys.executable, "-m", "web.cli", "serve", "--pipeline", str(spec),
            "--port", str(port), "--data-dir", str(folder / "data"), "--log-level", "warning",
            "--max-sessions", "256"]  # fmt: skip
@@ -377,6 +381,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         **cpu,
         "sessions_per_core": round(1000.0 / (per_s * cpu_p50), 0) if per_s and cpu_p50 else None,
         "end_of_turn_gated": not args.ungated,
+        "asr_workers": args.asr_workers,
         "vad_edges_coalesce": not args.no_coalesce,
         "server_cpu_s": round(cpu_used, 1),
         "stage_steps": {
@@ -432,6 +437,13 @@ def main(argv: list[str] | None = None) -> None:
         help="voice-cascade's live ASR and an ASR before the answer: semantic_vad decides on the words too",
     )
     p.add_argument("--details", action="store_true", help="every clip's events in the report")
+    p.add_argument(
+        "--asr-workers",
+        type=int,
+        default=1,
+        help="with --transcripts: Whisper runs at once (1: one at a time, as measured before; "
+        "voice-cascade has 2)",
+    )
     p.add_argument(
         "--ungated",
         action="store_true",
