@@ -92,3 +92,58 @@ def _plan(counts: frozenset[int], limit: int, rows: int) -> tuple[tuple[int, int
                 options.append(((forwards + 1, padded_rows + width), (*chunks, (n, width))))
         best.append(min(options))
     return best[rows][1]
+
+
+class PromptRows:
+    """Whether a prefill may pack several prompts into one forward and keep each prompt's bits.
+
+    A prompt prefilled alone multiplies its ``L`` tokens as one ``L``-row product per weight; packed
+    with others, as rows of one ``T``-row product. Both give a row the bits it gets in a
+    :data:`REFERENCE_ROWS`-row product when both counts do, so :meth:`keeps` measures a count (once
+    per thread count) against :data:`REFERENCE_ROWS`-row products of the same random rows, for every
+    distinct ``nn.Linear`` of ``model`` (the decoder without its head: a packed prefill runs the
+    head on each prompt's last row alone, as a prompt alone does). Counts above ``limit`` are never
+    packed."""
+
+    def __init__(self, model: nn.Module, *, limit: int = 1024) -> None:
+        self.limit = limit
+        self.layers = RowCounts(model).layers
+        self._rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # threads -> (x, ref)
+        self._kept: dict[tuple[int, int], bool] = {}
+
+    def prepare(self) -> None:
+        """The reference products at the current thread count (a few hundred small products)."""
+        self._reference(torch.get_num_threads())
+
+    def keeps(self, count: int) -> bool:
+        """Whether ``count`` rows give every row of every product its reference bits (measured on
+        first use per thread count: one ``count``-row product per distinct weight)."""
+        if not REFERENCE_ROWS <= count <= self.limit:
+            return False
+        threads = torch.get_num_threads()
+        key = (threads, count)
+        if key not in self._kept:
+            self._kept[key] = self._measure(threads, count)
+        return self._kept[key]
+
+    @torch.inference_mode()
+    def _measure(self, threads: int, count: int) -> bool:
+        for layer, (x, reference) in zip(self.layers, self._reference(threads), strict=True):
+            if not torch.equal(F.linear(x[:, :count], layer.weight, layer.bias), reference[:, :count]):
+                return False
+        return True
+
+    @torch.inference_mode()
+    def _reference(self, threads: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if threads not in self._rows:
+            gen = torch.Generator().manual_seed(0)
+            rows = self.limit + REFERENCE_ROWS - self.limit % REFERENCE_ROWS
+            pairs = []
+            for layer in self.layers:
+                weight, bias = layer.weight, layer.bias
+                x = torch.randn(rows, 1, weight.shape[1], generator=gen).to(weight.dtype)
+                chunks = range(0, rows, REFERENCE_ROWS)
+                reference = torch.cat([F.linear(x[i : i + REFERENCE_ROWS], weight, bias) for i in chunks])
+                pairs.append((x.reshape(1, rows, -1), reference.reshape(1, rows, -1)))
+            self._rows[threads] = pairs
+        return self._rows[threads]

@@ -1,8 +1,10 @@
 """Continuous batching for the transformers responder (``speech.responder`` with an LM).
 
 Every live reply of a step advances by one token in one forward of the model: each reply keeps
-its own ``DynamicCache``; a reply's prompt is prefilled on its own in the step it joins (the others
-decode in that same step), and a finished or cancelled reply simply leaves the next batch.
+its own ``DynamicCache``; the prompts of the replies that join in a step are prefilled in that step
+(packed into one forward where the measured row counts allow it:
+:class:`~engines.row_counts.PromptRows`), the others decoding in the same step, and a finished or
+cancelled reply simply leaves the next batch.
 
 Each reply's text is exactly what it is alone (greedy): the decode forward runs every row at its
 own position over its own cache (:class:`~engines.rowbatch.RowsCache`), and only at row counts
@@ -23,8 +25,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache
 
-from engines.row_counts import RowCounts
-from engines.rowbatch import RowsCache, install_rows_attention, rows_mask_marker
+from engines.row_counts import PromptRows, RowCounts
+from engines.rowbatch import RowsCache, SegmentsCache, install_rows_attention, rows_mask_marker
 from engines.speech.chat import IncrementalDetokenizer, Turn
 from engines.speech.responder import CausalLmResponder
 
@@ -52,11 +54,16 @@ class BatchedLm:
         install_rows_attention(self.model.config)
         self.num_threads = num_threads
         self.row_counts = RowCounts(self.model)
+        self.prompt_rows = PromptRows(self.model.get_decoder())
+        # Packing runs the decoder, then the head on each prompt's last row as the model's forward
+        # does for Llama (SmolLM2); other models may scale or cap their logits: not packed.
+        self.packs = self.model.config.model_type == "llama"
         before = torch.get_num_threads()
         try:  # measured now, not in the first reply's step
             if num_threads is not None:
                 torch.set_num_threads(num_threads)
             self.row_counts.counts()
+            self.prompt_rows.prepare()
         finally:
             torch.set_num_threads(before)
 
@@ -79,17 +86,55 @@ class BatchedLm:
                     return
                 fresh = [r for r in live if r.cache is None]
                 decoding = [r for r in live if r.cache is not None]
-                for reply in fresh:
-                    self._prefill(reply)
+                self._prefill_all(fresh)
                 if decoding:
                     self._decode(decoding)
 
     # -- one token ----------------------------------------------------------------------------
 
-    def _prefill(self, reply: Reply) -> None:
-        if reply.turn.max_tokens <= 0:
-            self._end(reply)
+    def _prefill_all(self, replies: Sequence[Reply]) -> None:
+        """Every fresh reply's prompt: packed into forwards of up to ``prompt_rows.limit`` tokens
+        where every prompt's length and the packed length keep each row's bits (one GEMM per
+        weight over several prompts reads each weight once: 7 prompts of ~56 tokens ~1.1 -> ~0.9 s
+        at one thread on this host), else one forward per prompt."""
+        group: list[Reply] = []
+        for reply in replies:
+            if reply.turn.max_tokens <= 0:
+                self._end(reply)
+            elif not self.prompt_rows.keeps(len(reply.prompt)):
+                self._prefill(reply)
+            else:
+                if sum(len(r.prompt) for r in group) + len(reply.prompt) > self.prompt_rows.limit:
+                    self._prefill_packed(group)
+                    group = []
+                group.append(reply)
+        self._prefill_packed(group)
+
+    def _prefill_packed(self, replies: Sequence[Reply]) -> None:
+        lengths = [len(r.prompt) for r in replies]
+        if len(replies) < 2 or not self.packs or not self.prompt_rows.keeps(sum(lengths)):
+            for reply in replies:
+                self._prefill(reply)
             return
+        caches = [DynamicCache(config=self.model.config) for _ in replies]
+        ids = torch.tensor([[t for r in replies for t in r.prompt]], dtype=torch.long)
+        positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        hidden = self.model.get_decoder()(
+            input_ids=ids,
+            position_ids=positions,
+            cache=SegmentsCache(caches, lengths),
+            attention_mask=rows_mask_marker(1),
+            use_cache=True,
+        ).last_hidden_state
+        end = 0
+        for reply, cache, n in zip(replies, caches, lengths, strict=True):
+            end += n
+            # the head on the prompt's last row alone, as logits_to_keep=1 runs it alone
+            logits = self.model.get_output_embeddings()(hidden[:, end - 1 : end, :])
+            reply.cache = cache
+            self._pick(reply, logits[0, -1])
+
+    def _prefill(self, reply: Reply) -> None:
         reply.cache = DynamicCache(config=self.model.config)
         ids = torch.tensor([reply.prompt], dtype=torch.long)
         out = self.model(

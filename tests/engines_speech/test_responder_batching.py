@@ -183,3 +183,42 @@ def test_row_counts_plan_the_fewest_forwards_at_measured_counts() -> None:
     up_to_15 = frozenset(range(4, 16))  # a regime that ends at 16 rows
     assert _plan(up_to_15, 32, 16) == ((4, 4), (12, 12))
     assert _plan(frozenset(), 32, 3) == ((1, 4), (1, 4), (1, 4))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompts_prefilled_together_keep_their_logits(wide_lm_dir: Path, threads: int) -> None:
+    """Replies that join in the same step prefill packed into one forward (one GEMM per weight
+    over all their tokens) where the measured row counts allow it; each prompt's logits, and so
+    every later step's, are bit for bit its logits alone. The packing is checked to happen."""
+    lm = CausalLmResponder(wide_lm_dir, dtype="float32")
+    batched = RecordingLm(lm, num_threads=threads)
+    alone_prefills: list[int] = []
+    prefill = batched._prefill
+
+    def counted(reply: Reply) -> None:
+        alone_prefills.append(len(reply.prompt))
+        prefill(reply)
+
+    batched._prefill = counted  # type: ignore[method-assign]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    turns = [
+        Turn.from_params(" ".join(QUESTIONS[: i % 5 + 1]) + f" {i}", {"ignore_eos": True}, 4)
+        for i in range(9)
+    ]
+
+    def logits(group: Sequence[Turn]) -> list[list[bytes]]:
+        replies = [batched.reply(turn) for turn in group]
+        while not all(r.done for r in replies):
+            batched.step(replies)
+        return [batched.logits.pop(id(r)) for r in replies]
+
+    try:
+        alone = [logits([turn])[0] for turn in turns]
+        assert len(alone_prefills) == len(turns)
+        alone_prefills.clear()
+        assert logits(turns) == alone
+        assert len(alone_prefills) < len(turns)  # some prompts were packed
+        assert len({len(batched.reply(t).prompt) for t in turns}) > 3  # of several lengths
+    finally:
+        torch.set_num_threads(before)
