@@ -150,20 +150,14 @@ def test_float32_rows_keep_their_logits_at_every_batch_size(wide_lm_dir: Path, t
         for i in range(20)
     ]
 
-    def logits(group: Sequence[Turn]) -> list[list[bytes]]:
-        replies = [batched.reply(turn) for turn in group]
-        while not all(r.done for r in replies):
-            batched.step(replies)
-        return [batched.logits.pop(id(r)) for r in replies]
-
     try:
-        alone = [logits([turn])[0] for turn in turns]
+        alone = [_stepped_logits(batched, [turn])[0] for turn in turns]
         assert len({a[-1] for a in alone}) == len(turns)
         for size in (2, 3, 5, 6, 7, 8, 9, 11, 12, 15, 16, 17, 20):
             plan = batched.row_counts.plan(size)
             assert sum(real for real, _ in plan) == size
             assert all(rows in counts or (real, rows) == (1, 4) for real, rows in plan)
-            assert logits(turns[:size]) == alone[:size], size
+            assert _stepped_logits(batched, turns[:size]) == alone[:size], size
     finally:
         torch.set_num_threads(before)
 
@@ -183,6 +177,14 @@ def test_row_counts_plan_the_fewest_forwards_at_measured_counts() -> None:
     up_to_15 = frozenset(range(4, 16))  # a regime that ends at 16 rows
     assert _plan(up_to_15, 32, 16) == ((4, 4), (12, 12))
     assert _plan(frozenset(), 32, 3) == ((1, 4), (1, 4), (1, 4))
+
+
+def _stepped_logits(batched: RecordingLm, group: Sequence[Turn]) -> list[list[bytes]]:
+    """Each reply of `group` stepped together to its end; the logits bytes of every step, per reply."""
+    replies = [batched.reply(turn) for turn in group]
+    while not all(r.done for r in replies):
+        batched.step(replies)
+    return [batched.logits.pop(id(r)) for r in replies]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -207,17 +209,11 @@ def test_prompts_prefilled_together_keep_their_logits(wide_lm_dir: Path, threads
         for i in range(9)
     ]
 
-    def logits(group: Sequence[Turn]) -> list[list[bytes]]:
-        replies = [batched.reply(turn) for turn in group]
-        while not all(r.done for r in replies):
-            batched.step(replies)
-        return [batched.logits.pop(id(r)) for r in replies]
-
     try:
-        alone = [logits([turn])[0] for turn in turns]
+        alone = [_stepped_logits(batched, [turn])[0] for turn in turns]
         assert len(alone_prefills) == len(turns)
         alone_prefills.clear()
-        assert logits(turns) == alone
+        assert _stepped_logits(batched, turns) == alone
         assert len(alone_prefills) < len(turns)  # some prompts were packed
         assert len({len(batched.reply(t).prompt) for t in turns}) > 3  # of several lengths
     finally:
