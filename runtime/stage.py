@@ -117,7 +117,7 @@ class Replica:
         self._loop: asyncio.AbstractEventLoop | None = None  # from start(): builds run on it
         self._build_at: asyncio.Handle | None = None  # a build scheduled by wake() (or gather)
         self._gathering = False  # ... and it waits out the gather window
-        self._prompts: set[str] = set()  # requests whose inputs hold turn control (no window)
+        self._turn_control: set[str] = set()  # requests whose inputs hold turn control (no window)
         self._timer: asyncio.TimerHandle | None = None  # wakes the loop at the next paced step
         self._timer_at = 0.0
         self._calls = 0  # work calls in flight (at most budget.workers)
@@ -188,7 +188,7 @@ class Replica:
         if slot is not None:
             slot.inputs.extend(payloads)
             if any(isinstance(p, TurnControl) for p in payloads):
-                self._prompts.add(request_id)
+                self._turn_control.add(request_id)
             self.wake()
         return slot is not None
 
@@ -233,12 +233,12 @@ class Replica:
         (not here: the caller is in the middle of its own work, often another replica's)."""
         if self._loop is None:
             return
-        prompt = self._prompted()
-        if prompt and self._gathering and self._build_at is not None:
-            self._build_at.cancel()  # turn control waits for no window
+        urgent = bool(self._turn_control)  # turn control waits for no window
+        if urgent and self._gathering and self._build_at is not None:
+            self._build_at.cancel()
             self._build_at = None
         if self._build_at is None:
-            self._gathering = not prompt and self._gather_s > 0 and self._others_may_come()
+            self._gathering = not urgent and self._gather_s > 0 and self._others_may_come()
             if self._gathering:
                 self._build_at = self._loop.call_later(self._gather_s, self._build_scheduled)
             else:
@@ -253,7 +253,7 @@ class Replica:
     def _build_next(self) -> None:
         """After a step or at a paced request's time: the next call now, unless gathering
         pays (``budget.gather_ms``), then after that wait."""
-        if self._gather_s > 0 and not self._prompted() and self._others_may_come():
+        if self._gather_s > 0 and not self._turn_control and self._others_may_come():
             self.wake()
         else:
             self._run_calls()
@@ -286,10 +286,6 @@ class Replica:
         except Exception:  # a bug applying one call's results must not stop the replica
             log.exception("stage %s replica %d: applying a result failed", self.name, self.index)
         self._build_next()
-
-    def _prompted(self) -> bool:
-        """Turn control waits in some request's input (stepped without a gather window)."""
-        return bool(self._prompts)
 
     def _others_may_come(self) -> bool:
         """Worth waiting for more input: some live request has none yet (with one request, or
@@ -375,7 +371,7 @@ class Replica:
             upstream_finished=slot.incoming > 0 and slot.finished_edges >= slot.incoming,
         )
         slot.chunks, slot.inputs, slot.updates = [], [], []
-        self._prompts.discard(slot.request_id)
+        self._turn_control.discard(slot.request_id)
         slot.input_room.set()
         if item.chunks:
             self._sink.on_taken(self.name, slot.request_id, item.chunks)
@@ -439,7 +435,7 @@ class Replica:
 
     def _close_slot(self, slot: Slot, outcome: str, *, finish: bool) -> None:
         slot.closed = True
-        self._prompts.discard(slot.request_id)
+        self._turn_control.discard(slot.request_id)
         slot.input_room.set()
         # Chunks never consumed (the engine finished before its upstream): free their data now.
         for chunk in slot.chunks:

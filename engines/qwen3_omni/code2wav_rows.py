@@ -193,9 +193,9 @@ def _positions(
     kept = getattr(module, "_c2w_positions", None)
     key = (weight._version, weight.data_ptr(), weight.dtype)
     if kept is None or kept[0] is not weight or kept[1] != key:
-        with torch.inference_mode(False):  # a normal tensor: row_linear tracks its version
+        with torch.inference_mode(False):  # a normal tensor, usable in and out of inference mode
             flat = flatten(weight.detach()).contiguous()
-        kept = (weight, key, flat, torch.nn.Module())
+        kept = (weight, key, flat)
         module._c2w_positions = kept
     return tile_linear(x, kept[2], bias)
 
