@@ -315,6 +315,8 @@ async def test_a_draining_thinker_hands_its_sessions_kv_to_the_replica_that_take
                 turn = await audio_turn(conn, events, text)
                 assert turn[-1].event.response.status == "completed", turn[-1].raw
             (old_id,) = stage.members
+            # the thinker's figures for its last request (turn 2): its whole prompt's length
+            before = (await stage.members[old_id].worker.ask("stats"))["engine"]
             second = start_host(pipeline, "thinker", redis_url)
             hosts.append(second)
             await wait_members(orchestrator, {"thinker": 2})
@@ -327,6 +329,8 @@ async def test_a_draining_thinker_hands_its_sessions_kv_to_the_replica_that_take
         assert stats["kv_imported"] == 1 and not stage.kv_moves
         engine = stats["engine"]  # the thinker's figures for its last request: this turn
         assert engine["requests"] == 1 and engine["reused_tokens"] > 0
-        # only the new turn's tokens were prefilled: the conversation so far came with the KV
-        assert 0 < engine["prefill_tokens"] < engine["reused_tokens"], engine
+        # only the new turn's tokens were prefilled: the conversation so far (at least all of
+        # turn 2's prompt) came with the KV
+        assert engine["prefill_tokens"] > 0, engine
+        assert engine["reused_tokens"] >= before["prefill_tokens"] + before["reused_tokens"], (engine, before)
         assert await asyncio.to_thread(first.proc.wait, 60) == 0  # it left once the KV was taken
