@@ -169,19 +169,51 @@ def rows_attention(
 ) -> tuple[torch.Tensor, None]:
     if isinstance(key, SegmentKV):
         assert isinstance(value, SegmentKV)
-        segments = [
-            sdpa_attention_forward(module, query[:, :, a:b], key[i], value[i], None, **kwargs)[0]
-            for i, (a, b) in enumerate(key.bounds)
-        ]
-        return torch.cat(segments, dim=1), None
+        queries = [query[:, :, a:b] for a, b in key.bounds]
+        return torch.cat(_attend_rows(module, queries, key, value, kwargs), dim=1), None
     if not isinstance(key, RowKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[arg-type]
     assert isinstance(value, RowKV)
-    outs = [
-        sdpa_attention_forward(module, query[i : i + 1], key[i], value[i], None, **kwargs)[0]
-        for i in range(query.shape[0])
-    ]
-    return torch.cat(outs, dim=0), None
+    queries = [query[i : i + 1] for i in range(query.shape[0])]
+    return torch.cat(_attend_rows(module, queries, key, value, kwargs), dim=0), None
+
+
+def _attend_rows(
+    module: torch.nn.Module,
+    queries: Sequence[torch.Tensor],
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    kwargs: dict[str, Any],
+) -> list[torch.Tensor]:
+    """Each row's ``sdpa`` over its own keys (``[1, heads, q_i, d]`` over ``[1, kv_heads, k_i, d]``),
+    output ``[1, q_i, heads, d]`` per row. On one intra-op thread, rows with the same query and
+    key lengths run as one batched ``sdpa`` (their keys stacked): the CPU kernel then computes
+    every (row, head) on its own, with blocks sized by the lengths only, so a row's bits are those
+    of its call alone (``test_rows_attention_groups_rows_of_equal_length_bitwise``), for one call
+    instead of one per row (decode rows of requests whose caches have the same length, prompts of
+    the same length). With more threads the kernel splits a lone row's keys across them and a
+    batch's rows not, which changes the row's bits: every row runs alone there."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    alone = torch.get_num_threads() > 1
+    for i, (q, k) in enumerate(zip(queries, keys, strict=True)):
+        groups.setdefault((i, 0) if alone else (q.shape[-2], k.shape[-2]), []).append(i)
+    outs: list[torch.Tensor | None] = [None] * len(queries)
+    for rows in groups.values():
+        if len(rows) == 1:
+            i = rows[0]
+            outs[i] = sdpa_attention_forward(module, queries[i], keys[i], values[i], None, **kwargs)[0]
+            continue
+        out = sdpa_attention_forward(
+            module,
+            torch.cat([queries[i] for i in rows]),
+            torch.cat([keys[i] for i in rows]),
+            torch.cat([values[i] for i in rows]),
+            None,
+            **kwargs,
+        )[0]
+        for j, i in enumerate(rows):
+            outs[i] = out[j : j + 1]
+    return [o for o in outs if o is not None]
 
 
 def install_rows_attention(*configs: Any) -> None:

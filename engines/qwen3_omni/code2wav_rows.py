@@ -20,12 +20,18 @@ batch. Instead:
 * every per-position product computes each position as that position alone computes it: the
   ConvNeXt blocks' ``pwconv1`` / ``pwconv2`` as :func:`~engines.rowbatch.row_linear` (one ``bmm``
   of one matrix-vector product per position, computed the same way whatever the number of
-  entries: 1 to 20,000 measured at these widths, 1 and 2 threads); the 1-wide convolutions and
-  the transposed convolutions' ``C_out × kernel`` products of each input position, thousands of
-  positions, as :func:`~engines.rowbatch.tile_linear` (GEMMs of a fixed 64 rows each, the last
-  tile zero-padded: 1.1-1.5x one GEMM, where one GEMV per position cost ~2x and the row-by-row
+  entries: 1 to 20,000 measured at these widths, 1 and 2 threads); the 1-wide convolutions of
+  more than :data:`ELEMENTWISE_MAX_INPUTS` input channels and the transposed convolutions'
+  ``C_out × kernel`` products of each input position, thousands of positions, as
+  :func:`~engines.rowbatch.tile_linear` (GEMMs of a fixed 64 rows each, the last tile
+  zero-padded: 1.1-1.5x one GEMM, where one GEMV per position cost ~2x and the row-by-row
   fallback of a 4 x 4 weight far more); a transposed convolution then overlap-adds its positions'
-  products elementwise in a fixed order;
+  products elementwise in a fixed order, each straight from its strided view;
+* a 1-wide convolution of at most :data:`ELEMENTWISE_MAX_INPUTS` input channels (in the last two
+  decoder blocks: 8 and 4 channels over 2,000-7,000 positions per window) as elementwise
+  multiply-adds over the whole batch, input channel after input channel (:func:`_pointwise`):
+  every sample is the same sequence of single-rounded products and sums whatever the batch; a
+  64-row GEMM tile of 4 or 8 inputs cost 3-4x that (its per-tile overhead, not arithmetic);
 * dense and depthwise convolutions with a kernel wider than 1 run oneDNN's convolution
   (``mkldnn_convolution``), whose bits per output position did not vary with the batch size, the
   row's length or the other rows in any case measured (1 and 2 threads).
@@ -50,6 +56,11 @@ from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qm
 from engines.rowbatch import RowExact, row_linear, tile_linear
 
 Lengths = list[int]
+
+# A 1-wide convolution of at most this many input channels runs as elementwise multiply-adds
+# (:func:`_pointwise`); wider ones as tile_linear GEMMs (at 16 inputs the 32 elementwise ops per
+# convolution cost more than the tiles).
+ELEMENTWISE_MAX_INPUTS = 8
 
 
 def decode_windows(code2wav: Any, windows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -141,11 +152,14 @@ def _left_padding(block: Any) -> int:
 
 
 def _causal(block: Any, x: torch.Tensor, padded: bool = False) -> torch.Tensor:
-    """``Qwen3OmniMoeCausalConvNet`` (stride 1): a 1-wide one as a per-position product; a wider
+    """``Qwen3OmniMoeCausalConvNet`` (stride 1): a 1-wide one as elementwise multiply-adds (few input
+    channels) or a per-position product; a wider
     one as left zero padding (already there if ``padded``), then oneDNN's convolution."""
     conv = block.conv
     if conv.stride[0] != 1:
         raise TypeError("code2wav: strided causal convolutions have no batched rule")
+    if conv.kernel_size[0] == 1 and conv.groups == 1 and conv.in_channels <= ELEMENTWISE_MAX_INPUTS:
+        return _pointwise(conv, x)
     if conv.kernel_size[0] == 1 and conv.groups == 1:
         batch, _, columns = x.shape
         flat = x.permute(0, 2, 1).reshape(batch * columns, -1)
@@ -174,12 +188,36 @@ def _transposed(block: Any, x: torch.Tensor) -> torch.Tensor:
     cols = cols.view(batch, columns, out_channels, kernel).permute(0, 2, 1, 3)  # [B, O, T, kernel]
     full = (columns - 1) * stride + kernel  # the model's output length before its trim
     out = x.new_zeros(batch, out_channels, full)
+    # out as [B, O, full / stride, stride]: contribution q of input position t lands in span t + q
+    spans = out.view(batch, out_channels, full // stride, stride)
     for q in range(kernel // stride):
-        part = cols[..., q * stride : (q + 1) * stride].reshape(batch, out_channels, columns * stride)
-        out[:, :, q * stride : q * stride + columns * stride] += part
+        spans[:, :, q : q + columns] += cols[..., q * stride : (q + 1) * stride]
     if conv.bias is not None:
         out += conv.bias[None, :, None]
     return out[:, :, block.left_pad : full - block.right_pad]
+
+
+def _pointwise(conv: Any, x: torch.Tensor) -> torch.Tensor:
+    """A 1-wide convolution ``[B, C, T] -> [B, O, T]`` as ``x[:, 0] * w[:, 0] + ... + x[:, C-1] *
+    w[:, C-1] (+ bias)``, one elementwise product and sum per input channel in channel order: each
+    output sample's bits depend on its own inputs only (no reduction kernel, nothing chosen by
+    shape). The weight's columns ``[1, O, 1]`` are made once per weight version and kept on ``conv``."""
+    weight = conv.weight
+    kept = getattr(conv, "_c2w_pointwise", None)
+    key = (weight._version, weight.data_ptr(), weight.dtype)
+    if kept is None or kept[0] is not weight or kept[1] != key:
+        with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
+            columns = tuple(weight.detach()[None, :, c].clone() for c in range(weight.shape[1]))
+        kept = (weight, key, columns)
+        conv._c2w_pointwise = kept
+    columns = kept[2]
+    out = x[:, 0:1] * columns[0]
+    term = torch.empty_like(out)
+    for c in range(1, len(columns)):
+        out.add_(torch.mul(x[:, c : c + 1], columns[c], out=term))
+    if conv.bias is not None:
+        out.add_(conv.bias[None, :, None])
+    return out
 
 
 def _positions(

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qm
 
 from engines.qwen3_omni.batched import talker_prefill_hidden, thinker_prefill_logits
 from engines.qwen3_omni.code2wav_rows import decode_windows, fixed_kernels
-from engines.rowbatch import RowExact, row_linear
+from engines.rowbatch import RowExact, RowKV, SegmentKV, row_linear, rows_attention
 from runtime.engine import EdgeChunk, EngineRequest, StepInput
 from runtime.payloads import AudioChunk, CodecCodes
 from tests.engines_qwen.batch_driver import Member, run_batched
@@ -330,5 +332,61 @@ def test_packed_prefill_keeps_every_prompts_bits_at_any_lengths(engines: Engines
                 together = packed(loaded, embeds, [cache() for _ in embeds])
                 for n, single, got in zip(lengths, alone, together, strict=True):
                     assert got.reshape(-1).numpy().tobytes() == single.reshape(-1).numpy().tobytes(), n
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_requests_whose_caches_have_the_same_length_are_bitwise_the_outputs_alone(engines: Engines) -> None:
+    """Prompts of the same length (requests 1-4; 0 is longer) step with caches of equal lengths,
+    so their rows' attention runs as one batched ``sdpa`` (the decode rows and the packed
+    prefills): every request's tokens, codes and samples are still bit for bit its run alone."""
+
+    def same_length(i: int) -> dict[str, object]:
+        return {
+            **params(0),
+            "text": f"Tell me about request {i}." if i else "A longer prompt than the others.",
+        }
+
+    members = run_batched(engines, [Member(same_length(i)) for i in range(5)])
+    assert max(max(m.batch_sizes) for m in members) == 5
+    for i, m in enumerate(members):
+        assert_same(m.run, run_pipeline(engines, same_length(i), request_id=f"s{i}"))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_attention_groups_rows_of_equal_length_bitwise(engines: Engines, threads: int) -> None:
+    """rows_attention over decode rows (RowKV) and packed prompts (SegmentKV) of mixed lengths:
+    rows of equal lengths run in one batched sdpa (on one thread; at two, where a lone row's keys
+    are split across the threads, each row alone), and every row's output is bit for bit its own
+    sdpa call alone."""
+    attention = engines.thinker.loaded.model.thinker.model.language_model.layers[0].self_attn
+    heads, kv_heads, dim = 4, 2, attention.head_dim
+    gen = torch.Generator().manual_seed(11)
+    kwargs = {"scaling": attention.scaling, "dropout": 0.0}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            lengths = [37, 37, 12, 37, 12, 90]
+            keys = RowKV(torch.randn(1, kv_heads, n, dim, generator=gen) for n in lengths)
+            values = RowKV(torch.randn(1, kv_heads, n, dim, generator=gen) for n in lengths)
+            query = torch.randn(len(lengths), heads, 1, dim, generator=gen)
+            got, _ = rows_attention(attention, query, keys, values, None, **kwargs)
+            for i in range(len(lengths)):
+                alone = sdpa_attention_forward(
+                    attention, query[i : i + 1].clone(), keys[i], values[i], None, **kwargs
+                )[0]
+                assert got[i : i + 1].numpy().tobytes() == alone.numpy().tobytes(), i
+            prompts = [9, 14, 9, 9, 5]
+            bounds = list(itertools.pairwise(itertools.accumulate(prompts, initial=0)))
+            seg_keys, seg_values = SegmentKV(bounds), SegmentKV(bounds)
+            seg_keys.extend(torch.randn(1, kv_heads, n, dim, generator=gen) for n in prompts)
+            seg_values.extend(torch.randn(1, kv_heads, n, dim, generator=gen) for n in prompts)
+            query = torch.randn(1, heads, sum(prompts), dim, generator=gen)
+            got, _ = rows_attention(attention, query, seg_keys, seg_values, None, **kwargs)
+            for i, (a, b) in enumerate(bounds):
+                q = query[:, :, a:b].clone()
+                alone = sdpa_attention_forward(attention, q, seg_keys[i], seg_values[i], None, **kwargs)[0]
+                assert got[:, a:b].numpy().tobytes() == alone.numpy().tobytes(), i
     finally:
         torch.set_num_threads(before)
