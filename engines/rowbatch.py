@@ -9,8 +9,10 @@ differ in the last bits from the same request stepped alone, and greedy outputs 
   row's new key/value to that row's own cache and hands the attention a list of per-row caches;
   :func:`rows_attention` (installed as the model's attention implementation by
   :func:`install_rows_attention`) runs ``sdpa`` on each row over exactly its own cache, the call
-  the model makes for that row alone. A plain tensor (any unbatched call, ``generate``) goes
-  straight to ``sdpa`` with ``sdpa``'s mask: nothing changes for it.
+  the model makes for that row alone (rows of equal lengths stacked into one call on one thread,
+  where the kernel computes each row as alone: :func:`_attend_rows`). A plain tensor (any
+  unbatched call, ``generate``) goes straight to ``sdpa`` with ``sdpa``'s mask: nothing changes
+  for it.
 * **Matrix products whose kernel depends on the row count.** A GEMM gives a row other bits at
   some row counts than at others, at counts that depend on the widths, the dtype, the thread
   count and the CPU (this host, AMD EPYC with MKL, float32: 1-3 rows differ from 4; at two
