@@ -35,6 +35,8 @@ pytest.importorskip("piper")
 pytest.importorskip("faster_whisper")
 
 ECHO = f"You said: {SENTENCE}"
+LONG_SENTENCE = f"{SENTENCE} Then it runs back into the quiet forest."
+LONG_ECHO = f"You said: {LONG_SENTENCE}"
 DELTAS = ("response.output_audio_transcript.delta", "response.output_audio.delta")
 # PROTOCOLS.md "Order of one voice turn", after the VAD events; deltas collapsed to one entry.
 RESPONSE_ORDER = [
@@ -137,7 +139,10 @@ async def test_push_to_talk_turn(server: LiveServer) -> None:
 
 async def test_server_vad_turn_end_to_end(server: LiveServer) -> None:
     """Piper speaks a sentence, streamed at real-time pace; the server's VAD ends the turn,
-    the input transcription is the sentence word for word, and the reply says it back."""
+    the input transcription is the sentence word for word, and the reply says it back. Two
+    sentences (~5 s): long enough for the live ASR's local agreement (two passes 700 ms apart)
+    to send words while the user still speaks, on a loaded host too (one sentence, ~3 s, left
+    none before the end of speech at load 4-7)."""
     async with sdk_session(server) as (conn, events):
         await conn.session.update(
             session={
@@ -151,7 +156,7 @@ async def test_server_vad_turn_end_to_end(server: LiveServer) -> None:
             }
         )
         await events.wait_for("session.updated")
-        speech = speak(SENTENCE, WIRE_RATE)
+        speech = speak(LONG_SENTENCE, WIRE_RATE)
         audio = np.concatenate([silence(0.3), speech, silence(1.0)])
         streaming = asyncio.create_task(stream_realtime(conn, audio))
         turn = await events.collect_until("response.done", within_s=60)
@@ -179,13 +184,13 @@ async def test_server_vad_turn_end_to_end(server: LiveServer) -> None:
         assert during[1:] and all(e.item_id == started.item_id for e in during[1:])
 
         transcript = await input_transcript(events, turn, started.item_id)
-        assert words(transcript) == words(SENTENCE)
+        assert words(transcript) == words(LONG_SENTENCE)
         audio_out = response_audio(turn)
         assert audio_out.size / WIRE_RATE > 1.0 and rms(audio_out) > 0.02
-        assert words(transcript_deltas(turn)) == words(ECHO)
+        assert words(transcript_deltas(turn)) == words(LONG_ECHO)
         done = turn[-1].event.response
         assert done.status == "completed"
-        assert words(done.output[0].content[0].transcript) == words(ECHO)
+        assert words(done.output[0].content[0].transcript) == words(LONG_ECHO)
         # The turn was transcribed on the live request during the silence that ended it, and
         # the response used that transcript instead of transcribing again.
         stats = server.ctx.sessions[events.log[0].raw["session"]["id"]].stats
@@ -198,7 +203,7 @@ async def test_server_vad_turn_end_to_end(server: LiveServer) -> None:
         assert completed < kinds.index("response.output_audio.delta")
         # The deltas (during speech, and the rest at the turn's end) add up to the transcript.
         deltas = [r.event.delta for r in of_type(turn, "conversation.item.input_audio_transcription.delta")]
-        assert words("".join(deltas)) == words(SENTENCE), deltas
+        assert words("".join(deltas)) == words(LONG_SENTENCE), deltas
 
 
 async def test_a_pause_inside_the_turn_drops_the_response_started_ahead(server: LiveServer) -> None:
