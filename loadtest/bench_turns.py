@@ -12,7 +12,8 @@ reads the VAD events and ``response.created``:
 - answered once with the whole sentence: one ``speech_stopped`` (at the sentence's end) and
   one ``response.created`` for the clip;
 - end of speech -> ``response.created`` (finished sentences answered once): wall time from
-  sending the clip's last speech sample to receiving the event;
+  sending the clip's last speech sample to receiving the event; and to the response's first
+  ``response.output_audio.delta``;
 - CPU per decision: the model's thread CPU time for one score (features and ONNX), measured
   in this process on the set's clips; decisions per session-second from the server's
   ``end_of_turn`` stage counter; sessions one core holds = 1 / (decisions per second x CPU).
@@ -148,6 +149,7 @@ class ClipResult:
     cut_off: bool = False
     answered_once: bool = False
     latency_ms: float | None = None
+    first_audio_ms: float | None = None  # answered once: end of speech -> first audio delta
     stops: list[int] = field(default_factory=list)  # clip-relative ms
     turn_end_lag_ms: int | None = None  # answered once: where the turn ended after the speech (timeline)
     stopped_after_ms: list[float] = field(default_factory=list)  # speech_stopped, after speech end
@@ -253,6 +255,7 @@ def _score_all(
 
     stops: list[list[tuple[int, float]]] = [[] for _ in spans]
     created: list[list[float]] = [[] for _ in spans]
+    audio: list[float | None] = [None for _ in spans]
     last: int | None = None
     for t, e in log:
         if e["type"] == "input_audio_buffer.speech_stopped":
@@ -260,11 +263,21 @@ def _score_all(
             stops[last].append((int(e["audio_end_ms"]) - starts[last], t))
         elif e["type"] == "response.created" and last is not None:
             created[last].append(t)
-    return [_score(config, clip, stops[k], created[k], t_end) for k, (clip, _, t_end) in enumerate(spans)]
+        elif e["type"] == "response.output_audio.delta" and last is not None and audio[last] is None:
+            audio[last] = t
+    return [
+        _score(config, clip, stops[k], created[k], t_end, audio[k])
+        for k, (clip, _, t_end) in enumerate(spans)
+    ]
 
 
 def _score(
-    config: str, clip: Clip, stops: list[tuple[int, float]], created: list[float], t_end: float | None
+    config: str,
+    clip: Clip,
+    stops: list[tuple[int, float]],
+    created: list[float],
+    t_end: float | None,
+    first_audio: float | None = None,
 ) -> ClipResult:
     res = ClipResult(config, clip.name, clip.paused, clip.pause_s)
     res.stops = [ms for ms, _ in stops]
@@ -281,6 +294,8 @@ def _score(
         res.turn_end_lag_ms = res.stops[0] - end_ms
     if res.answered_once and t_end is not None:
         res.latency_ms = round((created[0] - t_end) * 1000, 1)
+        if first_audio is not None:
+            res.first_audio_ms = round((first_audio - t_end) * 1000, 1)
     return res
 
 
@@ -331,6 +346,15 @@ def _counter(metrics: str, name: str, stage: str = "end_of_turn") -> float:
         if found:
             return float(found.group(1))
     return 0.0
+
+
+def _decision_words(metrics: str) -> dict[str, float]:
+    made = _counter(metrics, "decision_words", "live_asr")
+    return {
+        "made": made,
+        "mean_wait_ms": round(_counter(metrics, "decision_wait_ms", "live_asr") / max(1.0, made), 1),
+        "mean_run_ms": round(_counter(metrics, "decision_run_ms", "live_asr") / max(1.0, made), 1),
+    }
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -398,6 +422,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "dropped": _counter(metrics, "transcripts_dropped", "live_asr"),
             "mean_wait_ms": round(_counter(metrics, "transcript_wait_ms", "live_asr") / max(1.0, made), 1),
         },
+        # Of those, the words a decision waits on (Whisper's first run of a pause, made on the
+        # stage's step): the mean wait to start and the mean run, wall time.
+        "live_asr_decision_words": _decision_words(metrics),
         "event_loop_lag_mean_ms": _mean_ms(metrics, "omniduplex_event_loop_lag_seconds"),
         "configs": {},
     }
@@ -420,6 +447,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 r.turn_end_lag_ms for r in finished if r.latency_ms is not None
             ),
             "paused_eos_to_created_ms": summarize(r.latency_ms for r in paused),
+            # The null responder's first audio comes 200 ms after its request is admitted,
+            # which waits for the response's words (a doubted draft's redo, say).
+            "finished_eos_to_first_audio_ms": summarize(r.first_audio_ms for r in finished),
         }
     return report
 

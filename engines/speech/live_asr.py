@@ -17,7 +17,10 @@ speech probability; the session marks its turns on that timeline with ``TurnCont
   one is answered with the short encode's words at once, as a draft (``final=False``) where
   the ASR's guard would redo them on the 30 s window (a third of this voice's pauses; the
   decision reads where the words stop, which the redo hardly ever changes); the final words
-  follow from a later run, as a transcript only a response waits on.
+  follow from a later run, as a transcript only a response waits on. With the background lane
+  (the default, :mod:`engines.speech.asr_lane`) a step makes only those a decision may wait on;
+  the others, the final words after a draft and the partials run on the lane, one at a time,
+  at a lower CPU priority, and a later step of the request sends their words.
   ``transcribe_cancel`` (``ref``): the session stopped waiting; never made.
   One the session no longer needs is answered with no words and never transcribed: a pause of
   an utterance the user spoke past (``spoken_past``, ``start``, ``end``: the session saw them go
@@ -37,17 +40,21 @@ not arrived yet waits for it. Whisper is the process's one model
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import re
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from engines.speech.asr import SAMPLE_RATE, AsrConfig, WhisperAsr, shared_asr
+from engines.speech.asr_lane import AsrLane, LaneModel
 from engines.speech.held_audio import held_span
 from engines.speech.vad import FRAME_SAMPLES
 from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
@@ -55,6 +62,7 @@ from runtime.payloads import AudioInput, Payload, Transcript, TurnControl, Voice
 
 _WORD = re.compile(r"[a-z0-9']+")
 _SPEAKING_WINDOW = SAMPLE_RATE // 4  # a partial only while speech was heard in the last 250 ms
+_LANE_POLL_S = 0.03  # a request waiting on the background lane is stepped again this soon (a VAD frame)
 
 
 def word_key(word: str) -> str:
@@ -109,6 +117,17 @@ class _Job:
 
 
 @dataclass(slots=True)
+class _LaneRun:
+    """A run on the background lane for one request: a transcript (`job`) or a partial of
+    `utterance`. ``cancelled``: the session stopped waiting for it; its words are not sent."""
+
+    future: Future[str]
+    job: _Job | None = None
+    utterance: _Utterance | None = None
+    cancelled: bool = False
+
+
+@dataclass(slots=True)
 class LiveAsrState:
     audio: deque[tuple[int, np.ndarray]] = field(default_factory=deque)  # (start sample, samples)
     end: int = 0  # the sample after the last audio received
@@ -118,6 +137,7 @@ class LiveAsrState:
     utterance: _Utterance | None = None
     jobs: list[_Job] = field(default_factory=list)  # "transcribe" not made yet, in order
     dropped: list[str] = field(default_factory=list)  # refs of jobs no longer needed, to answer ""
+    lane: _LaneRun | None = None  # its run on the background lane, until a step collects it
 
     def held_from(self) -> int:
         return self.audio[0][0] if self.audio else self.end
@@ -133,7 +153,9 @@ class LiveAsrState:
 
 class LiveAsrEngine(Engine):
     """``speech.live_asr``. Options: ``partial_interval_ms`` (700), ``speech_threshold`` (0.5),
-    ``max_audio_s`` (30), ``idle_audio_s`` (3), and the Whisper options of ``speech.asr``
+    ``max_audio_s`` (30), ``idle_audio_s`` (3), ``background_nice`` (10: how much lower the
+    background lane's CPU priority is, :mod:`engines.speech.asr_lane`; ``background_lane``
+    false: every run on the stage's step, as before), and the Whisper options of ``speech.asr``
     (``model``, ``compute_type``, ``cpu_threads``, ``num_workers``, ``short_encode``)."""
 
     provides = frozenset({"input_transcription"})
@@ -152,33 +174,50 @@ class LiveAsrEngine(Engine):
         self.threshold = float(opts.get("speech_threshold", 0.5))
         self.max_audio = int(float(opts.get("max_audio_s", 30)) * SAMPLE_RATE)
         self.idle_audio = int(float(opts.get("idle_audio_s", 3)) * SAMPLE_RATE)
+        self.background_lane = bool(opts.get("background_lane", True))
+        self.background_nice = int(opts.get("background_nice", 10))
         self._asr: WhisperAsr | None = None
+        self._lane: AsrLane | None = None  # None: every run on the step (no lane)
         self._seq = itertools.count()  # the order jobs arrived in, across requests
 
     def load(self) -> None:
         self._asr = shared_asr(self.config)
+        if self.background_lane:  # a model of its own: its threads run at the lane's priority
+            config = dataclasses.replace(self.config, num_workers=1)
+            self._lane = AsrLane(lambda: WhisperAsr(config), nice=self.background_nice)
+
+    def close(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
 
     def start(self, request: EngineRequest) -> LiveAsrState:
         return LiveAsrState()
 
     def step(self, batch: Sequence[StepInput]) -> list[StepOutput]:
         """Every request's new input first (all of it: a coalescing edge hands over whatever
-        came during the last Whisper run at once); then one Whisper run: a pause transcript
-        whose audio is here (``_Job.rank``: an end-of-turn decision's first, the newest of
-        them; then the oldest of those a response waits on), or, in a step with none anywhere,
-        the partials. A request left with a transcript to make is
-        stepped again at once (``wait_for_input`` False), so each transcript goes out as soon as
-        it is made rather than at the end of a step that makes several."""
+        came during the last Whisper run at once); then one Whisper run on the step: a pause
+        transcript whose audio is here (``_Job.rank``: an end-of-turn decision's first, the
+        newest of them; then the oldest of those a response waits on), or, in a step with none
+        anywhere, the partials. A request left with a transcript to make is stepped again at
+        once (``wait_for_input`` False), so each transcript goes out as soon as it is made
+        rather than at the end of a step that makes several.
+
+        With the background lane (:mod:`engines.speech.asr_lane`) the step makes only the
+        transcripts a decision may wait on (``first``); the others, the 30 s redo of a draft
+        and the partials go to the lane when it is idle (the oldest job first, else a partial),
+        and a later step of the request sends their words: a request with a run there, or with
+        work waiting for it, is stepped again within ``_LANE_POLL_S``."""
         for item in batch:
             state: LiveAsrState = item.state
             for chunk in item.chunks:
                 for payload in chunk.items:
                     self._take(state, payload)
+        lane = self._lane
         ready = [
             (job.rank, i)
             for i, item in enumerate(batch)
             for job in item.state.jobs
-            if job.end <= item.state.end
+            if job.end <= item.state.end and (lane is None or job.first)
         ]
         first = min(ready, default=None)
         outputs = []
@@ -187,16 +226,79 @@ class LiveAsrEngine(Engine):
             out: list[Payload] = [Transcript("", final=True, ref=ref) for ref in state.dropped]
             counters = {"transcripts_dropped": len(state.dropped)} if state.dropped else {}
             state.dropped = []
+            if state.lane is not None and state.lane.future.done():
+                counters.update(self._collect(state, state.lane, out))
+                state.lane = None
             if first is not None and first[1] == i:
-                job = min((j for j in state.jobs if j.end <= state.end), key=lambda j: j.rank)
+                job = min(
+                    (j for j in state.jobs if j.end <= state.end and (lane is None or j.first)),
+                    key=lambda j: j.rank,
+                )
                 state.jobs.remove(job)
                 counters.update(self._make(state, job, out))
-            elif first is None:  # a partial skipped here is due again at the next step
+            elif lane is None and first is None:  # a partial skipped here is due again at the next step
                 self._partial(state, out)
+            outputs.append(StepOutput(client=out, counters=counters))
+        if lane is not None:
+            self._offer(lane, batch)
+        for item, output in zip(batch, outputs, strict=True):
+            state = item.state
             self._trim(state)
-            more = any(job.end <= state.end for job in state.jobs)
-            outputs.append(StepOutput(client=out, wait_for_input=not more, counters=counters))
+            now_ready = [job for job in state.jobs if job.end <= state.end]
+            if any(lane is None or job.first for job in now_ready):
+                output.wait_for_input = False  # stepped again at once
+            elif state.lane is not None or now_ready:  # words due from the lane, or work for it
+                output.not_before = time.monotonic() + _LANE_POLL_S
+            else:
+                output.wait_for_input = True
         return outputs
+
+    def _offer(self, lane: AsrLane, batch: Sequence[StepInput]) -> None:
+        """Hand the lane one run if it is idle: the oldest ready transcript no decision waits
+        on, else a due partial (of the requests in this step with no run there yet)."""
+        if not lane.idle:
+            return
+        free = [item.state for item in batch if item.state.lane is None]
+        jobs = [
+            (job.rank, k, job)
+            for k, st in enumerate(free)
+            for job in st.jobs
+            if job.end <= st.end and not job.first
+        ]
+        if jobs:
+            _rank, k, job = min(jobs, key=lambda x: x[:2])
+            state = free[k]
+            audio = state.span(job.start, job.end)
+            future = lane.try_run(functools.partial(_transcribe_on, audio=audio, full=job.drafted))
+            if future is not None:
+                state.jobs.remove(job)
+                state.lane = _LaneRun(future, job=job)
+            return
+        for state in free:
+            utt = state.utterance
+            if utt is None or not self._partial_due(state, utt):
+                continue
+            audio = state.span(utt.start, state.end)
+            future = lane.try_run(functools.partial(_transcribe_on, audio=audio))
+            if future is not None:
+                utt.next_at = state.end + self.partial_interval
+                state.lane = _LaneRun(future, utterance=utt)
+            return
+
+    def _collect(self, state: LiveAsrState, run: _LaneRun, out: list[Payload]) -> dict[str, int]:
+        """A lane run's words (its error is the step's, as a run on the step would be)."""
+        text = run.future.result()
+        job = run.job
+        if job is None:
+            if run.utterance is not None and run.utterance is state.utterance:
+                self._agree(run.utterance, text.split(), out)
+            return {}
+        if run.cancelled:
+            return {}
+        out.append(Transcript(text, final=True, ref=job.ref))
+        if job.drafted:
+            return {"transcripts": 1}
+        return {"transcripts": 1, "transcript_wait_ms": round((time.monotonic() - job.taken_at) * 1000)}
 
     def _make(self, state: LiveAsrState, job: _Job, out: list[Payload]) -> dict[str, int]:
         """One Whisper run for `job`. A decision's (`first`) gets the short encode's words at
@@ -211,8 +313,12 @@ class LiveAsrEngine(Engine):
         if not job.first:
             out.append(Transcript(self._transcribe(audio), final=True, ref=job.ref))
             return {"transcripts": 1, **waited}
+        began = time.monotonic()
         text, final = self._asr_model().draft(audio) if len(audio) else ("", True)
         out.append(Transcript(text, final=final, ref=job.ref))
+        # A decision's words: how long they waited to start, and the run (wall time).
+        waited |= {"decision_words": 1, "decision_wait_ms": round((began - job.taken_at) * 1000)}
+        waited["decision_run_ms"] = round((time.monotonic() - began) * 1000)
         if final:
             return {"transcripts": 1, **waited}
         job.first, job.drafted = False, True
@@ -281,6 +387,9 @@ class LiveAsrEngine(Engine):
                 job.needed = job.needed or job.ref == params.get("ref")
         elif control.kind == "transcribe_cancel":  # the session stopped waiting for it
             state.jobs = [job for job in state.jobs if job.ref != params.get("ref")]
+            run = state.lane
+            if run is not None and run.job is not None and run.job.ref == params.get("ref"):
+                run.cancelled = True
         elif control.kind == "speech_stopped":
             if state.utterance is not None and state.utterance.ref == params.get("ref"):
                 for job in state.jobs:  # the turn has ended: only its response waits now
@@ -302,18 +411,21 @@ class LiveAsrEngine(Engine):
             state.jobs.remove(job)
             state.dropped.append(job.ref)
 
+    def _partial_due(self, state: LiveAsrState, utt: _Utterance) -> bool:
+        """A partial of `utt` is due: asked for, enough new audio, and the user still speaking."""
+        return utt.partials and state.end >= utt.next_at and state.voiced_at >= state.end - _SPEAKING_WINDOW
+
     def _partial(self, state: LiveAsrState, out: list[Payload]) -> None:
         """While the user speaks: the words two passes agree on that were not sent yet."""
         utt = state.utterance
-        if (
-            utt is None
-            or not utt.partials
-            or state.end < utt.next_at
-            or state.voiced_at < state.end - _SPEAKING_WINDOW
-        ):
+        if utt is None or not self._partial_due(state, utt):
             return
         utt.next_at = state.end + self.partial_interval
-        words = self._transcribe(state.span(utt.start, state.end)).split()
+        self._agree(utt, self._transcribe(state.span(utt.start, state.end)).split(), out)
+
+    @staticmethod
+    def _agree(utt: _Utterance, words: list[str], out: list[Payload]) -> None:
+        """Send the words this hypothesis and the previous one agree on, past those sent."""
         agreed = agreed_words(utt.previous, words)
         utt.previous = words
         if len(agreed) > utt.sent:
@@ -323,3 +435,10 @@ class LiveAsrEngine(Engine):
 
     def _transcribe(self, audio: np.ndarray) -> str:
         return self._asr_model().transcribe(audio) if len(audio) else ""
+
+
+def _transcribe_on(model: LaneModel, *, audio: np.ndarray, full: bool = False) -> str:
+    """A lane run: the transcript (`full`: the 30 s window's, a draft's redo)."""
+    if not len(audio):
+        return ""
+    return model.transcribe_full(audio) if full else model.transcribe(audio)

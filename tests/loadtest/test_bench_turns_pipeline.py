@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
-from loadtest.bench_turns import pipeline
+from loadtest.bench_turns import _score_all, pipeline
+from loadtest.turn_set import RATE, Clip
 
 pytestmark = pytest.mark.unit
 
@@ -27,3 +29,20 @@ def test_the_default_is_one_run_at_a_time(tmp_path: Path) -> None:
     doc = yaml.safe_load(pipeline(tmp_path, transcripts=True).read_text())
     stages = {s["name"]: s for s in doc["stages"]}
     assert stages["live_asr"]["budget"]["workers"] == 1
+
+
+def test_a_finished_clip_is_timed_to_its_response_and_to_the_responses_first_audio() -> None:
+    """End of speech -> `response.created` and -> the first `response.output_audio.delta` of a
+    clip answered once (the clip's events matched to it by `audio_end_ms`)."""
+    clip = Clip("s00-finished", "Hello there.", "joe", np.zeros(2 * RATE, np.float32))
+    t_end = 100.0
+    log = [
+        (100.2, {"type": "input_audio_buffer.speech_stopped", "audio_end_ms": 2000 + 400}),
+        (100.3, {"type": "response.created"}),
+        (100.5, {"type": "response.output_audio.delta"}),
+        (100.6, {"type": "response.output_audio.delta"}),
+    ]
+    (result,) = _score_all("semantic_auto", [(clip, 400, t_end)], log)
+    assert result.answered_once
+    assert result.latency_ms == pytest.approx(300.0)
+    assert result.first_audio_ms == pytest.approx(500.0)
