@@ -153,10 +153,12 @@ class LiveAsrState:
 
 class LiveAsrEngine(Engine):
     """``speech.live_asr``. Options: ``partial_interval_ms`` (700), ``speech_threshold`` (0.5),
-    ``max_audio_s`` (30), ``idle_audio_s`` (3), ``background_nice`` (10: how much lower the
-    background lane's CPU priority is, :mod:`engines.speech.asr_lane`; ``background_lane``
-    false: every run on the stage's step, as before), and the Whisper options of ``speech.asr``
-    (``model``, ``compute_type``, ``cpu_threads``, ``num_workers``, ``short_encode``)."""
+    ``max_audio_s`` (30), ``idle_audio_s`` (3), ``background_nice`` (0: how much lower the
+    background lane's CPU priority is, :mod:`engines.speech.asr_lane`; at 10 a response's
+    words starved beside other processes' work: a server_vad turn's answer waited 6.6 s in a
+    CI trial), ``background_lane`` (false: every run on the stage's step, as before), and the
+    Whisper options of ``speech.asr`` (``model``, ``compute_type``, ``cpu_threads``,
+    ``num_workers``, ``short_encode``)."""
 
     provides = frozenset({"input_transcription"})
 
@@ -175,7 +177,7 @@ class LiveAsrEngine(Engine):
         self.max_audio = int(float(opts.get("max_audio_s", 30)) * SAMPLE_RATE)
         self.idle_audio = int(float(opts.get("idle_audio_s", 3)) * SAMPLE_RATE)
         self.background_lane = bool(opts.get("background_lane", True))
-        self.background_nice = int(opts.get("background_nice", 10))
+        self.background_nice = int(opts.get("background_nice", 0))
         self._asr: WhisperAsr | None = None
         self._lane: AsrLane | None = None  # None: every run on the step (no lane)
         self._seq = itertools.count()  # the order jobs arrived in, across requests
