@@ -9,7 +9,8 @@ that next to a busy neighbour (a draft's wait was 2.0-2.3 s with one CPU hog, do
 Ranking the queue cannot help a run already started.
 
 So those runs go here: one thread of their own, one run at a time, on a Whisper model of their
-own whose compute threads run at a lower CPU priority (``nice``): the model is built on a
+own whose compute threads can run at a lower CPU priority (``nice``, 0 by default: at +10
+the lane starved beside other processes' work, and a response waits on its words): the model is built on a
 short-lived thread whose priority was lowered, and CTranslate2's worker threads, which it
 creates and which do the work with the GIL released, inherit it. The scheduler then gives a
 draft on the stage's thread the core first and the background run what is left. The lane's
@@ -60,7 +61,7 @@ class AsrLane:
     priority is lowered by `nice` first, so the threads the model starts run at it; 0: not
     lowered)."""
 
-    def __init__(self, build: Callable[[], LaneModel], nice: int = 10) -> None:
+    def __init__(self, build: Callable[[], LaneModel], nice: int = 0) -> None:
         built: list[LaneModel | BaseException] = []
 
         def build_niced() -> None:
