@@ -12,8 +12,8 @@ So those runs go here: one thread of their own, one run at a time, on a Whisper 
 own whose compute threads can run at a lower CPU priority (``nice``, 0 by default: at +10
 the lane starved beside other processes' work, and a response waits on its words): the model is built on a
 short-lived thread whose priority was lowered, and CTranslate2's worker threads, which it
-creates and which do the work with the GIL released, inherit it. The scheduler then gives a
-draft on the stage's thread the core first and the background run what is left. The lane's
+creates and which do the work with the GIL released, inherit it. With `nice` > 0 the scheduler then gives
+a draft on the stage's thread the core first and the background run what is left. The lane's
 own thread, which holds the GIL for faster-whisper's Python and numpy work, keeps the normal
 priority: a niced thread descheduled while holding the GIL would stall every other thread of
 the process (measured: the server's CPU +28 % and drafts waiting 1.8 s with one CPU hog, when
