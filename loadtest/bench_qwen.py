@@ -5,6 +5,13 @@ frames: min = max, greedy), so runs compare. For each concurrency it submits tha
 once and measures, per request, submit → first ``AudioChunk`` out of the orchestrator (TTFA) and
 submit → completion; once with the pipeline's async_chunk edges and once with every edge ``full``.
 
+Each level runs ``--waves`` waves with async_chunk edges (``--c1-reps`` at concurrency 1) and its
+TTFA median is the median of the waves' medians (at concurrency 1, of the waves' one request
+each, as before); ``ttfa_ms_wave_medians`` lists them in order, so the first is what a single
+wave gives. One wave of 8 moved by 1.5x between two waves of the same code on a shared 2-core
+host, while concurrency 1 always took the median of three. ``full`` runs one wave per level
+(``--c1-reps`` at 1): its TTFA is the whole reply, and it only sets the async / full ratio.
+
 The critical-path floor is the engine time on the path to the first audio chunk, measured in
 isolation (engines driven directly, one thread, no orchestrator): thinker start + prefill, the
 talker prefill and the 4 talker steps of the first chunk (with the thinker steps they need,
@@ -164,6 +171,27 @@ def summarize(timings: Sequence[RequestTiming]) -> dict[str, Any]:
     }
 
 
+def summarize_waves(waves: Sequence[Sequence[RequestTiming]]) -> dict[str, Any]:
+    """One level's figures over its waves: the TTFA median is the median of the waves' medians
+    (with one request per wave, the median of all, as :func:`summarize` gives); max, RTF and
+    totals over every request of every wave."""
+    if not waves or not all(waves):
+        raise ValueError("summarize_waves: every wave needs at least one request")
+    row = summarize([t for w in waves for t in w])
+    wave_medians = [statistics.median(t.ttfa_ms for t in w) for w in waves]
+    row["ttfa_ms_median"] = statistics.median(wave_medians)
+    row["ttfa_ms_wave_medians"] = wave_medians
+    return row
+
+
+def wave_count(args: argparse.Namespace, concurrency: int, label: str) -> int:
+    """Waves at one level: ``--c1-reps`` at concurrency 1, ``--waves`` for async_chunk above it,
+    one for ``full`` above it."""
+    if concurrency == 1:
+        return int(args.c1_reps)
+    return int(args.waves) if label == "async" else 1
+
+
 def pipeline_spec(args: argparse.Namespace) -> PipelineSpec:
     """The pipeline with the command line's flow-control and thread overrides applied."""
     spec = load_pipeline(PIPELINE)
@@ -202,11 +230,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for concurrency in args.concurrency:
             row: dict[str, Any] = {}
             for label, modes in (("async", None), ("full", FULL_EDGES)):
-                timings: list[RequestTiming] = []
-                reps = args.c1_reps if concurrency == 1 else 1
+                waves: list[list[RequestTiming]] = []
+                reps = wave_count(args, concurrency, label)
                 for _ in range(reps):
-                    timings.extend(await wave(orch, concurrency, args.tokens, args.frames, modes))
-                row[label] = summarize(timings)
+                    waves.append(await wave(orch, concurrency, args.tokens, args.frames, modes))
+                row[label] = summarize_waves(waves)
             row["ttfa_ratio_median"] = row["async"]["ttfa_ms_median"] / row["full"]["ttfa_ms_median"]
             results[f"c{concurrency}"] = row
             print(f"c{concurrency} done", file=sys.stderr, flush=True)
@@ -265,6 +293,11 @@ def markdown(report: Mapping[str, Any]) -> str:
         f"Critical-path floor (isolation): {floor['floor_ms']:.1f} ms = thinker {floor['thinker_ms']:.1f} + "
         f"talker {floor['talker_ms']:.1f} + code2wav {floor['code2wav_ms']:.1f} ms (medians).",
     ]
+    waves = "; ".join(
+        f"c{key[1:]} " + ", ".join(f"{m:.1f}" for m in row["async"].get("ttfa_ms_wave_medians", []))
+        for key, row in report["results"].items()
+    )
+    lines.append(f"TTFA async median of each wave (ms; the first is what one wave gives): {waves}.")
     if "c1" in report["results"]:
         ratio = report["results"]["c1"]["async"]["ttfa_ms_median"] / floor["floor_ms"]
         lines.append(f"Async TTFA at c1 / floor: {ratio:.2f}×.")
@@ -300,6 +333,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=100)
     parser.add_argument("--frames", type=int, default=200)
     parser.add_argument("--c1-reps", type=int, default=3, help="waves at concurrency 1 (median over them)")
+    parser.add_argument(
+        "--waves",
+        type=int,
+        default=3,
+        help="async_chunk waves at every concurrency above 1 (TTFA: the median of the waves' medians)",
+    )
     parser.add_argument("--floor-reps", type=int, default=5)
     parser.add_argument(
         "--max-ahead", type=int, help="override thinker->talker max_ahead (0: no credit limit)"
@@ -312,7 +351,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="run serve's heap trimmer in this process (runtime/heap_trim.py; 0: not): what it costs",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for flag in ("waves", "c1_reps", "floor_reps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
