@@ -70,7 +70,13 @@ MAX_WAIT_S = {
 
 
 def pipeline(
-    folder: Path, transcripts: bool = False, gated: bool = True, coalesce: bool = True, asr_workers: int = 1
+    folder: Path,
+    transcripts: bool = False,
+    gated: bool = True,
+    coalesce: bool = True,
+    asr_workers: int = 1,
+    asr_threads: int = 1,
+    lane_nice: int | None = None,
 ) -> Path:
     doc: dict[str, Any] = {
         "name": "null-turns",
@@ -103,12 +109,14 @@ def pipeline(
     if transcripts:  # voice-cascade's live ASR too: semantic_vad's second cue (TurnCues)
         # `asr_workers`: Whisper runs at once on the one model (and live_asr calls in flight);
         # voice-cascade has 2, the earlier rounds measured 1 (one run at a time).
-        asr_options = {"compute_type": "int8", "cpu_threads": 1, "num_workers": asr_workers}
+        # `asr_threads`: CTranslate2's threads a run (voice-cascade: 0, i.e. min(4, cores)).
+        asr_options = {"compute_type": "int8", "cpu_threads": asr_threads, "num_workers": asr_workers}
+        lane = {} if lane_nice is None else {"background_nice": lane_nice}
         doc["stages"] += [
             {
                 "name": "live_asr",
                 "engine": "engines.speech.live_asr:LiveAsrEngine",
-                "options": {**asr_options, "partial_interval_ms": 700},
+                "options": {**asr_options, "partial_interval_ms": 700, **lane},
                 "budget": {
                     "max_concurrency": 1024,
                     "max_batch": 64,
@@ -320,7 +328,15 @@ def cpu_per_decision(clips: list[Clip], n: int = 30) -> dict[str, Any]:
 
 
 def _spawn(folder: Path, port: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    spec = pipeline(folder, args.transcripts, not args.ungated, not args.no_coalesce, args.asr_workers)
+    spec = pipeline(
+        folder,
+        args.transcripts,
+        not args.ungated,
+        not args.no_coalesce,
+        args.asr_workers,
+        args.asr_threads,
+        args.lane_nice,
+    )
     cmd = [sys.executable, "-m", "web.cli", "serve", "--pipeline", str(spec),
            "--port", str(port), "--data-dir", str(folder / "data"), "--log-level", "warning",
            "--max-sessions", "256"]  # fmt: skip
@@ -406,6 +422,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "sessions_per_core": round(1000.0 / (per_s * cpu_p50), 0) if per_s and cpu_p50 else None,
         "end_of_turn_gated": not args.ungated,
         "asr_workers": args.asr_workers,
+        "asr_threads": args.asr_threads,
+        "lane_nice": args.lane_nice,
         "vad_edges_coalesce": not args.no_coalesce,
         "server_cpu_s": round(cpu_used, 1),
         "stage_steps": {
@@ -473,6 +491,19 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="with --transcripts: Whisper runs at once (1: one at a time, as measured before; "
         "voice-cascade has 2)",
+    )
+    p.add_argument(
+        "--asr-threads",
+        type=int,
+        default=1,
+        help="with --transcripts: CTranslate2 threads per Whisper run (1, as measured before; "
+        "voice-cascade has 0: min(4, cores))",
+    )
+    p.add_argument(
+        "--lane-nice",
+        type=int,
+        default=None,
+        help="with --transcripts: the live ASR's background_nice (default: the engine's own)",
     )
     p.add_argument(
         "--ungated",
