@@ -11,11 +11,14 @@ each, as before); ``ttfa_ms_wave_medians`` lists them in order, so the first is 
 wave gives. One wave of 8 moved by 1.5x between two waves of the same code on a shared 2-core
 host, while concurrency 1 always took the median of three. ``full`` runs one wave per level
 (``--c1-reps`` at 1): its TTFA is the whole reply, and it only sets the async / full ratio.
+The async waves run in rounds, one wave of every level a round, with the floor's samples spread
+over the same rounds (:func:`schedule`): levels compared with each other are measured over the
+same stretch of the host's time, not one after another.
 
 The critical-path floor is the engine time on the path to the first audio chunk, measured in
-isolation (engines driven directly, one thread, no orchestrator): thinker start + prefill, the
-talker prefill and the 4 talker steps of the first chunk (with the thinker steps they need,
-interleaved), and code2wav of that chunk.
+isolation (engines driven directly, one thread, the orchestrator idle between waves): thinker
+start + prefill, the talker prefill and the 4 talker steps of the first chunk (with the thinker
+steps they need, interleaved), and code2wav of that chunk.
 
     .venv/bin/python -m loadtest.bench_qwen --out bench_qwen.json
 
@@ -107,21 +110,29 @@ async def wave(
     )
 
 
-def measure_floor(
-    tokens: int, frames: int, reps: int, stage_options: Mapping[str, Any] | None = None
-) -> dict[str, float]:
-    """Engine time to the first audio chunk, engines driven directly on this thread."""
-    options: dict[str, Any] = {"model": "tiny", "seed": 0}
-    if stage_options and "num_threads" in stage_options:
-        options["num_threads"] = stage_options["num_threads"]
-    thinker, talker, code2wav = ThinkerEngine(options), TalkerEngine(options), Code2WavEngine(options)
-    for engine in (thinker, talker, code2wav):
-        engine.load()
-    first_chunk = load_pipeline(PIPELINE).edges[1].chunk.first
-    totals: list[float] = []
-    parts: dict[str, list[float]] = {"thinker": [], "talker": [], "code2wav": []}
-    for rep in range(reps + 1):  # the first is a warm-up
-        request = EngineRequest(f"floor{rep}", fixed_params(tokens, frames, 0))
+class FloorProbe:
+    """Engine time to the first audio chunk, engines driven directly on the calling thread
+    (no orchestrator): one :meth:`sample` is one request's path, so samples can be taken
+    between the waves they are compared with."""
+
+    def __init__(self, tokens: int, frames: int, stage_options: Mapping[str, Any] | None = None) -> None:
+        options: dict[str, Any] = {"model": "tiny", "seed": 0}
+        if stage_options and "num_threads" in stage_options:
+            options["num_threads"] = stage_options["num_threads"]
+        self.engines = (ThinkerEngine(options), TalkerEngine(options), Code2WavEngine(options))
+        for engine in self.engines:
+            engine.load()
+        self.tokens, self.frames = tokens, frames
+        self.first_chunk = load_pipeline(PIPELINE).edges[1].chunk.first
+        self.totals: list[float] = []
+        self.parts: dict[str, list[float]] = {"thinker": [], "talker": [], "code2wav": []}
+        self._taken = 0
+        self.sample(keep=False)  # warm-up
+
+    def sample(self, keep: bool = True) -> None:
+        thinker, talker, code2wav = self.engines
+        request = EngineRequest(f"floor{self._taken}", fixed_params(self.tokens, self.frames, 0))
+        self._taken += 1
         spent = {"thinker": 0.0, "talker": 0.0, "code2wav": 0.0}
         t = time.perf_counter()
         t_state = thinker.start(request)
@@ -130,12 +141,12 @@ def measure_floor(
         spent["thinker"] += time.perf_counter() - t
         pending: list[Payload] = []
         codes: list[Payload] = []
-        while len(codes) < first_chunk:
+        while len(codes) < self.first_chunk:
             t = time.perf_counter()
             out = thinker.step([StepInput(state=t_state)])[0]
             spent["thinker"] += time.perf_counter() - t
             pending.extend(out.downstream)
-            while len(codes) < first_chunk:
+            while len(codes) < self.first_chunk:
                 t = time.perf_counter()
                 chunks = [EdgeChunk(items=pending)] if pending else []
                 pending = []
@@ -145,17 +156,19 @@ def measure_floor(
                 if k_out.wait_for_input:
                     break
         t = time.perf_counter()
-        code2wav.step([StepInput(state=c_state, chunks=[EdgeChunk(items=codes[:first_chunk])])])
+        code2wav.step([StepInput(state=c_state, chunks=[EdgeChunk(items=codes[: self.first_chunk])])])
         spent["code2wav"] += time.perf_counter() - t
-        if rep > 0:
-            totals.append(sum(spent.values()) * 1e3)
+        if keep:
+            self.totals.append(sum(spent.values()) * 1e3)
             for name, seconds in spent.items():
-                parts[name].append(seconds * 1e3)
-        for engine, state in ((thinker, t_state), (talker, k_state), (code2wav, c_state)):
+                self.parts[name].append(seconds * 1e3)
+        for engine, state in zip(self.engines, (t_state, k_state, c_state), strict=True):
             engine.finish(state, cancelled=True)
-    floor = {"floor_ms": statistics.median(totals)}
-    floor.update({f"{name}_ms": statistics.median(v) for name, v in parts.items()})
-    return floor
+
+    def figures(self) -> dict[str, float]:
+        floor = {"floor_ms": statistics.median(self.totals)}
+        floor.update({f"{name}_ms": statistics.median(v) for name, v in self.parts.items()})
+        return floor
 
 
 def summarize(timings: Sequence[RequestTiming]) -> dict[str, Any]:
@@ -192,6 +205,31 @@ def wave_count(args: argparse.Namespace, concurrency: int, label: str) -> int:
     return int(args.waves) if label == "async" else 1
 
 
+def schedule(args: argparse.Namespace) -> list[tuple[int, str]]:
+    """The order of a run's waves: (concurrency, "async" | "full"), and (0, "floor") for one
+    floor sample. Rounds first: in each, one async wave of every level that still needs one
+    (levels forward in even rounds, backward in odd ones) and its share of the floor samples,
+    so every level and the floor are sampled over the same stretch of the host's time: a host
+    whose speed drifts (a neighbour, a slower core for a while) moves them alike instead of
+    skewing the ratios between them. Then the full waves, level by level (their TTFA is the
+    whole reply and only sets the async / full ratio)."""
+    levels = list(args.concurrency)
+    need = {n: wave_count(args, n, "async") for n in levels}
+    rounds = max(need.values())
+    floors = int(args.floor_reps)
+    steps: list[tuple[int, str]] = []
+    taken = 0
+    for r in range(rounds):
+        due = -(-(r + 1) * floors // rounds)  # ceil: the samples spread over the rounds
+        steps.extend([(0, "floor")] * (due - taken))
+        taken = due
+        order = levels if r % 2 == 0 else levels[::-1]
+        steps.extend((n, "async") for n in order if r < need[n])
+    for n in levels:
+        steps.extend([(n, "full")] * wave_count(args, n, "full"))
+    return steps
+
+
 def pipeline_spec(args: argparse.Namespace) -> PipelineSpec:
     """The pipeline with the command line's flow-control and thread overrides applied."""
     spec = load_pipeline(PIPELINE)
@@ -221,25 +259,30 @@ def flow_settings(spec: PipelineSpec, args: argparse.Namespace) -> dict[str, Any
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = list(os.getloadavg())
     spec = pipeline_spec(args)
-    floor = measure_floor(args.tokens, args.frames, args.floor_reps, spec.stages[0].options)
+    probe = FloorProbe(args.tokens, args.frames, spec.stages[0].options)
     orch = Orchestrator.from_spec(spec, inbox_limit=args.inbox_limit)
     await orch.start()
-    results: dict[str, Any] = {}
+    waves: dict[tuple[int, str], list[list[RequestTiming]]] = {}
     try:
         await wave(orch, 1, 8, 12, None)  # warm-up: first-call costs out of the measurement
-        for concurrency in args.concurrency:
-            row: dict[str, Any] = {}
-            for label, modes in (("async", None), ("full", FULL_EDGES)):
-                waves: list[list[RequestTiming]] = []
-                reps = wave_count(args, concurrency, label)
-                for _ in range(reps):
-                    waves.append(await wave(orch, concurrency, args.tokens, args.frames, modes))
-                row[label] = summarize_waves(waves)
-            row["ttfa_ratio_median"] = row["async"]["ttfa_ms_median"] / row["full"]["ttfa_ms_median"]
-            results[f"c{concurrency}"] = row
-            print(f"c{concurrency} done", file=sys.stderr, flush=True)
+        for concurrency, label in schedule(args):
+            if label == "floor":
+                probe.sample()  # the orchestrator is idle between waves
+                continue
+            modes = FULL_EDGES if label == "full" else None
+            timings = await wave(orch, concurrency, args.tokens, args.frames, modes)
+            waves.setdefault((concurrency, label), []).append(timings)
+            print(f"c{concurrency} {label} wave done", file=sys.stderr, flush=True)
     finally:
         await orch.close()
+    floor = probe.figures()
+    results: dict[str, Any] = {}
+    for concurrency in args.concurrency:
+        row: dict[str, Any] = {
+            label: summarize_waves(waves[concurrency, label]) for label in ("async", "full")
+        }
+        row["ttfa_ratio_median"] = row["async"]["ttfa_ms_median"] / row["full"]["ttfa_ms_median"]
+        results[f"c{concurrency}"] = row
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     report: dict[str, Any] = {
         "pipeline": PIPELINE,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.bench_qwen import RequestTiming, parse_args, summarize, summarize_waves, wave_count
+from loadtest.bench_qwen import RequestTiming, parse_args, schedule, summarize, summarize_waves, wave_count
 
 pytestmark = pytest.mark.unit
 
@@ -61,3 +61,53 @@ def test_zero_waves_is_a_usage_error(flag: str, capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         parse_args([flag, "0"])
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_levels_and_floor_are_sampled_in_rounds_over_the_same_time() -> None:
+    # The command line: 3 rounds, each one async wave of every level (forward, then
+    # backward, then forward) and its share of the 5 floor samples; the full waves after.
+    args = parse_args(["--concurrency", "1", "4", "8", "16", "--out", "F.json"])
+    steps = schedule(args)
+    floor = (0, "floor")
+    assert steps[:16] == [
+        floor,
+        floor,
+        (1, "async"),
+        (4, "async"),
+        (8, "async"),
+        (16, "async"),
+        floor,
+        floor,
+        (16, "async"),
+        (8, "async"),
+        (4, "async"),
+        (1, "async"),
+        floor,
+        (1, "async"),
+        (4, "async"),
+        (8, "async"),
+    ]
+    assert steps[16:] == [
+        (16, "async"),
+        (1, "full"),
+        (1, "full"),
+        (1, "full"),
+        (4, "full"),
+        (8, "full"),
+        (16, "full"),
+    ]
+    for level in (1, 4, 8, 16):
+        assert steps.count((level, "async")) == wave_count(args, level, "async")
+        assert steps.count((level, "full")) == wave_count(args, level, "full")
+    assert steps.count(floor) == args.floor_reps
+
+
+def test_levels_with_fewer_waves_drop_out_of_the_later_rounds() -> None:
+    args = parse_args(["--concurrency", "1", "8", "--c1-reps", "1", "--waves", "3", "--floor-reps", "1"])
+    assert [s for s in schedule(args) if s[1] != "full"] == [
+        (0, "floor"),
+        (1, "async"),
+        (8, "async"),
+        (8, "async"),
+        (8, "async"),
+    ]
