@@ -19,8 +19,9 @@ speech probability; the session marks its turns on that timeline with ``TurnCont
   decision reads where the words stop, which the redo hardly ever changes); the final words
   follow from a later run, as a transcript only a response waits on. With the background lane
   (the default, :mod:`engines.speech.asr_lane`) a step makes only those a decision may wait on;
-  the others, the final words after a draft and the partials run on the lane, one at a time,
-  at a lower CPU priority, and a later step of the request sends their words.
+  the others, the final words after a draft and the partials run on the lane, one at a time
+  (at a lower CPU priority only if ``background_nice`` > 0), and a later step of the request
+  sends their words.
   ``transcribe_cancel`` (``ref``): the session stopped waiting; never made.
   One the session no longer needs is answered with no words and never transcribed: a pause of
   an utterance the user spoke past (``spoken_past``, ``start``, ``end``: the session saw them go
@@ -156,7 +157,7 @@ class LiveAsrEngine(Engine):
     ``max_audio_s`` (30), ``idle_audio_s`` (3), ``background_nice`` (0: how much lower the
     background lane's CPU priority is, :mod:`engines.speech.asr_lane`; at 10 a response's
     words starved beside other processes' work: a server_vad turn's answer waited 6.6 s in a
-    CI trial), ``background_lane`` (false: every run on the stage's step, as before), and the
+    CI trial), ``background_lane`` (true; false: every run on the stage's step, as before), and the
     Whisper options of ``speech.asr`` (``model``, ``compute_type``, ``cpu_threads``,
     ``num_workers``, ``short_encode``)."""
 

@@ -1,7 +1,8 @@
 """`speech.live_asr` with its background lane (engines/speech/asr_lane.py), stepped directly with
 fake Whisper models: a decision's draft is made on the step while the lane is busy with work no
-decision waits on; the lane takes one run at a time and a later step sends its words; the
-lane's thread (and the model's threads it creates) run at a lower CPU priority."""
+decision waits on; the lane takes one run at a time and a later step sends its words; with
+`nice` > 0 the threads the lane's model creates run at a lower CPU priority, the lane's own
+thread not."""
 
 from __future__ import annotations
 
