@@ -49,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qm
@@ -240,15 +241,28 @@ def _positions(
 
 def _snake(block: Any, x: torch.Tensor, left: int = 0) -> torch.Tensor:
     """``Qwen3OmniMoeSnakeBeta``, ``x + 1/(e^β + ε) · sin(x·e^α)²`` (the model's operations in its
-    order, so its bits), in one new tensor with ``left`` zero columns before it."""
+    order), in one new tensor with ``left`` zero columns before it. The sine is NumPy's, in place
+    on the tensor's memory (:func:`sine_in_place`)."""
     alpha = block.alpha.exp()[None, :, None]
     inverse = 1.0 / (block.beta.exp()[None, :, None] + block.no_div_by_zero)
     batch, channels, columns = x.shape
     buffer = x.new_empty(batch, channels, left + columns)
     buffer[:, :, :left].zero_()
-    out = torch.mul(x, alpha, out=buffer[:, :, left:]).sin_()
+    out = sine_in_place(torch.mul(x, alpha, out=buffer[:, :, left:]))
     out.mul_(out).mul_(inverse).add_(x)
     return buffer
+
+
+def sine_in_place(x: torch.Tensor) -> torch.Tensor:
+    """``x.sin_()`` with NumPy's float32 sine: about half the time of ATen's on this machine's
+    AVX-512 (152k samples: 88 against 200 µs, 1 thread), the tail's sines being a third of a
+    first chunk's decode. Elementwise, so each sample's bits depend on its own input only: the
+    same in a window alone and in a batch, and a sample's bits did not change with its offset in
+    the array, the array's length or a strided view (``tests/engines_qwen/test_batching.py``).
+    Within 6e-8 of the exact sine, like ATen's (4e-8)."""
+    array = x.numpy()
+    np.sin(array, out=array)
+    return x
 
 
 def _convnext(block: Any, x: torch.Tensor) -> torch.Tensor:

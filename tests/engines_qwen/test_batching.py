@@ -17,7 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qm
 
 from engines.qwen3_omni.batched import talker_prefill_hidden, thinker_prefill_logits
-from engines.qwen3_omni.code2wav_rows import decode_windows, fixed_kernels
+from engines.qwen3_omni.code2wav_rows import decode_windows, fixed_kernels, sine_in_place
 from engines.rowbatch import RowExact, RowKV, SegmentKV, row_linear, rows_attention
 from runtime.engine import EdgeChunk, EngineRequest, StepInput
 from runtime.payloads import AudioChunk, CodecCodes
@@ -134,6 +134,25 @@ def test_code2wav_windows_of_any_lengths_decode_in_one_call_bitwise(code2wav_cas
             assert single.shape == reference.shape == (window.shape[1] * 1920 - 555,)
             peak = float(reference.abs().max())
             np.testing.assert_allclose(single.numpy(), reference.numpy(), rtol=0, atol=1e-5 * peak)
+
+
+def test_code2wav_sine_bits_depend_on_the_sample_only() -> None:
+    """The tail's sine (NumPy's, in place): a sample's bits are the same at any offset in an array
+    of any length, contiguous or a strided view with left padding, as the batched decode needs;
+    within 1e-7 of the exact sine."""
+    rng = np.random.default_rng(5)
+    values = (rng.standard_normal(9000) * 3).astype(np.float32)
+    reference = torch.from_numpy(values.copy())
+    sine_in_place(reference)
+    for n in [*range(1, 40), 63, 64, 65, 7125]:
+        for offset in range(17):
+            row = torch.from_numpy(values[offset : offset + n].copy())
+            buffer = torch.zeros(3, 1, 5 + n)
+            buffer[1, 0, 5:] = row
+            for got in (sine_in_place(row), sine_in_place(buffer[:, :, 5:])[1, 0]):
+                assert got.numpy().tobytes() == reference[offset : offset + n].numpy().tobytes()
+    exact = np.sin(values.astype(np.float64))
+    assert np.abs(reference.numpy() - exact).max() < 1e-7
 
 
 def test_code2wav_without_the_fixed_kernels_decodes_each_window_with_the_model(engines: Engines) -> None:
