@@ -12,8 +12,10 @@ wave gives. One wave of 8 moved by 1.5x between two waves of the same code on a 
 host, while concurrency 1 always took the median of three. ``full`` runs one wave per level
 (``--c1-reps`` at 1): its TTFA is the whole reply, and it only sets the async / full ratio.
 The async waves run in rounds, one wave of every level a round, with the floor's samples spread
-over the same rounds (:func:`schedule`): levels compared with each other are measured over the
-same stretch of the host's time, not one after another.
+over the same rounds, each round's right before its c1 wave (:func:`schedule`): levels compared
+with each other are measured over the same stretch of the host's time, not one after another.
+Five waves a level by default (and five floor samples: one a round), since three let one slow
+spell of the host's decide a ratio (docs/benchmarks.md, issue 31 ninth round).
 
 The critical-path floor is the engine time on the path to the first audio chunk, measured in
 isolation (engines driven directly, one thread, the orchestrator idle between waves): thinker
@@ -211,20 +213,26 @@ def schedule(args: argparse.Namespace) -> list[tuple[int, str]]:
     (levels forward in even rounds, backward in odd ones) and its share of the floor samples,
     so every level and the floor are sampled over the same stretch of the host's time: a host
     whose speed drifts (a neighbour, a slower core for a while) moves them alike instead of
-    skewing the ratios between them. Then the full waves, level by level (their TTFA is the
+    skewing the ratios between them. A round's floor samples come right before its wave of the
+    lowest level (c1, the floor's ratio), so both follow the same activity (another level's
+    wave or the previous round's) within seconds, in backward rounds too; at the round's start
+    when that level has no wave left. Then the full waves, level by level (their TTFA is the
     whole reply and only sets the async / full ratio)."""
     levels = list(args.concurrency)
     need = {n: wave_count(args, n, "async") for n in levels}
     rounds = max(need.values())
     floors = int(args.floor_reps)
+    lowest = min(levels)
     steps: list[tuple[int, str]] = []
     taken = 0
     for r in range(rounds):
         due = -(-(r + 1) * floors // rounds)  # ceil: the samples spread over the rounds
-        steps.extend([(0, "floor")] * (due - taken))
+        samples = [(0, "floor")] * (due - taken)
         taken = due
-        order = levels if r % 2 == 0 else levels[::-1]
-        steps.extend((n, "async") for n in order if r < need[n])
+        order = [n for n in (levels if r % 2 == 0 else levels[::-1]) if r < need[n]]
+        at = order.index(lowest) if lowest in order else 0
+        waves = [(n, "async") for n in order]
+        steps.extend(waves[:at] + samples + waves[at:])
     for n in levels:
         steps.extend([(n, "full")] * wave_count(args, n, "full"))
     return steps
@@ -375,11 +383,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--tokens", type=int, default=100)
     parser.add_argument("--frames", type=int, default=200)
-    parser.add_argument("--c1-reps", type=int, default=3, help="waves at concurrency 1 (median over them)")
+    parser.add_argument("--c1-reps", type=int, default=5, help="waves at concurrency 1 (median over them)")
     parser.add_argument(
         "--waves",
         type=int,
-        default=3,
+        default=5,
         help="async_chunk waves at every concurrency above 1 (TTFA: the median of the waves' medians)",
     )
     parser.add_argument("--floor-reps", type=int, default=5)

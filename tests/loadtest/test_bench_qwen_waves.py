@@ -48,10 +48,11 @@ def test_an_empty_wave_is_refused() -> None:
 
 
 def test_waves_per_level_and_mode() -> None:
-    # The command line: the defaults give 3 waves at every level for async_chunk.
+    # The command line: the defaults give 5 waves at every level for async_chunk.
     args = parse_args(["--concurrency", "1", "4", "8", "16", "--out", "F.json"])
-    assert [wave_count(args, n, "async") for n in (1, 4, 8, 16)] == [3, 3, 3, 3]
-    assert [wave_count(args, n, "full") for n in (1, 4, 8, 16)] == [3, 1, 1, 1]
+    assert [wave_count(args, n, "async") for n in (1, 4, 8, 16)] == [5, 5, 5, 5]
+    assert [wave_count(args, n, "full") for n in (1, 4, 8, 16)] == [5, 1, 1, 1]
+    assert args.floor_reps == 5
     args = parse_args(["--waves", "1", "--c1-reps", "2"])  # the old bench's single wave above c1
     assert [wave_count(args, n, "async") for n in (1, 8)] == [2, 1]
 
@@ -64,42 +65,39 @@ def test_zero_waves_is_a_usage_error(flag: str, capsys: pytest.CaptureFixture[st
 
 
 def test_levels_and_floor_are_sampled_in_rounds_over_the_same_time() -> None:
-    # The command line: 3 rounds, each one async wave of every level (forward, then
-    # backward, then forward) and its share of the 5 floor samples; the full waves after.
+    # The command line: 5 rounds, each one async wave of every level (forward, then
+    # backward, ...) and one of the 5 floor samples, right before the round's c1 wave (last in
+    # a backward round); the full waves after.
     args = parse_args(["--concurrency", "1", "4", "8", "16", "--out", "F.json"])
     steps = schedule(args)
     floor = (0, "floor")
-    assert steps[:16] == [
-        floor,
-        floor,
-        (1, "async"),
-        (4, "async"),
-        (8, "async"),
-        (16, "async"),
-        floor,
-        floor,
-        (16, "async"),
-        (8, "async"),
-        (4, "async"),
-        (1, "async"),
-        floor,
-        (1, "async"),
-        (4, "async"),
-        (8, "async"),
-    ]
-    assert steps[16:] == [
-        (16, "async"),
-        (1, "full"),
-        (1, "full"),
-        (1, "full"),
-        (4, "full"),
-        (8, "full"),
-        (16, "full"),
-    ]
+    forward = [floor, (1, "async"), (4, "async"), (8, "async"), (16, "async")]
+    backward = [(16, "async"), (8, "async"), (4, "async"), floor, (1, "async")]
+    assert steps[:25] == forward + backward + forward + backward + forward
+    assert steps[25:] == [(1, "full")] * 5 + [(4, "full"), (8, "full"), (16, "full")]
     for level in (1, 4, 8, 16):
         assert steps.count((level, "async")) == wave_count(args, level, "async")
         assert steps.count((level, "full")) == wave_count(args, level, "full")
     assert steps.count(floor) == args.floor_reps
+
+
+def test_floor_samples_spread_over_rounds_next_to_the_c1_wave() -> None:
+    # 3 rounds, 5 samples: 2, 2, 1 (ceil spread), each group before the c1 wave.
+    args = parse_args(["--concurrency", "1", "8", "--c1-reps", "3", "--waves", "3", "--floor-reps", "5"])
+    floor = (0, "floor")
+    assert [s for s in schedule(args) if s[1] != "full"] == [
+        floor,
+        floor,
+        (1, "async"),
+        (8, "async"),
+        (8, "async"),
+        floor,
+        floor,
+        (1, "async"),
+        floor,
+        (1, "async"),
+        (8, "async"),
+    ]
 
 
 def test_levels_with_fewer_waves_drop_out_of_the_later_rounds() -> None:
@@ -109,5 +107,19 @@ def test_levels_with_fewer_waves_drop_out_of_the_later_rounds() -> None:
         (1, "async"),
         (8, "async"),
         (8, "async"),
+        (8, "async"),
+    ]
+
+
+def test_a_round_without_a_c1_wave_takes_its_floor_samples_first() -> None:
+    args = parse_args(["--concurrency", "1", "8", "--c1-reps", "1", "--waves", "3", "--floor-reps", "3"])
+    floor = (0, "floor")
+    assert [s for s in schedule(args) if s[1] != "full"] == [
+        floor,
+        (1, "async"),
+        (8, "async"),
+        floor,
+        (8, "async"),
+        floor,
         (8, "async"),
     ]
