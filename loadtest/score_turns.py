@@ -89,7 +89,7 @@ def observations(cache_dir: Path = CACHE) -> list[Row]:
     """Per clip: voice, sentence, paused, the VAD's lag, P(finished) per tail and the transcript
     at the pause that ends the speech, and the same at every earlier pause ("inner": the
     commas and word gaps of the speech, where the session asks too)."""
-    path = cache_dir / f"turn-scores-vad5-{spec_key()}.json"
+    path = cache_dir / f"turn-scores-vad6-{spec_key()}.json"
     if path.exists():
         rows: list[Row] = json.loads(path.read_text())
         return rows

@@ -19,6 +19,15 @@ holds the core of (features of one 8 s window: 212 ms of wall time with torch's 
 threads against 9 ms with one, measured while a benchmark ran on the host; one thread cannot
 be set for this thread alone: `torch.set_num_threads` also sets MKL's, process-wide).
 Scores of several sessions go through the model in one call (``batch``).
+
+The model is quantized (int8 weights and activations, QDQ). onnxruntime fuses it into integer
+matrix products, and on an x86 CPU without VNNI (AVX2 only: AMD Zen 3, older Intel) its default
+u8s8 kernel sums pairs of products in 16 bits, which saturate: on such a host the scores moved
+by up to 0.90 from the quantized graph's own (median 0.045 over the evaluation set's 120 pauses,
+finished sentences >= 0.5 39/60 -> 28/60; docs/benchmarks.md, issue 30, tenth round). The
+session asks for the precise AVX2 kernel (``session.x64quantprecision``: up to 0.36, median
+0.007, 37/60; ~12 ms more a call there); CPUs with VNNI or AVX-512 kernels do not use the
+setting.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ N_MELS = 80
 FRAMES = WINDOW_SAMPLES // HOP  # 800
 MODEL_FILE = "smart-turn-v3.2-cpu.onnx"
 LICENSE = "BSD-2-Clause (pipecat-ai, Daily)"
+PRECISE_AVX2 = "session.x64quantprecision"  # onnxruntime: AVX2 u8s8 products without saturation
 
 
 def smart_turn_model_path() -> Path:
@@ -140,6 +150,7 @@ class SmartTurn:
         opts.inter_op_num_threads = 1
         opts.intra_op_num_threads = threads
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.add_session_config_entry(PRECISE_AVX2, "1")  # no 16-bit saturation (module docstring)
         self.path = path or smart_turn_model_path()
         self._session = ort.InferenceSession(
             str(self.path), sess_options=opts, providers=["CPUExecutionProvider"]
