@@ -254,11 +254,13 @@ def _snake(block: Any, x: torch.Tensor, left: int = 0) -> torch.Tensor:
 
 
 def sine_in_place(x: torch.Tensor) -> torch.Tensor:
-    """``x.sin_()`` with NumPy's float32 sine: about half the time of ATen's on this machine's
-    AVX-512 (152k samples: 88 against 200 µs, 1 thread), the tail's sines being a third of a
-    first chunk's decode. Elementwise, so each sample's bits depend on its own input only: the
-    same in a window alone and in a batch, and a sample's bits did not change with its offset in
-    the array, the array's length or a strided view (``tests/engines_qwen/test_batching.py``).
+    """``x.sin_()`` with NumPy's float32 sine: under half the time of ATen's on an AVX-512 host
+    (152k samples: 88 against 200 µs, 1 thread; the tail's sines a third of a first chunk's
+    decode there), ~7 % slower than ATen's on an AVX2-only one (Zen 3: 45.6 against 42.6 µs for
+    28.5k samples; docs/benchmarks.md, issue 31, ninth and tenth rounds). Elementwise, so each
+    sample's bits depend on its own input only: the same in a window alone and in a batch, and a
+    sample's bits did not change with its offset in the array, the array's length or a strided
+    view (``tests/engines_qwen/test_batching.py``).
     Within 6e-8 of the exact sine, like ATen's (4e-8)."""
     array = x.numpy()
     np.sin(array, out=array)
