@@ -77,6 +77,7 @@ def pipeline(
     asr_workers: int = 1,
     asr_threads: int = 1,
     lane_nice: int | None = None,
+    lane_process: bool | None = None,
 ) -> Path:
     doc: dict[str, Any] = {
         "name": "null-turns",
@@ -111,7 +112,10 @@ def pipeline(
         # voice-cascade has 2, the earlier rounds measured 1 (one run at a time).
         # `asr_threads`: CTranslate2's threads a run (voice-cascade: 0, i.e. min(4, cores)).
         asr_options = {"compute_type": "int8", "cpu_threads": asr_threads, "num_workers": asr_workers}
-        lane = {} if lane_nice is None else {"background_nice": lane_nice}
+        lane: dict[str, Any] = {} if lane_nice is None else {"background_nice": lane_nice}
+        # The lane's and the asr stage's Whisper in processes a decision's draft holds still.
+        process = {} if lane_process is None else {"background_process": lane_process}
+        lane |= process
         doc["stages"] += [
             {
                 "name": "live_asr",
@@ -127,7 +131,10 @@ def pipeline(
             {
                 "name": "asr",
                 "engine": "speech.asr",
-                "options": asr_options,
+                "options": {
+                    **asr_options,
+                    **({} if lane_process is None else {"background_process": lane_process}),
+                },
                 "budget": {"max_concurrency": 64, "max_batch": 1, "worker": "thread", "workers": 1},
             },
         ]
@@ -336,6 +343,7 @@ def _spawn(folder: Path, port: int, args: argparse.Namespace) -> subprocess.Pope
         args.asr_workers,
         args.asr_threads,
         args.lane_nice,
+        None if args.lane_process is None else args.lane_process == "on",
     )
     cmd = [sys.executable, "-m", "web.cli", "serve", "--pipeline", str(spec),
            "--port", str(port), "--data-dir", str(folder / "data"), "--log-level", "warning",
@@ -370,6 +378,8 @@ def _decision_words(metrics: str) -> dict[str, float]:
         "made": made,
         "mean_wait_ms": round(_counter(metrics, "decision_wait_ms", "live_asr") / max(1.0, made), 1),
         "mean_run_ms": round(_counter(metrics, "decision_run_ms", "live_asr") / max(1.0, made), 1),
+        # Drafts that held the background lane's process still (``background_process``).
+        "lane_holds": _counter(metrics, "lane_holds", "live_asr"),
     }
 
 
@@ -424,6 +434,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "asr_workers": args.asr_workers,
         "asr_threads": args.asr_threads,
         "lane_nice": args.lane_nice,
+        "lane_process": args.lane_process,
         "vad_edges_coalesce": not args.no_coalesce,
         "server_cpu_s": round(cpu_used, 1),
         "stage_steps": {
@@ -504,6 +515,12 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=None,
         help="with --transcripts: the live ASR's background_nice (default: the engine's own)",
+    )
+    p.add_argument(
+        "--lane-process",
+        choices=("on", "off"),
+        default=None,
+        help="with --transcripts: the live ASR's background_process (default: the engine's own)",
     )
     p.add_argument(
         "--ungated",

@@ -44,6 +44,26 @@ class LaneModel(Protocol):
     def transcribe_full(self, audio16k: np.ndarray) -> str: ...
 
 
+def transcribe_on(model: LaneModel, *, audio: np.ndarray, full: bool = False) -> str:
+    """A background run (picklable, for a lane in a process): the transcript of `audio`
+    (`full`: the 30 s window's, a draft's redo)."""
+    if not len(audio):
+        return ""
+    return model.transcribe_full(audio) if full else model.transcribe(audio)
+
+
+class BackgroundLane(Protocol):
+    """What the live ASR hands background runs to: this module's :class:`AsrLane` (a thread)
+    or :class:`engines.speech.lane_process.ProcessLane` (a process a draft can hold still)."""
+
+    @property
+    def idle(self) -> bool: ...
+
+    def try_run(self, work: Callable[[LaneModel], str]) -> Future[str] | None: ...
+
+    def close(self) -> None: ...
+
+
 def _lower_priority(nice: int) -> None:
     """Raise this thread's nice value by `nice` (Linux: per thread; threads it creates inherit
     it). Where that is not possible the lane runs at normal priority."""

@@ -55,8 +55,9 @@ from typing import Any
 import numpy as np
 
 from engines.speech.asr import SAMPLE_RATE, AsrConfig, WhisperAsr, shared_asr
-from engines.speech.asr_lane import AsrLane, LaneModel
+from engines.speech.asr_lane import AsrLane, BackgroundLane, transcribe_on
 from engines.speech.held_audio import held_span
+from engines.speech.lane_process import ProcessLane, hold_background
 from engines.speech.vad import FRAME_SAMPLES
 from runtime.engine import Engine, EngineRequest, StepInput, StepOutput
 from runtime.payloads import AudioInput, Payload, Transcript, TurnControl, VoiceActivity
@@ -157,7 +158,9 @@ class LiveAsrEngine(Engine):
     ``max_audio_s`` (30), ``idle_audio_s`` (3), ``background_nice`` (0: how much lower the
     background lane's CPU priority is, :mod:`engines.speech.asr_lane`; at 10 a response's
     words starved beside other processes' work: a server_vad turn's answer waited 6.6 s in a
-    CI trial), ``background_lane`` (true; false: every run on the stage's step, as before), and the
+    CI trial), ``background_lane`` (true; false: every run on the stage's step, as before),
+    ``background_process`` (false; true: the lane's model in a process of its own, which a
+    decision's draft holds still while it runs, :mod:`engines.speech.lane_process`), and the
     Whisper options of ``speech.asr`` (``model``, ``compute_type``, ``cpu_threads``,
     ``num_workers``, ``short_encode``)."""
 
@@ -179,15 +182,19 @@ class LiveAsrEngine(Engine):
         self.idle_audio = int(float(opts.get("idle_audio_s", 3)) * SAMPLE_RATE)
         self.background_lane = bool(opts.get("background_lane", True))
         self.background_nice = int(opts.get("background_nice", 0))
+        self.background_process = bool(opts.get("background_process", False))
         self._asr: WhisperAsr | None = None
-        self._lane: AsrLane | None = None  # None: every run on the step (no lane)
+        self._lane: BackgroundLane | None = None  # None: every run on the step (no lane)
         self._seq = itertools.count()  # the order jobs arrived in, across requests
 
     def load(self) -> None:
         self._asr = shared_asr(self.config)
         if self.background_lane:  # a model of its own: its threads run at the lane's priority
             config = dataclasses.replace(self.config, num_workers=1)
-            self._lane = AsrLane(lambda: WhisperAsr(config), nice=self.background_nice)
+            if self.background_process:
+                self._lane = ProcessLane(config)
+            else:
+                self._lane = AsrLane(lambda: WhisperAsr(config), nice=self.background_nice)
 
     def close(self) -> None:
         if self._lane is not None:
@@ -256,7 +263,7 @@ class LiveAsrEngine(Engine):
                 output.wait_for_input = True
         return outputs
 
-    def _offer(self, lane: AsrLane, batch: Sequence[StepInput]) -> None:
+    def _offer(self, lane: BackgroundLane, batch: Sequence[StepInput]) -> None:
         """Hand the lane one run if it is idle: the oldest ready transcript no decision waits
         on, else a due partial (of the requests in this step with no run there yet)."""
         if not lane.idle:
@@ -272,7 +279,7 @@ class LiveAsrEngine(Engine):
             _rank, k, job = min(jobs, key=lambda x: x[:2])
             state = free[k]
             audio = state.span(job.start, job.end)
-            future = lane.try_run(functools.partial(_transcribe_on, audio=audio, full=job.drafted))
+            future = lane.try_run(functools.partial(transcribe_on, audio=audio, full=job.drafted))
             if future is not None:
                 state.jobs.remove(job)
                 state.lane = _LaneRun(future, job=job)
@@ -282,7 +289,7 @@ class LiveAsrEngine(Engine):
             if utt is None or not self._partial_due(state, utt):
                 continue
             audio = state.span(utt.start, state.end)
-            future = lane.try_run(functools.partial(_transcribe_on, audio=audio))
+            future = lane.try_run(functools.partial(transcribe_on, audio=audio))
             if future is not None:
                 utt.next_at = state.end + self.partial_interval
                 state.lane = _LaneRun(future, utterance=utt)
@@ -317,11 +324,16 @@ class LiveAsrEngine(Engine):
             out.append(Transcript(self._transcribe(audio), final=True, ref=job.ref))
             return {"transcripts": 1, **waited}
         began = time.monotonic()
-        text, final = self._asr_model().draft(audio) if len(audio) else ("", True)
+        # Background Whisper runs under way in a process of their own (this stage's lane, a
+        # speech.asr stage's) are held still while the decision drafts.
+        with hold_background() as held:
+            text, final = self._asr_model().draft(audio) if len(audio) else ("", True)
         out.append(Transcript(text, final=final, ref=job.ref))
         # A decision's words: how long they waited to start, and the run (wall time).
         waited |= {"decision_words": 1, "decision_wait_ms": round((began - job.taken_at) * 1000)}
         waited["decision_run_ms"] = round((time.monotonic() - began) * 1000)
+        if held:
+            waited["lane_holds"] = 1  # it held a background run still
         if final:
             return {"transcripts": 1, **waited}
         job.first, job.drafted = False, True
@@ -438,10 +450,3 @@ class LiveAsrEngine(Engine):
 
     def _transcribe(self, audio: np.ndarray) -> str:
         return self._asr_model().transcribe(audio) if len(audio) else ""
-
-
-def _transcribe_on(model: LaneModel, *, audio: np.ndarray, full: bool = False) -> str:
-    """A lane run: the transcript (`full`: the 30 s window's, a draft's redo)."""
-    if not len(audio):
-        return ""
-    return model.transcribe_full(audio) if full else model.transcribe(audio)

