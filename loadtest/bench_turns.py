@@ -78,6 +78,7 @@ def pipeline(
     asr_threads: int = 1,
     lane_nice: int | None = None,
     lane_process: bool | None = None,
+    asr_process: bool | None = None,
 ) -> Path:
     doc: dict[str, Any] = {
         "name": "null-turns",
@@ -114,8 +115,9 @@ def pipeline(
         asr_options = {"compute_type": "int8", "cpu_threads": asr_threads, "num_workers": asr_workers}
         lane: dict[str, Any] = {} if lane_nice is None else {"background_nice": lane_nice}
         # The lane's and the asr stage's Whisper in processes a decision's draft holds still.
-        process = {} if lane_process is None else {"background_process": lane_process}
-        lane |= process
+        if lane_process is not None:
+            lane["background_process"] = lane_process
+        process = {} if asr_process is None else {"background_process": asr_process}
         doc["stages"] += [
             {
                 "name": "live_asr",
@@ -133,7 +135,7 @@ def pipeline(
                 "engine": "speech.asr",
                 "options": {
                     **asr_options,
-                    **({} if lane_process is None else {"background_process": lane_process}),
+                    **process,
                 },
                 "budget": {"max_concurrency": 64, "max_batch": 1, "worker": "thread", "workers": 1},
             },
@@ -344,6 +346,7 @@ def _spawn(folder: Path, port: int, args: argparse.Namespace) -> subprocess.Pope
         args.asr_threads,
         args.lane_nice,
         None if args.lane_process is None else args.lane_process == "on",
+        None if args.asr_process is None else args.asr_process == "on",
     )
     cmd = [sys.executable, "-m", "web.cli", "serve", "--pipeline", str(spec),
            "--port", str(port), "--data-dir", str(folder / "data"), "--log-level", "warning",
@@ -435,6 +438,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "asr_threads": args.asr_threads,
         "lane_nice": args.lane_nice,
         "lane_process": args.lane_process,
+        "asr_process": args.asr_process,
         "vad_edges_coalesce": not args.no_coalesce,
         "server_cpu_s": round(cpu_used, 1),
         "stage_steps": {
@@ -521,6 +525,12 @@ def main(argv: list[str] | None = None) -> None:
         choices=("on", "off"),
         default=None,
         help="with --transcripts: the live ASR's background_process (default: the engine's own)",
+    )
+    p.add_argument(
+        "--asr-process",
+        choices=("on", "off"),
+        default=None,
+        help="with --transcripts: the asr stage's background_process (default: the engine's own)",
     )
     p.add_argument(
         "--ungated",

@@ -116,14 +116,17 @@ class HoldBudget:
 
 
 _LANES: weakref.WeakSet[ProcessLane] = weakref.WeakSet()  # every open lane, held together
+_LANES_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def hold_background() -> Iterator[int]:
     """Hold every open lane still for the block (a decision's draft); yields how many were
     stopped (0 where none runs anything, or none exists)."""
+    with _LANES_LOCK:
+        lanes = list(_LANES)
     with contextlib.ExitStack() as stack:
-        yield sum(stack.enter_context(lane.hold()) for lane in list(_LANES))
+        yield sum(stack.enter_context(lane.hold()) for lane in lanes)
 
 
 class ProcessLane:
@@ -165,7 +168,8 @@ class ProcessLane:
         started.wait()
         if self._start_error is not None:
             raise self._start_error
-        _LANES.add(self)
+        with _LANES_LOCK:
+            _LANES.add(self)
 
     # -- the lane's interface ------------------------------------------------------------------
 
@@ -211,7 +215,8 @@ class ProcessLane:
 
     def close(self) -> None:
         """End the process (its keeper reaps it and closes the pipe); queued runs fail."""
-        _LANES.discard(self)
+        with _LANES_LOCK:
+            _LANES.discard(self)
         with self._lock:
             self._closed = True
             self._continue()
