@@ -69,6 +69,15 @@ def run(lane: ProcessLane, work: Callable[[Any], str]) -> Future[str]:
     return future
 
 
+def slow_run(lane: ProcessLane, audio: np.ndarray, seconds: float) -> tuple[int, Future[str]]:
+    """The lane's pid and a run that is under way in the child (`seconds` of its CPU)."""
+    pid = lane.pid
+    assert pid is not None
+    future = run(lane, functools.partial(slow_work, audio=audio, seconds=seconds))
+    time.sleep(0.05)
+    return pid, future
+
+
 def test_the_lane_transcribes_in_a_child_process_as_the_model_does_here(
     lane: ProcessLane, sentence16k: np.ndarray, asr: Any
 ) -> None:
@@ -115,10 +124,7 @@ def test_a_hold_with_no_run_under_way_stops_nothing_but_hands_none_over(
 
 
 def test_two_drafts_hold_it_until_the_last_one_ends(lane: ProcessLane, sentence16k: np.ndarray) -> None:
-    pid = lane.pid
-    assert pid is not None
-    future = run(lane, functools.partial(slow_work, audio=sentence16k, seconds=0.4))
-    time.sleep(0.05)
+    pid, future = slow_run(lane, sentence16k, 0.4)
     with lane.hold() as first:
         assert first and wait_state(pid, "T") == "T"
         with lane.hold() as second:
@@ -131,10 +137,7 @@ def test_two_drafts_hold_it_until_the_last_one_ends(lane: ProcessLane, sentence1
 def test_a_hold_longer_than_max_hold_continues_the_process(sentence16k: np.ndarray) -> None:
     lane = ProcessLane(CONFIG, max_hold_s=0.2, hold_share=0.9, window_s=10.0)
     try:
-        pid = lane.pid
-        assert pid is not None
-        future = run(lane, functools.partial(slow_work, audio=sentence16k, seconds=0.3))
-        time.sleep(0.05)
+        pid, future = slow_run(lane, sentence16k, 0.3)
         with lane.hold() as held:
             assert held and wait_state(pid, "T") == "T"
             time.sleep(0.5)
@@ -180,10 +183,7 @@ def test_a_child_that_dies_fails_its_run_and_a_fresh_one_takes_the_next(sentence
 
 def test_close_ends_the_process_even_while_it_is_held(sentence16k: np.ndarray) -> None:
     lane = ProcessLane(CONFIG)
-    pid = lane.pid
-    assert pid is not None
-    run(lane, functools.partial(slow_work, audio=sentence16k, seconds=5.0))
-    time.sleep(0.05)
+    pid, _run = slow_run(lane, sentence16k, 5.0)
     with lane.hold() as held:
         assert held
         lane.close()
