@@ -22,3 +22,13 @@ def slowdown() -> float:
 def slack(bound: float) -> float:
     """An upper bound on elapsed time, stretched by :func:`slowdown`."""
     return bound * slowdown()
+
+
+class FakeClock:
+    """A monotonic clock a test sets by hand (``clock.now = ...``), for code that takes ``clock``."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now

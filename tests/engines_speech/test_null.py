@@ -10,16 +10,9 @@ import pytest
 from engines.null.stages import NULL_REPLY, NULL_TRANSCRIPT, NullAudioEngine, PassthroughEngine, tone
 from runtime.engine import EdgeChunk, EngineRequest, StepInput, StepOutput
 from runtime.payloads import AudioChunk, AudioInput, TextDelta, Transcript
+from tests.timing import FakeClock
 
 pytestmark = pytest.mark.unit
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _engine(clock: FakeClock, **options: object) -> NullAudioEngine:

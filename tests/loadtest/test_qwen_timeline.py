@@ -6,16 +6,9 @@ import pytest
 
 from loadtest.qwen_timeline import PathCall, StepRecord, WaveTimeline, compare, median_path, parse_args
 from runtime.metrics import MetricsHook, RuntimeMetrics
+from tests.timing import FakeClock
 
 pytestmark = pytest.mark.unit
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_step_starts_its_step_time_before_it_is_observed() -> None:
