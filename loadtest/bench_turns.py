@@ -79,6 +79,7 @@ def pipeline(
     lane_nice: int | None = None,
     lane_process: bool | None = None,
     asr_process: bool | None = None,
+    words: bool = True,
 ) -> Path:
     doc: dict[str, Any] = {
         "name": "null-turns",
@@ -141,6 +142,8 @@ def pipeline(
             },
         ]
         doc["entry"] = "asr"
+        if words:  # voice-cascade's end-of-turn stage: the words of an undecided sentence too
+            doc["stages"][2]["engine"] = "engines.speech.words_turn_stage:EndOfTurnWordsEngine"
         doc["edges"] += [
             {
                 "from": "vad",
@@ -347,6 +350,7 @@ def _spawn(folder: Path, port: int, args: argparse.Namespace) -> subprocess.Pope
         args.lane_nice,
         None if args.lane_process is None else args.lane_process == "on",
         None if args.asr_process is None else args.asr_process == "on",
+        args.words == "on",
     )
     cmd = [sys.executable, "-m", "web.cli", "serve", "--pipeline", str(spec),
            "--port", str(port), "--data-dir", str(folder / "data"), "--log-level", "warning",
@@ -439,6 +443,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "lane_nice": args.lane_nice,
         "lane_process": args.lane_process,
         "asr_process": args.asr_process,
+        "words": args.words if args.transcripts else "off",
+        # semantic_vad's words cue: sentences the model left open whose words were scored, and
+        # the language model's wall ms per text (session.realtime.words_turn).
+        "word_decisions": _counter(metrics, "word_decisions"),
+        "words_model_ms_per_text": round(
+            _counter(metrics, "words_model_ms") / max(1.0, _counter(metrics, "word_decisions")), 1
+        ),
         "vad_edges_coalesce": not args.no_coalesce,
         "server_cpu_s": round(cpu_used, 1),
         "stage_steps": {
@@ -531,6 +542,13 @@ def main(argv: list[str] | None = None) -> None:
         choices=("on", "off"),
         default=None,
         help="with --transcripts: the asr stage's background_process (default: the engine's own)",
+    )
+    p.add_argument(
+        "--words",
+        choices=("on", "off"),
+        default="on",
+        help="with --transcripts: the end-of-turn stage scores an undecided sentence's words too "
+        "(voice-cascade's; off: Smart Turn and the words' punctuation alone, as before)",
     )
     p.add_argument(
         "--ungated",

@@ -277,23 +277,34 @@ def tune(rows: list[Row], target_pct: float = 5.0) -> float:
 
 
 def lm_scores(rows: list[Row]) -> None:
-    """Each row's SmolLM2-135M-Instruct log P(<|im_end|>) after its transcript (``lm_logp_end``)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Each look's ``lm_logp_end``: log P(the user's message ends) after its transcript, as the
+    end-of-turn stage's words model reads it (:class:`engines.speech.words_turn.WordsTurn`)."""
+    from engines.speech.words_turn import WordsTurn
 
-    from engines.speech.chat import resolve_llm
-
-    path = str(resolve_llm("smollm2"))
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
-    end = tok.convert_tokens_to_ids("<|im_end|>")
+    model = WordsTurn()
     for row in [*rows, *(p for r in rows for p in r["inner"])]:
-        words = " ".join(re.sub(r"[^\w\s'-]", "", row["transcript"].lower()).split())
-        text = str(tok.apply_chat_template([{"role": "user", "content": words}], tokenize=False))
-        ids = tok(text[: text.rindex("<|im_end|>")], add_special_tokens=False, return_tensors="pt")
-        with torch.inference_mode():
-            logits = model(ids["input_ids"]).logits[0, -1]
-        row["lm_logp_end"] = round(float(torch.log_softmax(logits.float(), -1)[end]), 2)
+        row["lm_logp_end"] = round(model.logp_end([row["transcript"]])[0], 2)
+
+
+def rescued(bar: float, closed: float = CLOSED_THRESHOLDS["auto"]) -> Rule:
+    """auto's rule, or else words that end a sentence and whose log P(end) >= `bar` (whatever
+    the model heard): ``session.realtime.words_turn``."""
+    first = cues(closed)
+    return lambda r: first(r) or (transcript_cue(r["transcript"]) == "closed" and r["lm_logp_end"] >= bar)
+
+
+def tune_rescue(rows: list[Row], target_pct: float = 5.0) -> float:
+    """The words bar on the rows: the most finished sentences ended at once with false cut-offs
+    within `target_pct` and no more sentences ended early than auto's rule alone (ties: the
+    higher bar)."""
+    early = int(score(rows, cues(CLOSED_THRESHOLDS["auto"]))["finished_ended_early"].split("/")[0])
+    grid = [b / 2 for b in range(-40, 0)]
+    ok = []
+    for bar in grid:
+        r = score(rows, rescued(bar))
+        if r["false_cutoff_pct"] <= target_pct and int(r["finished_ended_early"].split("/")[0]) <= early:
+            ok.append((r["finished_pct"], bar))
+    return max(ok)[1] if ok else 0.0
 
 
 def lm_report(rows: list[Row], tune_rows: list[Row], held: list[Row]) -> dict[str, Any]:
@@ -311,12 +322,25 @@ def lm_report(rows: list[Row], tune_rows: list[Row], held: list[Row]) -> dict[st
 
     scored = [(b, score(tune_rows, with_lm(b))) for b in (float(x) for x in range(-20, 0))]
     best = max((r["finished_pct"], b) for b, r in scored if r["false_cutoff_pct"] <= 5.0)[1]
+    bar = tune_rescue(tune_rows)
+    undecided = [r for r in finished if not cues(CLOSED_THRESHOLDS["auto"])(r)]
     return {
         "logp_end_finished": spread(finished),
+        "logp_end_finished_auto_leaves_open": spread(undecided),
         "logp_end_closed_first_halves": spread(closed_halves),
-        f"auto and log P(end) >= {best:g} (tuned on s00-s09)": {
+        "logp_end_inner_pauses": spread([p for r in rows for p in r["inner"]]),
+        f"not adopted: auto and log P(end) >= {best:g} (tuned on s00-s09)": {
             "tuning": score(tune_rows, with_lm(best)),
             "held_out": score(held, with_lm(best)),
+        },
+        "words bar (tuned on s00-s09)": bar,
+        f"auto, or closed words with log P(end) >= {bar:g}": {
+            "tuning": score(tune_rows, rescued(bar)),
+            "held_out": score(held, rescued(bar)),
+        },
+        "curve_words_bar": {
+            f"{b:g}": {"tuning": score(tune_rows, rescued(b)), "held_out": score(held, rescued(b))}
+            for b in (-14.0, -12.0, -11.0, -10.0, -9.5, -9.0, -8.0, -7.0)
         },
     }
 

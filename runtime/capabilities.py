@@ -15,6 +15,7 @@ VOICE_ACTIVITY = "voice_activity"  # VoiceActivity probabilities of the live req
 TURN_DETECTION = "turn_detection"  # SpeechStarted / SpeechStopped from the live request
 INPUT_TRANSCRIPTION = "input_transcription"  # Transcript of the user's audio
 END_OF_TURN = "end_of_turn"  # TurnScore: whether the user's speech so far ends their turn
+END_OF_TURN_WORDS = "end_of_turn_words"  # TurnScore of a "score_words": does the message end there
 RESPONSES = "responses"  # ResponseStarted / ResponseDone: the live request speaks by itself
 
 
@@ -54,6 +55,11 @@ class PipelineCapabilities:
     def end_of_turn(self) -> bool:
         """The live request scores the user's pauses with an end-of-turn model (semantic_vad)."""
         return END_OF_TURN in self.live
+
+    @property
+    def end_of_turn_words(self) -> bool:
+        """... and scores the words of a turn so far too (semantic_vad's words cue)."""
+        return END_OF_TURN_WORDS in self.live
 
     @property
     def live_transcribes_input(self) -> bool:

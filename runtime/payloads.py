@@ -130,7 +130,8 @@ class VoiceActivity(Payload):
 class TurnScore(Payload):
     """An end-of-turn model's answer to a `TurnControl("score_turn")`: the probability that
     the user's speech in [start, end) of that control ends a finished turn (`ref`: the
-    control's). The session decides from it whether the turn ends now (semantic_vad)."""
+    control's); to a "score_words": that the user's message ends after its text. The session
+    decides from it whether the turn ends now (semantic_vad)."""
 
     ref: str
     probability: float
@@ -192,7 +193,9 @@ class TurnControl(Payload):
     so far at a pause), "spoken_past" (`start`, `end`: the user went on after the pause at `end`
     of the utterance that began at `start`; a "transcribe" of it not made yet is answered with
     no words). For an end-of-turn stage: "score_turn" (`ref`, `start`, `end`: one
-    `TurnScore` of that stretch). A stage ignores the kinds it has no use for."""
+    `TurnScore` of that stretch); "score_words" (`ref`, `text`: one `TurnScore` whose
+    probability is that the user's message ends after `text`, from a stage that provides
+    "end_of_turn_words"). A stage ignores the kinds it has no use for."""
 
     kind: str
     response_id: str | None = None

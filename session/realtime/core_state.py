@@ -68,6 +68,9 @@ class CoreOptions:
     # ends a turn on its answer (session.realtime.semantic_turn). False: semantic_vad is server
     # VAD with an eagerness-based silence.
     scores_turn_ends: bool = False
+    # ... and it scores the words of a turn too (`LiveControl` "score_words"): a sentence the
+    # model left open ends when a language model reads its end (session.realtime.words_turn).
+    scores_turn_words: bool = False
     # Per-session budgets (docs/sessions.md "Limits"): what one client can make the server
     # keep. Text of all conversation items (UTF-8 bytes; a create past it is refused with
     # `conversation_too_large`), the instructions (`string_above_max_length`), and the

@@ -9,7 +9,9 @@ probability) and, where the pipeline transcribes, the words of the turn so far a
 (the core's `PrepareTranscript`, asked at the same frame). The turn ends on both cues
 (`TurnCues`): words ending mid-clause never end it; words ending a sentence end it from a bar
 one rung lower (`CLOSED_THRESHOLDS`); without such words the model decides alone
-(`THRESHOLDS`). A score that comes before its pause's words waits for them. It never
+(`THRESHOLDS`). Where the stage also scores words (`words`, :mod:`session.realtime.words_turn`),
+a sentence the model left open is asked about once more (`ScoreWords`), and a language model's
+"the message ends here" ends it. A score that comes before its pause's words waits for them. It never
 ends on a silence shorter than `min_pause_ms` (a decision that comes sooner is held for the
 frame that gets there). An unfinished turn waits, and ends after the eagerness's maximum pause
 anyway (OpenAI's: low 8 s, medium 4 s, high 2 s; auto = medium), which the core's
@@ -36,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from session.realtime.input_audio import SAMPLES_PER_MS
+from session.realtime.words_turn import ScoreWords, WordsCue
 
 # OpenAI's maximum pause per eagerness (docs: "low" waits up to 8 s, "medium" 4 s, "high" 2 s).
 MAX_PAUSE_MS = {"low": 8000, "medium": 4000, "high": 2000, "auto": 4000}
@@ -178,6 +181,7 @@ class SemanticTurn:
     def __init__(
         self,
         *,
+        words: WordsCue | None = None,
         ask_ms: int = ASK_MS,
         tail_ms: int = TAIL_MS,
         min_pause_ms: int = MIN_PAUSE_MS,
@@ -188,6 +192,9 @@ class SemanticTurn:
         self.tail_ms = min(tail_ms, ask_ms)
         self.min_pause_ms = min_pause_ms
         self.cues = TurnCues(threshold, closed_threshold)
+        self.words = words  # the words cue (session.realtime.words_turn), where the stage has one
+        self._words_ref: str | None = None  # the asked pause's words being scored
+        self._words_p = 0.0  # ... and the audio model's score of that pause
         self._asked: tuple[str, int] | None = None  # (item id, pause start) being scored
         self._ref: str | None = None
         self._coming = False  # the asked pause's transcript is on its way
@@ -203,6 +210,8 @@ class SemanticTurn:
     def configure(self, eagerness: str) -> None:
         """The session's eagerness (at the start and after each `session.update`)."""
         self.cues = TurnCues.for_eagerness(eagerness)
+        if self.words is not None:
+            self.words.configure(eagerness)
 
     def on_frame(
         self,
@@ -230,17 +239,20 @@ class SemanticTurn:
         self._coming = transcript_coming
         self._held = None
         self._due = None
+        self._words_ref = None
         end = min(frame_end, pause + self.tail_ms * SAMPLES_PER_MS)
         return ScoreTurn(self._ref, speech_start, end)
 
     def on_score(
         self, ref: str, probability: float, item_id: str | None, pause: int | None, at: int
-    ) -> EndTurn | WordsUnneeded | WordsAwaited | None:
+    ) -> EndTurn | ScoreWords | WordsUnneeded | WordsAwaited | None:
         """The model's answer for `ref` (`at`: the end of the audio scored by the VAD so far);
         the turn ends now if it is the current pause's (still silent, same item), finished by
         the cues (its transcript's, once it is there) and the silence long enough. A score no
         words could make finished while they are on their way: `WordsUnneeded` (the decision
         is made without them); any other then: `WordsAwaited` (it waits for them)."""
+        if ref == self._words_ref and self._asked is not None:
+            return self._decide_words(probability, item_id, pause, at)
         if ref != self._ref or self._asked is None:
             return None  # an older pause's, or after a reset
         self.scores = [*self.scores[-15:], probability]
@@ -248,7 +260,7 @@ class SemanticTurn:
             return None  # the user went on speaking (or the turn already ended)
         text = self._words(self._asked)
         if text is _PENDING:
-            if not self.cues.may_finish(probability):
+            if not self.cues.may_finish(probability) and self.words is None:
                 self._coming = False  # unfinished: the maximum pause ends it, unless they go on
                 return WordsUnneeded(self._asked)
             self._held = probability  # decided when the transcript comes
@@ -257,7 +269,7 @@ class SemanticTurn:
 
     def on_transcript(
         self, key: tuple[str, int], text: str | None, item_id: str | None, pause: int | None, at: int
-    ) -> EndTurn | None:
+    ) -> EndTurn | ScoreWords | None:
         """The words of the turn up to the pause `key` (None: not transcribed); a score held
         for them is decided now if that pause is still the current one."""
         self._text = (key, text)
@@ -273,9 +285,25 @@ class SemanticTurn:
             return self._text[1]
         return _PENDING if self._coming else None
 
-    def _decide(self, probability: float, text: str | None, at: int) -> EndTurn | None:
+    def _decide(self, probability: float, text: str | None, at: int) -> EndTurn | ScoreWords | None:
         if not self.cues.finished(probability, text):
+            if self.words is not None and text is not None and transcript_cue(text) == "closed":
+                # A sentence the audio model left open: its words are scored (words_turn).
+                self._words_ref, self._words_p = f"{self._ref}/words", probability
+                return ScoreWords(self._words_ref, text)
             return None  # unfinished: the maximum pause ends it, unless they go on
+        return self._finish(probability, at)
+
+    def _decide_words(
+        self, probability: float, item_id: str | None, pause: int | None, at: int
+    ) -> EndTurn | None:
+        """The language model's answer for the asked pause's words."""
+        self._words_ref = None
+        if (item_id, pause) != self._asked or self.words is None or not self.words.finished(probability):
+            return None  # they went on, or the words do not end the message either
+        return self._finish(self._words_p, at)
+
+    def _finish(self, probability: float, at: int) -> EndTurn | None:
         assert self._asked is not None
         item_id, pause = self._asked
         self._due = EndTurn(item_id, pause, probability)
@@ -292,6 +320,7 @@ class SemanticTurn:
     def reset(self) -> None:
         self._asked = None
         self._ref = None
+        self._words_ref = None
         self._held = None
         self._coming = False
         self._due = None

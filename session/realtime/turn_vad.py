@@ -29,6 +29,7 @@ from session.realtime.semantic_turn import EndTurn, SemanticTurn, WordsAwaited, 
 from session.realtime.turn_live import TurnParts
 from session.realtime.turns import SpeechDetector, SpeechStarted, SpeechStopped
 from session.realtime.user_audio import UserAudio
+from session.realtime.words_turn import ScoreWords, WordsCue
 
 
 class VadTurns(TurnParts):
@@ -42,7 +43,8 @@ class VadTurns(TurnParts):
         self.prepared: tuple[str, int] | None = None  # key of the last PrepareTranscript
         self.spoken_past: tuple[str, int] | None = None  # ... once the user went on after it
         self.ahead: tuple[str, int] | None = None  # key of a RespondAhead not yet settled
-        self.semantic = SemanticTurn()  # semantic_vad's decisions, with an end-of-turn model
+        # semantic_vad's decisions, with an end-of-turn model (and its words cue, if it has one)
+        self.semantic = SemanticTurn(words=WordsCue() if state.options.scores_turn_words else None)
 
     @property
     def speaking(self) -> bool:
@@ -139,8 +141,10 @@ class VadTurns(TurnParts):
         end = self.semantic.on_transcript(key, text, self.speech_item_id, self.vad.silence_start, at)
         self._end_turn(end, td, now)
 
-    def _end_turn(self, end: EndTurn | None, td: TurnDetection, now: float) -> None:
-        if end is not None:
+    def _end_turn(self, end: EndTurn | ScoreWords | None, td: TurnDetection, now: float) -> None:
+        if isinstance(end, ScoreWords):  # the words decide: the stage scores them too
+            self.state.out.effect(LiveControl("score_words", {"ref": end.ref, "text": end.text}))
+        elif end is not None:
             buffer = self.user.input
             self.vad.reset()
             self._on_speech_stopped(SpeechStopped(end.pause, buffer.first_unscored), td, now)

@@ -72,7 +72,10 @@ def test_scores_are_the_quantized_graphs_own_without_vnni_too() -> None:
     as written (no fused integer kernels: the reference). On an AVX2-only CPU onnxruntime's
     default u8s8 kernel saturates and scored these 0.07 and 0.02 against the reference's 0.67
     and 0.70 (docs/benchmarks.md, issue 30, tenth round); the precise kernel stays within 0.2
-    of it and calls both finished, as the reference does. Elsewhere the setting is unused."""
+    of it and calls both finished, as the reference does. Elsewhere the setting is unused, and
+    the fused integer kernels round differently from the reference too: with AVX-512 VNNI (AMD
+    Zen 4) 0.68 and 0.52 against 0.64 and 0.78 (issue 30, twelfth round). Within 0.3 and both
+    finished: saturation is 0.6 off."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -86,7 +89,7 @@ def test_scores_are_the_quantized_graphs_own_without_vnni_too() -> None:
         (ref,) = reference.run(None, {"input_features": log_mel([audio])})
         expected = float(np.asarray(ref).reshape(-1)[0])
         (got,) = model.scores([audio])
-        assert abs(got - expected) < 0.2 and min(got, expected) >= 0.5, (k, got, expected)
+        assert abs(got - expected) < 0.3 and min(got, expected) >= 0.5, (k, got, expected)
 
 
 async def test_sessions_scored_together_get_their_own_answers() -> None:

@@ -60,6 +60,7 @@ class CoreFactory:
             live_responses=caps.live_responses or caps.turn_detection,
             live_transcribes_input=self.live_asr(),
             scores_turn_ends=self.live_turn_model(),
+            scores_turn_words=self.live_turn_model() and caps.end_of_turn_words,
             max_conversation_bytes=s.max_conversation_bytes,
             max_instructions_bytes=s.max_instructions_bytes,
             max_input_audio_s=s.max_input_audio_s,
