@@ -17,7 +17,9 @@ Held out: the threshold of the words-closed bar is tuned on half the sentences (
 three renditions) and every rule is reported on both halves (s10-s19 never seen by the tuning).
 With ``--lm``, SmolLM2-135M-Instruct's probability of ending the user's message after the
 transcript (P(<|im_end|>), lowercased without punctuation as LiveKit's turn detector reads
-it) is measured as a third cue (offline only).
+it; the end-of-turn stage's own words model, :class:`engines.speech.words_turn.WordsTurn`) is
+measured as a third cue, and the words cue's bar (``session.realtime.words_turn``: closed
+words the model left open end the turn from it) is tuned on s00-s09 as above.
 
     python -m loadtest.score_turns [--lm] [--out results.json]
 """
