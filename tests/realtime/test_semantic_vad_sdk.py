@@ -1,5 +1,6 @@
 """semantic_vad with the official `openai` SDK against a real server (voice-cascade on CPU: Silero
-VAD and Smart Turn v3.2 on the live request, whisper tiny.en, the echo responder, Piper).
+VAD, Smart Turn v3.2 and SmolLM2's words cue on the live request, whisper tiny.en, the echo
+responder, Piper).
 
 The user's side is Piper (deterministic voice) through the evaluation set's own recipe
 (`loadtest.turn_set`: the whole sentence synthesised, a pause cut in at a word boundary). Turn
@@ -34,6 +35,9 @@ FINISHED = "I think the best restaurant in town is the little Italian place on M
 # "Tell me a short story about | a dragon ...", the faster voice: the model calls the first half
 # finished (0.96 with 32 ms of the pause) and Whisper tiny completes it ("... about it.").
 COMPLETED = ("Tell me a short story about a dragon who is afraid of the dark.", 7)
+# Smart Turn calls this one unfinished 30 ms into the pause (0.02-0.12 with each voice), its
+# words end a sentence and SmolLM2 reads the message as ended there (log P -6.7: the words cue).
+LEFT_OPEN = "The meeting with the marketing team has been moved to Thursday afternoon."
 # An answer long enough to be under way when a barge-in is detected (the echo repeats it).
 LONG_REQUEST = (
     "Please describe the coast, the hills, the old town, the new harbour, the long beaches, the "
@@ -116,6 +120,25 @@ async def test_a_finished_sentence_is_answered_before_server_vad_would_end_it(se
         await events.wait_for("response.done", within_s=60)
         # The turn so far was transcribed during the pause and the response used it.
         assert server_session(server, events).stats.transcripts_prepared_used == 1
+
+
+async def test_a_sentence_the_model_left_open_ends_on_its_words(server: LiveServer) -> None:
+    """The end-of-turn model says "unfinished"; the words end a sentence and the stage's
+    language model reads the message as ended: the turn ends at the sentence's end with 1 s of
+    silence after it, not at auto's 4 s maximum pause (counted in audio)."""
+    stage = server.ctx.orchestrator.metrics.stages["end_of_turn"]
+    before = stage.counters.get("word_decisions", 0)
+    speech = wire(finished_clip(LEFT_OPEN).audio)
+    async with sdk_session(server) as (conn, events):
+        await configure(conn, events, {"type": "semantic_vad", "eagerness": "auto"})
+        await stream_realtime(conn, np.concatenate([silence(0.3), speech, silence(1.0)]))
+        stopped = await events.wait_for("input_audio_buffer.speech_stopped", within_s=10)
+        assert abs(stopped.event.audio_end_ms - (300 + len(speech) * 1000 // WIRE_RATE)) < 300
+        await events.wait_for("response.created", within_s=10)
+        done = await events.wait_for("response.done", within_s=60)
+        said = words(done.event.response.output[0].content[0].transcript)
+        assert said[-2:] == words(LEFT_OPEN)[-2:], said
+    assert stage.counters.get("word_decisions", 0) == before + 1  # the words were asked about
 
 
 async def test_a_first_half_the_asr_completes_with_a_pronoun_is_not_cut(server: LiveServer) -> None:
