@@ -4,7 +4,7 @@ Sans-I/O, beside :mod:`session.realtime.semantic_turn`. There, Smart Turn's scor
 the words of the turn so far decide together, and an unfinished score keeps the turn open up to
 the maximum pause (4 s at auto). But the model hears only the last second or so of intonation: on
 a third of the evaluation set's finished sentences it says "unfinished" 30 ms into the pause
-(P < 0.1 on "The meeting with the design team has been moved to Thursday afternoon."), words and
+(P < 0.1 on "The meeting with the marketing team has been moved to Thursday afternoon."), words and
 all, and those answers come 4 s late. So when Whisper's words end a sentence ("closed", see
 `semantic_turn.transcript_cue`) and the score leaves the turn open, the words are scored too (`ScoreWords`:
 the pipeline's end-of-turn stage answers with a chat model's probability that the user's
@@ -41,7 +41,7 @@ class ScoreWords:
 
 
 class WordsCue:
-    """Whether a pause's words are worth scoring, and what their score decides."""
+    """What the language model's score of a pause's words decides, at the session's eagerness."""
 
     def __init__(self, bar: float = WORDS_BARS["auto"]) -> None:
         self.bar = bar
