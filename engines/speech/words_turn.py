@@ -24,6 +24,8 @@ for a 15-token sentence.
 from __future__ import annotations
 
 import re
+import shutil
+import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,10 +54,24 @@ def converted(llm: str = BUNDLED) -> Path:
     target = cache_dir() / CT2_DIR if llm == BUNDLED else source.with_name(source.name + "-ct2-int8")
     with _CONVERT_LOCK:
         if not (target / "model.bin").is_file():
-            from ctranslate2.converters import TransformersConverter
-
-            TransformersConverter(str(source)).convert(str(target), quantization="int8", force=True)
+            _convert(source, target)
     return target
+
+
+def _convert(source: Path, target: Path) -> None:
+    from ctranslate2.converters import TransformersConverter
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        TransformersConverter(str(source)).convert(str(tmp / "model"), quantization="int8")
+        try:
+            (tmp / "model").rename(target)  # atomic: another process sees the whole model or none
+        except OSError:
+            if not (target / "model.bin").is_file():
+                raise  # not a concurrent conversion that finished first
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class WordsTurn:
