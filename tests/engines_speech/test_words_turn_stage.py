@@ -15,25 +15,14 @@ from runtime.orchestrator import Orchestrator
 from runtime.payloads import TurnControl, TurnScore
 from runtime.spec import parse_pipeline
 from session.realtime.words_turn import WORDS_BARS
+from tests.engines_speech.test_turn_stage import PIPELINE as TURN_PIPELINE
 
 pytestmark = pytest.mark.system
 
-PIPELINE = """
-name: turns
-entry: respond
-entries: {live: vad}
-stages:
-  - {name: respond, engine: null.audio}
-  - name: vad
-    engine: "engines.speech.vad_stage:VadEngine"
-    budget: {max_concurrency: 64, max_batch: 64}
-  - name: end_of_turn
-    engine: "engines.speech.words_turn_stage:EndOfTurnWordsEngine"
-    budget: {max_concurrency: 64, max_batch: 16}
-edges:
-  - {from: vad, to: end_of_turn, mode: async_chunk, connector: inproc,
-     chunk: {first: 1, steady: 1, left_context: 0}}
-"""
+# test_turn_stage's pipeline with this end-of-turn engine.
+PIPELINE = TURN_PIPELINE.replace(
+    "engines.speech.turn_stage:EndOfTurnEngine", "engines.speech.words_turn_stage:EndOfTurnWordsEngine"
+)
 # Whisper's words at the end of two finished sentences Smart Turn called unfinished 30 ms into
 # the pause (s07, s16), and of two first halves it closed with a period (s00, s18).
 FINISHED = (

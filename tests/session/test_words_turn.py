@@ -95,13 +95,20 @@ def _controls(h: Harness, kind: str) -> list[LiveControl]:
     return [e for e in h.effects if isinstance(e, LiveControl) and e.kind == kind]
 
 
-def test_core_ends_a_sentence_the_model_left_open_when_its_words_end_the_message() -> None:
-    h = _semantic(scores_turn_words=True)
+def _left_open(h: Harness) -> PrepareTranscript:
+    """A second of speech, a pause, and Smart Turn's "unfinished" (0.03) for it: the pause's
+    words ask (`PrepareTranscript`)."""
     h.append(tone(1.0))
     h.append(silence(0.2))
     (prepare,) = [e for e in h.effects if isinstance(e, PrepareTranscript)]
     (ask,) = _controls(h, "score_turn")
     h.take(h.core.on_turn_score(ask.params["ref"], 0.03, h.now))
+    return prepare
+
+
+def test_core_ends_a_sentence_the_model_left_open_when_its_words_end_the_message() -> None:
+    h = _semantic(scores_turn_words=True)
+    prepare = _left_open(h)
     # The words may still end it: they are made first, not given up.
     assert [e for e in h.effects if isinstance(e, NeedTranscript)] == [NeedTranscript(prepare.key)]
     assert not [e for e in h.effects if isinstance(e, DropTranscript)]
@@ -117,11 +124,7 @@ def test_core_ends_a_sentence_the_model_left_open_when_its_words_end_the_message
 
 def test_core_without_a_words_model_asks_no_words() -> None:
     h = _semantic()
-    h.append(tone(1.0))
-    h.append(silence(0.2))
-    (prepare,) = [e for e in h.effects if isinstance(e, PrepareTranscript)]
-    (ask,) = _controls(h, "score_turn")
-    h.take(h.core.on_turn_score(ask.params["ref"], 0.03, h.now))
+    prepare = _left_open(h)
     assert [e for e in h.effects if isinstance(e, DropTranscript)] == [DropTranscript(prepare.key)]
     h.take(h.core.on_turn_transcript(prepare.key, "It was moved to Thursday afternoon.", h.now))
     assert not _controls(h, "score_words")
