@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,35 +200,41 @@ def resolve_llm(name_or_path: str) -> Path:
         if not path.is_dir():
             raise FileNotFoundError(f"llm path is not a directory: {path}")
         return path
-    target = cache_dir() / SMOLLM2_DIR
+    return converted_once(
+        cache_dir() / SMOLLM2_DIR, "model.safetensors", lambda out: _convert_gguf(smollm2_gguf(), out)
+    )
+
+
+def converted_once(target: Path, marker: str, convert: Callable[[Path], None]) -> Path:
+    """`target`, made by `convert(folder)` unless it already holds `marker`: into a temporary
+    folder beside it, then renamed into place (atomic: another process sees the whole model
+    or none; one that finished first wins). Under this process's conversion lock."""
     with _CONVERT_LOCK:
-        if not (target / "model.safetensors").is_file():
-            _convert_gguf(smollm2_gguf(), target)
+        if (target / marker).is_file():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            convert(tmp / "model")
+            try:
+                (tmp / "model").rename(target)
+            except OSError:
+                if not (target / marker).is_file():
+                    raise  # not a concurrent conversion that finished first
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
+def _convert_gguf(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        # The weights are dequantised float32 now; the GGUF quantizer only blocks saving.
-        model.hf_quantizer = None  # type: ignore[assignment]
-        if hasattr(model.config, "quantization_config"):
-            delattr(model.config, "quantization_config")
-        model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        try:
-            tmp.rename(target)  # atomic: another process sees the whole directory or none
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise  # not a concurrent conversion that finished first
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are dequantised float32 now; the GGUF quantizer only blocks saving.
+    model.hf_quantizer = None  # type: ignore[assignment]
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))

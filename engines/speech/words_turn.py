@@ -8,7 +8,7 @@ pause (4 s at auto) although its words end a sentence. Those words are scored he
 probability that a chat model ends the user's message after them, as LiveKit's turn detector
 reads it (theirs is SmolLM2 fine-tuned for the task and licensed with LiveKit Agents only; this
 is SmolLM2-135M-Instruct as it ships, the responder's own model). Finished sentences score
-log P >= -14.5 (p50 ~ -7), mid-clause first halves that Whisper closed with a period <= -15.4
+log P >= -15.0 (p50 -7.1), mid-clause first halves that Whisper closed with a period <= -15.9
 (docs/benchmarks.md, issue 30 twelfth round).
 
 The text is read as the detector reads it: lower case, no punctuation (the ASR's period is not
@@ -24,21 +24,17 @@ for a 15-token sentence.
 from __future__ import annotations
 
 import re
-import shutil
-import tempfile
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from engines.speech.chat import BUNDLED, cache_dir, resolve_llm
+from engines.speech.chat import BUNDLED, cache_dir, converted_once, resolve_llm
 
 END_TOKEN = "<|im_end|>"
 CT2_DIR = "smollm2-135m-instruct-ct2-int8"
 _PLACEHOLDER = "\x00words\x00"
-_CONVERT_LOCK = threading.Lock()
 _NOT_WORD = re.compile(r"[^\w\s'-]")
 
 
@@ -52,26 +48,13 @@ def converted(llm: str = BUNDLED) -> Path:
     transformers for that, as the bundled model's own conversion does)."""
     source = resolve_llm(llm)
     target = cache_dir() / CT2_DIR if llm == BUNDLED else source.with_name(source.name + "-ct2-int8")
-    with _CONVERT_LOCK:
-        if not (target / "model.bin").is_file():
-            _convert(source, target)
-    return target
 
+    def convert(out: Path) -> None:
+        from ctranslate2.converters import TransformersConverter
 
-def _convert(source: Path, target: Path) -> None:
-    from ctranslate2.converters import TransformersConverter
+        TransformersConverter(str(source)).convert(str(out), quantization="int8")
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        TransformersConverter(str(source)).convert(str(tmp / "model"), quantization="int8")
-        try:
-            (tmp / "model").rename(target)  # atomic: another process sees the whole model or none
-        except OSError:
-            if not (target / "model.bin").is_file():
-                raise  # not a concurrent conversion that finished first
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return converted_once(target, "model.bin", convert)
 
 
 class WordsTurn:

@@ -42,7 +42,6 @@ class EndOfTurnWordsEngine(EndOfTurnEngine):
         self.llm = str(self.options.get("llm", "smollm2"))
         self.words_threads = int(self.options.get("words_threads", 1))
         self._words: WordsTurn | None = None
-        self.words_scored = 0
 
     def load(self) -> None:
         super().load()
@@ -71,7 +70,6 @@ class EndOfTurnWordsEngine(EndOfTurnEngine):
             for job, logp in zip(jobs, model.logp_end(texts), strict=True):
                 out.client.append(TurnScore(str(job.params.get("ref", "")), math.exp(logp)))
             out.counters["word_decisions"] = out.counters.get("word_decisions", 0) + len(jobs)
-            self.words_scored += len(jobs)
         spent = round((time.perf_counter() - began) * 1000)
         first = next((out for out, jobs in zip(outputs, asked, strict=True) if jobs), None)
         if first is not None:
