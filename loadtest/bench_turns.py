@@ -45,6 +45,7 @@ import httpx
 import numpy as np
 import yaml
 
+from engines.speech.int8_kernels import int8_saturates
 from loadtest.realtime_client import RealtimeClient
 from loadtest.server_process import free_port, wait_ready
 from loadtest.stats import summarize
@@ -414,6 +415,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             wall = time.monotonic() - began
             async with httpx.AsyncClient() as http:
                 metrics = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+            if args.metrics_out is not None:  # every counter, for what the report leaves out
+                args.metrics_out.write_text(metrics)
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -444,6 +447,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "lane_process": args.lane_process,
         "asr_process": args.asr_process,
         "words": args.words if args.transcripts else "off",
+        # The words model's compute type on this host: float32 where int8 products saturate.
+        "words_compute_type": "float32" if int8_saturates() else "int8",
         # semantic_vad's words cue: sentences the model left open whose words were scored, and
         # the language model's wall ms per text (session.realtime.words_turn).
         "word_decisions": _counter(metrics, "word_decisions"),
@@ -561,6 +566,9 @@ def main(argv: list[str] | None = None) -> None:
         help="the VAD's edges not coalescing: a slow live ASR or end-of-turn step pauses the VAD (as before)",
     )
     p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
+    p.add_argument(
+        "--metrics-out", type=Path, default=None, help="write the server's /metrics text at the end here"
+    )
     args = p.parse_args(argv)
     report = asyncio.run(main_async(args))
     text = json.dumps(report, indent=2)

@@ -18,7 +18,10 @@ CTranslate2 (int8, its own intra-op threads, not torch's process-wide pool, whic
 responder's forward steps use): converted once from the bundled weights (``resolve_llm``) into
 the cache directory, ~10 s. The system prompt's keys and values are computed once
 and reused (``static_prompt``): a call processes only the user's words, ~40 ms of one core
-for a 15-token sentence.
+for a 15-token sentence. On an x86 CPU without VNNI its int8 products saturate
+(:mod:`engines.speech.int8_kernels`: scores 1.5-4 nats higher than the model's, a first half
+over the bar's margin), so there the int8 weights are computed in float32 (~2x the time: ~125
+ms a sentence on an AMD Zen 3 core, ~540 MB resident instead of ~135 MB).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from engines.speech.chat import BUNDLED, cache_dir, converted_once, resolve_llm
+from engines.speech.int8_kernels import int8_saturates
 
 END_TOKEN = "<|im_end|>"
 CT2_DIR = "smollm2-135m-instruct-ct2-int8"
@@ -66,8 +70,9 @@ class WordsTurn:
 
         source = resolve_llm(llm)
         self._tok: Any = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+        self.compute_type = "float32" if int8_saturates() else "int8"
         self._gen: Any = ctranslate2.Generator(
-            str(converted(llm)), device="cpu", compute_type="int8", intra_threads=threads
+            str(converted(llm)), device="cpu", compute_type=self.compute_type, intra_threads=threads
         )
         end = self._tok.convert_tokens_to_ids(END_TOKEN)
         assert isinstance(end, int)
