@@ -106,16 +106,24 @@ def build_submit_params(
     modalities: Sequence[str],
     max_output_tokens: int | str,
     truncation: Any = "auto",
+    words_for_audio: bool = False,
 ) -> tuple[dict[str, Any], PromptStats]:
     """Pipeline submit params for a response over `items` (in conversation order). The
     session's ``truncation`` goes along: an LM engine drops the oldest history entries to fit
     its context with ``"auto"`` (a retention-ratio object counts as auto) and refuses an
-    over-long prompt with ``"disabled"``."""
+    over-long prompt with ``"disabled"``. `words_for_audio` (a pipeline whose model reads only
+    the words of the user's audio, ASR first): of several user messages in a row, the leading
+    ones whose words are known go as text, not as audio to transcribe again (see
+    `_known_words`)."""
     start = len(items)
     while start > 0 and items[start - 1].type == "message" and items[start - 1].role == "user":
         start -= 1
     earlier, trailing = items[:start], items[start:]
     history = [h for h in (_history_entry(i) for i in earlier) if h is not None]
+    if words_for_audio:
+        known = _known_words(trailing)
+        history += [{"role": "user", "text": i.text_for_history()} for i in trailing[:known]]
+        trailing = trailing[known:]
     system = [i.text_for_history() for i in items if i.type == "message" and i.role == "system"]
     stats = PromptStats()
     # Each item's audio once: a spilled item (one named in `response.create` input) is read back.
@@ -143,6 +151,23 @@ def build_submit_params(
     stats.text_chars += sum(len(h["text"]) + 1 for h in history) - (1 if history else 0)
     stats.text_chars += len(params["instructions"])
     return params, stats
+
+
+def _known_words(trailing: list[Item]) -> int:
+    """How many of the user messages in a row go as their words: the leading ones whose words
+    are known (an audio message's transcript, made ahead or by the ASR, or typed text), never
+    the last message with audio. The user spoke again before an answer came (a barge-in
+    cancelled it before any output): the earlier turns' audio was transcribed already, and an
+    ASR-first pipeline would otherwise transcribe all of it again with the last turn's, which
+    is also then no longer the audio transcribed ahead (the whole of it goes through the
+    pipeline's ASR)."""
+    with_audio = [k for k, i in enumerate(trailing) if (a := i.audio_16k) is not None and len(a)]
+    if len(with_audio) < 2:
+        return 0
+    known = 0
+    while known < with_audio[-1] and trailing[known].text_for_history():
+        known += 1
+    return known
 
 
 def _history_entry(item: Item) -> dict[str, str] | None:

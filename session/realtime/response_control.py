@@ -123,6 +123,7 @@ class ResponseControl:
             modalities=request.settings.modalities,
             max_output_tokens=request.settings.max_output_tokens,
             truncation=self.state.config.truncation,
+            words_for_audio=self.state.options.pipeline_transcribes_input,
         )
 
     def params_ahead(self, item_id: str) -> dict[str, Any]:

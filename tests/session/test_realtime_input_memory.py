@@ -223,6 +223,33 @@ def test_trailing_user_turns_over_the_bound_go_to_the_pipeline_as_transcripts() 
     assert {"role": "user", "text": "the first turn"} in params["history"]
 
 
+def _two_turns_back_to_back(h: Harness) -> None:
+    """Two user turns committed back to back (the first one's words known), then a response."""
+    h.update(audio={"input": {"turn_detection": None}})
+    h.append(tone(0.8), chunk_s=0.04)
+    first = h.send({"type": "input_audio_buffer.commit"}).events[0]["item_id"]
+    h.take(h.core.on_input_transcript(first, "the first turn", now=h.now))
+    h.append(tone(0.6), chunk_s=0.04)
+    h.send({"type": "input_audio_buffer.commit"})
+    h.send({"type": "response.create"})
+
+
+def test_trailing_user_turns_with_known_words_go_as_words_to_an_asr_first_pipeline() -> None:
+    """The user spoke again before an answer came: an ASR-first pipeline gets the earlier turn's
+    words, not its audio to transcribe again with the last turn's."""
+    h = Harness(pipeline_transcribes_input=True)
+    _two_turns_back_to_back(h)
+    params = h.started().params
+    assert len(params["audio"]) == pytest.approx(0.6 * VAD_RATE, abs=2)
+    assert params["history"][-1] == {"role": "user", "text": "the first turn"}
+    # A pipeline whose model hears the audio itself gets both turns' audio, as before.
+    heard = Harness(pipeline_transcribes_input=False)
+    _two_turns_back_to_back(heard)
+    params = heard.started().params
+    assert len(params["audio"]) == pytest.approx(1.4 * VAD_RATE, abs=4)
+    assert {"role": "user", "text": "the first turn"} not in params["history"]
+
+
 def test_input_audio_memory_per_turn_is_halved() -> None:
     """PCM16 at 16 kHz: 32 KB per second of user audio (float32 was 64 KB)."""
     h = Harness()
