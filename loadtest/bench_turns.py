@@ -45,7 +45,7 @@ import httpx
 import numpy as np
 import yaml
 
-from engines.speech.int8_kernels import int8_saturates
+from engines.speech.int8_kernels import exact_int8_compute_type
 from loadtest.realtime_client import RealtimeClient
 from loadtest.server_process import free_port, wait_ready
 from loadtest.stats import summarize
@@ -448,7 +448,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "asr_process": args.asr_process,
         "words": args.words if args.transcripts else "off",
         # The words model's compute type on this host: float32 where int8 products saturate.
-        "words_compute_type": "float32" if int8_saturates() else "int8",
+        "words_compute_type": exact_int8_compute_type(),
         # semantic_vad's words cue: sentences the model left open whose words were scored, and
         # the language model's wall ms per text (session.realtime.words_turn).
         "word_decisions": _counter(metrics, "word_decisions"),

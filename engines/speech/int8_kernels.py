@@ -46,3 +46,9 @@ def int8_saturates() -> bool:
     except OSError:
         text = ""
     return saturates(platform.machine(), cpu_flags(text))
+
+
+def exact_int8_compute_type() -> str:
+    """The CTranslate2 compute type that computes an int8 model as quantized here: ``int8``, or
+    ``float32`` where int8 products saturate (the int8 weights widened)."""
+    return "float32" if int8_saturates() else "int8"

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from engines.speech.chat import BUNDLED, cache_dir, converted_once, resolve_llm
-from engines.speech.int8_kernels import int8_saturates
+from engines.speech.int8_kernels import exact_int8_compute_type
 
 END_TOKEN = "<|im_end|>"
 CT2_DIR = "smollm2-135m-instruct-ct2-int8"
@@ -70,7 +70,7 @@ class WordsTurn:
 
         source = resolve_llm(llm)
         self._tok: Any = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
-        self.compute_type = "float32" if int8_saturates() else "int8"
+        self.compute_type = exact_int8_compute_type()
         self._gen: Any = ctranslate2.Generator(
             str(converted(llm)), device="cpu", compute_type=self.compute_type, intra_threads=threads
         )

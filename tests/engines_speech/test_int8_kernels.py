@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.speech.int8_kernels import cpu_flags, int8_saturates, saturates
+from engines.speech.int8_kernels import cpu_flags, exact_int8_compute_type, int8_saturates, saturates
 
 pytestmark = pytest.mark.unit
 
@@ -28,3 +28,4 @@ def test_other_architectures_and_unreadable_flags() -> None:
     assert saturates("x86_64", cpu_flags(""))  # no flags to read on x86: the safe answer
     here = cpu_flags(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").exists() else frozenset()
     assert int8_saturates() == saturates(platform.machine(), here)
+    assert exact_int8_compute_type() == ("float32" if int8_saturates() else "int8")
