@@ -38,6 +38,7 @@ import numpy as np
 from loadtest.turn_set import CACHE, RATE, spec_key, turn_set
 from session.realtime.semantic_turn import (
     CLOSED_THRESHOLDS,
+    MIN_PAUSE_MS,
     OPEN_WORDS,
     SENTENCE_END,
     TAIL_MS,
@@ -244,15 +245,18 @@ def rules(tuned: float) -> dict[str, Rule]:
     return out
 
 
-def score(rows: list[Row], rule: Rule) -> dict[str, Any]:
+def score(rows: list[Row], rule: Rule, shortest_ms: int = 0) -> dict[str, Any]:
     """A paused clip is cut off if the rule ends its turn at the inserted pause or at an
     earlier one; a finished sentence is ended at once if the rule ends it at its end and at
-    none of its earlier pauses (those it ends early, answered twice through the server)."""
+    none of its earlier pauses (those it ends early, answered twice through the server).
+    An earlier pause counts whatever its length (a decision made as the pause begins), or,
+    with `shortest_ms`, only one of at least that much silence (the session ends no turn on
+    less: `semantic_turn.MIN_PAUSE_MS`)."""
     paused = [r for r in rows if r["paused"]]
     finished = [r for r in rows if not r["paused"]]
 
     def early(r: Row) -> bool:
-        return any(rule(p) for p in r.get("inner", ()))
+        return any(rule(p) for p in r.get("inner", ()) if p["ms"] >= shortest_ms)
 
     cut = sum(rule(r) or early(r) for r in paused)
     upto = [r for r in paused if r["pause_s"] <= 1.5]
@@ -339,6 +343,11 @@ def lm_report(rows: list[Row], tune_rows: list[Row], held: list[Row]) -> dict[st
         f"auto, or closed words with log P(end) >= {bar:g}": {
             "tuning": score(tune_rows, rescued(bar)),
             "held_out": score(held, rescued(bar)),
+        },
+        f"now: auto, or closed words with log P(end) >= {bar:g}; no turn ends on less than "
+        f"{MIN_PAUSE_MS['auto']} ms of silence": {
+            "tuning": score(tune_rows, rescued(bar), MIN_PAUSE_MS["auto"]),
+            "held_out": score(held, rescued(bar), MIN_PAUSE_MS["auto"]),
         },
         "curve_words_bar": {
             f"{b:g}": {"tuning": score(tune_rows, rescued(b)), "held_out": score(held, rescued(b))}

@@ -12,7 +12,7 @@ one rung lower (`CLOSED_THRESHOLDS`); without such words the model decides alone
 (`THRESHOLDS`). Where the stage also scores words (`words`, :mod:`session.realtime.words_turn`),
 a sentence the model left open is asked about once more (`ScoreWords`), and a language model's
 "the message ends here" ends it. A score that comes before its pause's words waits for them. It never
-ends on a silence shorter than `min_pause_ms` (a decision that comes sooner is held for the
+ends on a silence shorter than `min_pause_ms` (per eagerness; a decision that comes sooner is held for the
 frame that gets there). An unfinished turn waits, and ends after the eagerness's maximum pause
 anyway (OpenAI's: low 8 s, medium 4 s, high 2 s; auto = medium), which the core's
 `SpeechDetector` counts as its silence duration (`max_pause_ms`). Speech resuming during the
@@ -54,7 +54,15 @@ CLOSED_THRESHOLDS = {"low": 0.7, "medium": 0.5, "high": 0.3, "auto": 0.5}
 FINISHED = 0.5  # the model's own cut
 ASK_MS = 32  # silence before the model is asked: the first silent VAD frame (the transcript too)
 TAIL_MS = 32  # of that silence, what the model hears after the VAD's silence onset
-MIN_PAUSE_MS = 96  # the shortest silence a turn ends on
+# The shortest silence a turn ends on, per eagerness. A speaker's pause at a comma or between
+# the items of a list ("We need to buy eggs, | milk and ...") is a few hundred milliseconds and
+# sounds finished to the model (Smart Turn 0.86-0.97; Whisper writes a period there): on a host
+# whose decision comes ~130 ms into the pause, ending turns from 96 ms answered 2-4 of the
+# evaluation set's 30 finished sentences twice, ended at their comma (its comma pauses are
+# 128-288 ms). From 256 ms none (docs/benchmarks.md, issue 30 fourteenth round), for 25-88 ms of
+# p50 on that host and nothing where a decision takes longer than that anyway (pipecat asks Smart
+# Turn after 200 ms of VAD silence). "high" keeps the earliest end: as soon as it can.
+MIN_PAUSE_MS = {"low": 256, "medium": 256, "high": 96, "auto": 256}
 
 # Words a clause cannot end on: articles/determiners, conjunctions, prepositions, auxiliaries
 # and modals, "to" (a transcript ending on one is mid-clause, whatever the model says).
@@ -102,6 +110,10 @@ def transcript_cue(text: str | None) -> str:
 
 def max_pause_ms(eagerness: str) -> int:
     return MAX_PAUSE_MS.get(eagerness, MAX_PAUSE_MS["auto"])
+
+
+def min_pause_for(eagerness: str) -> int:
+    return MIN_PAUSE_MS.get(eagerness, MIN_PAUSE_MS["auto"])
 
 
 def threshold_for(eagerness: str) -> float:
@@ -184,7 +196,7 @@ class SemanticTurn:
         words: WordsCue | None = None,
         ask_ms: int = ASK_MS,
         tail_ms: int = TAIL_MS,
-        min_pause_ms: int = MIN_PAUSE_MS,
+        min_pause_ms: int = MIN_PAUSE_MS["auto"],
         threshold: float = THRESHOLDS["auto"],
         closed_threshold: float = CLOSED_THRESHOLDS["auto"],
     ) -> None:
@@ -208,8 +220,10 @@ class SemanticTurn:
         return self.cues.threshold
 
     def configure(self, eagerness: str) -> None:
-        """The session's eagerness (at the start and after each `session.update`)."""
+        """The session's eagerness (at the start and after each `session.update`): how sure
+        the cues must be, and the shortest silence a turn ends on."""
         self.cues = TurnCues.for_eagerness(eagerness)
+        self.min_pause_ms = min_pause_for(eagerness)
         if self.words is not None:
             self.words.configure(eagerness)
 

@@ -101,10 +101,10 @@ async def test_a_paused_sentence_gets_one_response_that_heard_both_halves(server
 
 
 async def test_a_finished_sentence_is_answered_before_server_vad_would_end_it(server: LiveServer) -> None:
-    """Only 350 ms of silence follow the sentence: less than server_vad's 500 ms, so server_vad
-    never ends the turn; semantic_vad ends it on the model's "finished"."""
+    """Only 450 ms of silence follow the sentence: less than server_vad's 500 ms, so server_vad
+    never ends the turn; semantic_vad ends it on the model's "finished" (from 256 ms of it)."""
     speech = wire(finished_clip(FINISHED).audio)
-    audio = np.concatenate([silence(0.3), speech, silence(0.35)])
+    audio = np.concatenate([silence(0.3), speech, silence(0.45)])
     async with sdk_session(server) as (conn, events):
         await configure(conn, events, {"type": "server_vad", "silence_duration_ms": 500})
         await stream_realtime(conn, audio)

@@ -13,6 +13,7 @@ from session.realtime.input_audio import SAMPLES_PER_MS
 from session.realtime.semantic_turn import (
     CLOSED_THRESHOLDS,
     MAX_PAUSE_MS,
+    MIN_PAUSE_MS,
     THRESHOLDS,
     EndTurn,
     ScoreTurn,
@@ -47,9 +48,9 @@ def test_a_finished_score_of_the_current_pause_ends_the_turn() -> None:
     turn = SemanticTurn(threshold=0.5)
     ask = turn.on_frame("item_1", 0, 1000 * MS, 1064 * MS)
     assert isinstance(ask, ScoreTurn)
-    end = turn.on_score(ask.ref, 0.93, "item_1", 1000 * MS, 1200 * MS)
+    end = turn.on_score(ask.ref, 0.93, "item_1", 1000 * MS, 1300 * MS)
     assert end == EndTurn("item_1", 1000 * MS, 0.93)
-    assert turn.on_score(ask.ref, 0.93, "item_1", 1000 * MS, 1200 * MS) is None  # answered once
+    assert turn.on_score(ask.ref, 0.93, "item_1", 1000 * MS, 1300 * MS) is None  # answered once
 
 
 def test_a_score_sooner_than_the_shortest_pause_ends_the_turn_on_the_frame_that_gets_there() -> None:
@@ -70,9 +71,9 @@ def test_a_score_sooner_than_the_shortest_pause_ends_the_turn_on_the_frame_that_
 
 def test_unfinished_stale_and_unknown_scores_leave_the_turn_open() -> None:
     turn = SemanticTurn(threshold=0.5)
-    ask = turn.on_frame("item_1", 0, 1000 * MS, 1200 * MS)
+    ask = turn.on_frame("item_1", 0, 1000 * MS, 1300 * MS)
     assert isinstance(ask, ScoreTurn)
-    assert turn.on_score(ask.ref, 0.2, "item_1", 1000 * MS, 1200 * MS) is None  # unfinished: wait
+    assert turn.on_score(ask.ref, 0.2, "item_1", 1000 * MS, 1300 * MS) is None  # unfinished: wait
     ask = turn.on_frame("item_1", 0, 2000 * MS, 2200 * MS)
     assert isinstance(ask, ScoreTurn)
     assert turn.on_score(ask.ref, 0.9, "item_1", None, 2200 * MS) is None  # they spoke again
@@ -87,12 +88,12 @@ def test_eagerness_sets_the_threshold() -> None:
         assert turn.threshold == THRESHOLDS[eagerness] == threshold
         ask = turn.on_frame("item_1", 0, 1000 * MS, 1064 * MS)
         assert isinstance(ask, ScoreTurn)
-        below = turn.on_score(ask.ref, threshold - 0.01, "item_1", 1000 * MS, 1200 * MS)
+        below = turn.on_score(ask.ref, threshold - 0.01, "item_1", 1000 * MS, 1300 * MS)
         assert below is None, eagerness
         turn.reset()
         ask = turn.on_frame("item_1", 0, 1000 * MS, 1064 * MS)
         assert isinstance(ask, ScoreTurn)
-        assert turn.on_score(ask.ref, threshold, "item_1", 1000 * MS, 1200 * MS) is not None, eagerness
+        assert turn.on_score(ask.ref, threshold, "item_1", 1000 * MS, 1300 * MS) is not None, eagerness
 
 
 def _semantic(eagerness: str = "auto", **options: Any) -> Harness:
@@ -110,7 +111,7 @@ def test_core_ends_a_finished_turn_on_the_score_not_on_silence() -> None:
     h = _semantic()
     h.append(silence(0.2))
     h.append(tone(1.0))
-    h.append(silence(0.3))  # past the 32 ms candidate window: asked, not ended
+    h.append(silence(0.4))  # past the 32 ms candidate window: asked, not ended
     assert "input_audio_buffer.speech_stopped" not in types(h.events)
     (ask,) = _asks(h)
     assert ask.params["start"] == 0 and ask.params["end"] > ask.params["start"]
@@ -126,23 +127,49 @@ def test_core_ends_a_finished_turn_on_the_score_not_on_silence() -> None:
     assert abs(stopped["audio_end_ms"] - 1200) <= 64  # where the pause began
 
 
-def test_core_asks_early_and_ends_no_sooner_than_the_shortest_pause() -> None:
-    h = _semantic()
-    h.append(tone(1.0))
-    while not _asks(h):  # 20 ms appends until the VAD has scored a silent frame
-        h.append(silence(0.02))
-    (ask,) = _asks(h)
-    pause = int(ask.params["ref"].split("@")[1])
-    # Asked at the first silent frame: the speech and the first 32 ms of the pause.
-    assert ask.params["end"] == pause + 32 * MS
-    assert h.core.user.input.first_unscored - pause == 32 * MS  # nothing more scored yet
-    h.take(h.core.on_turn_score(ask.params["ref"], 0.9, h.now))  # finished, but only 32 ms
-    assert "input_audio_buffer.speech_stopped" not in types(h.events)
-    h.append(silence(0.04))  # 64 ms: still too short
-    assert "input_audio_buffer.speech_stopped" not in types(h.events)
-    h.append(silence(0.04))  # the frame that makes it 96 ms ends the turn
-    kinds = types(h.events)
-    assert kinds.count("input_audio_buffer.speech_stopped") == 1 and "response.created" in kinds
+def test_core_asks_early_and_ends_no_sooner_than_the_eagerness_shortest_pause() -> None:
+    assert (MIN_PAUSE_MS["auto"], MIN_PAUSE_MS["high"]) == (256, 96)
+    for eagerness in ("auto", "high"):
+        h = _semantic(eagerness)
+        h.append(tone(1.0))
+        while not _asks(h):  # 20 ms appends until the VAD has scored a silent frame
+            h.append(silence(0.02))
+        (ask,) = _asks(h)
+        pause = int(ask.params["ref"].split("@")[1])
+        # Asked at the first silent frame: the speech and the first 32 ms of the pause.
+        assert ask.params["end"] == pause + 32 * MS
+        assert h.core.user.input.first_unscored - pause == 32 * MS  # nothing more scored yet
+        h.take(h.core.on_turn_score(ask.params["ref"], 0.9, h.now))  # finished, but only 32 ms
+        while h.core.user.input.first_unscored - pause < MIN_PAUSE_MS[eagerness] * MS:
+            assert "input_audio_buffer.speech_stopped" not in types(h.events), eagerness
+            h.append(silence(0.02))
+        # The frame that makes the silence the eagerness's shortest pause ends the turn.
+        kinds = types(h.events)
+        assert kinds.count("input_audio_buffer.speech_stopped") == 1, eagerness
+        assert "response.created" in kinds
+
+
+def test_core_a_comma_pause_the_model_calls_finished_does_not_end_an_auto_turn() -> None:
+    # "We need to buy eggs, | milk and ...": the model says finished 32 ms into a 224 ms pause;
+    # auto holds that for 256 ms of silence and the speech goes on first; high ends at 96 ms.
+    for eagerness, ends in (("auto", False), ("high", True)):
+        h = _semantic(eagerness)
+        h.append(tone(1.0))
+        while not _asks(h):
+            h.append(silence(0.02))
+        (ask,) = _asks(h)
+        h.take(h.core.on_turn_score(ask.params["ref"], 0.95, h.now))
+        h.append(silence(0.18))  # ~224 ms of silence in all
+        h.append(tone(0.8))  # the rest of the sentence
+        stopped = types(h.events).count("input_audio_buffer.speech_stopped")
+        assert stopped == (1 if ends else 0), eagerness
+        if not ends:  # the sentence's end is asked afresh and ends the turn once
+            h.append(silence(0.4))
+            last = _asks(h)[-1]
+            assert last.params["ref"] != ask.params["ref"]
+            h.take(h.core.on_turn_score(last.params["ref"], 0.95, h.now))
+            assert types(h.events).count("input_audio_buffer.speech_stopped") == 1
+            assert types(h.events).count("input_audio_buffer.committed") == 1
 
 
 def test_core_eagerness_sets_how_sure_the_model_must_be() -> None:
@@ -160,12 +187,12 @@ def test_core_waits_for_the_eagerness_maximum_on_an_unfinished_turn() -> None:
     for eagerness, max_ms in (("high", 2000), ("medium", 4000), ("auto", 4000)):
         h = _semantic(eagerness)
         h.append(tone(1.0))
-        h.append(silence(0.3))
+        h.append(silence(0.4))
         (ask,) = _asks(h)
         h.take(h.core.on_turn_score(ask.params["ref"], 0.1, h.now))  # unfinished
         h.append(silence(max_ms / 1000 - 0.45))
         assert "input_audio_buffer.speech_stopped" not in types(h.events), eagerness
-        h.append(silence(0.3))
+        h.append(silence(0.4))
         stopped = [e for e in h.events if e["type"] == "input_audio_buffer.speech_stopped"]
         assert len(stopped) == 1, eagerness
         assert "response.created" in types(h.events)
@@ -175,12 +202,12 @@ def test_core_waits_for_the_eagerness_maximum_on_an_unfinished_turn() -> None:
 def test_core_speech_after_the_pause_makes_its_score_stale() -> None:
     h = _semantic()
     h.append(tone(1.0))
-    h.append(silence(0.3))
+    h.append(silence(0.4))
     (ask,) = _asks(h)
     h.append(tone(0.5))  # the user goes on
     h.take(h.core.on_turn_score(ask.params["ref"], 0.99, h.now))
     assert "input_audio_buffer.speech_stopped" not in types(h.events)
-    h.append(silence(0.3))
+    h.append(silence(0.4))
     first, second = _asks(h)
     assert second.params["ref"] != first.params["ref"]
     out = h.take(h.core.on_turn_score(second.params["ref"], 0.8, h.now))
@@ -210,7 +237,7 @@ def test_server_vad_never_asks_the_model() -> None:
 def test_barge_in_still_cancels_the_answer() -> None:
     h = _semantic()
     h.append(tone(1.0))
-    h.append(silence(0.3))
+    h.append(silence(0.4))
     (ask,) = _asks(h)
     h.take(h.core.on_turn_score(ask.params["ref"], 0.9, h.now))
     assert h.core.active_response_id is not None
@@ -271,9 +298,9 @@ def test_cues_the_model_decides_and_words_mid_clause_veto_it() -> None:
 
 def test_a_score_waits_for_the_pause_transcript_which_may_veto_it() -> None:
     turn = SemanticTurn(threshold=0.7, closed_threshold=0.7)
-    ask = turn.on_frame("item_1", 0, 1000 * MS, 1200 * MS, transcript_coming=True)
+    ask = turn.on_frame("item_1", 0, 1000 * MS, 1300 * MS, transcript_coming=True)
     assert isinstance(ask, ScoreTurn)
-    held = turn.on_score(ask.ref, 0.8, "item_1", 1000 * MS, 1200 * MS)
+    held = turn.on_score(ask.ref, 0.8, "item_1", 1000 * MS, 1300 * MS)
     assert held == WordsAwaited(("item_1", 1000 * MS))  # held for the words
     end = turn.on_transcript(("item_1", 1000 * MS), "Book it.", "item_1", 1000 * MS, 1300 * MS)
     assert end == EndTurn("item_1", 1000 * MS, 0.8)
@@ -314,9 +341,9 @@ def test_words_are_unneeded_only_below_every_bar_they_could_lower_it_to() -> Non
 def test_a_transcript_before_the_score_is_used_and_a_missing_one_leaves_the_model() -> None:
     turn = SemanticTurn(threshold=0.7, closed_threshold=0.7)
     assert turn.on_transcript(("item_1", 1000 * MS), "Book it.", "item_1", 1000 * MS, 1100 * MS) is None
-    ask = turn.on_frame("item_1", 0, 1000 * MS, 1200 * MS, transcript_coming=True)
+    ask = turn.on_frame("item_1", 0, 1000 * MS, 1300 * MS, transcript_coming=True)
     assert isinstance(ask, ScoreTurn)
-    end = turn.on_score(ask.ref, 0.75, "item_1", 1000 * MS, 1200 * MS)
+    end = turn.on_score(ask.ref, 0.75, "item_1", 1000 * MS, 1300 * MS)
     assert end == EndTurn("item_1", 1000 * MS, 0.75)
     ask = turn.on_frame("item_2", 0, 3000 * MS, 3200 * MS, transcript_coming=True)
     assert isinstance(ask, ScoreTurn)
@@ -338,7 +365,7 @@ def _prepares(h: Harness) -> list[PrepareTranscript]:
 def test_core_decides_on_the_score_and_the_prepared_transcript() -> None:
     h = _semantic(pipeline_transcribes_input=True)
     h.append(tone(1.0))
-    h.append(silence(0.3))
+    h.append(silence(0.4))
     (prepare,) = _prepares(h)
     (ask,) = _asks(h)
     h.take(h.core.on_turn_score(ask.params["ref"], 0.95, h.now))
@@ -346,7 +373,7 @@ def test_core_decides_on_the_score_and_the_prepared_transcript() -> None:
     h.take(h.core.on_turn_transcript(prepare.key, "I would like a flight to", h.now))
     assert "input_audio_buffer.speech_stopped" not in types(h.events)  # mid-clause: waits on
     h.append(tone(0.5))  # the user goes on
-    h.append(silence(0.3))
+    h.append(silence(0.4))
     second = _prepares(h)[-1]
     ask = _asks(h)[-1]
     h.take(h.core.on_turn_transcript(second.key, "I would like a flight to Madrid.", h.now))
@@ -364,7 +391,7 @@ def test_core_prepares_the_words_with_the_ask_and_closed_words_lower_the_bar() -
     (prepare,) = _prepares(h)  # asked for at the same frame as the model
     (ask,) = _asks(h)
     assert prepare.key[1] == int(ask.params["ref"].split("@")[1])
-    h.append(silence(0.1))
+    h.append(silence(0.3))
     # The model below its bar for words alone, above the one for words ending a sentence.
     between = (CLOSED_THRESHOLDS["auto"] + THRESHOLDS["auto"]) / 2
     h.take(h.core.on_turn_score(ask.params["ref"], between, h.now))

@@ -33,9 +33,9 @@ def test_closed_words_the_model_left_open_are_scored_and_may_end_the_turn() -> N
     ask = _asked(turn, 1000)
     # Below every bar of the audio model: the words are still awaited (they may end it now).
     assert turn.on_score(ask.ref, 0.02, "item_1", 1000 * MS, 1032 * MS) == WordsAwaited(("item_1", 1000 * MS))
-    words = turn.on_transcript(("item_1", 1000 * MS), "Moved to Thursday.", "item_1", 1000 * MS, 1200 * MS)
+    words = turn.on_transcript(("item_1", 1000 * MS), "Moved to Thursday.", "item_1", 1000 * MS, 1300 * MS)
     assert isinstance(words, ScoreWords) and words.text == "Moved to Thursday."
-    end = turn.on_score(words.ref, ENDS, "item_1", 1000 * MS, 1250 * MS)
+    end = turn.on_score(words.ref, ENDS, "item_1", 1000 * MS, 1300 * MS)
     assert end == EndTurn("item_1", 1000 * MS, 0.02)
     # Words the language model reads as going on leave the maximum pause to end it.
     ask = _asked(turn, 3000)
@@ -50,7 +50,7 @@ def test_open_words_stale_answers_and_no_cue_ask_nothing_more() -> None:
     ask = _asked(turn, 1000)
     turn.on_score(ask.ref, 0.02, "item_1", 1000 * MS, 1032 * MS)
     # Mid-clause words: vetoed as ever, nothing to score.
-    assert turn.on_transcript(("item_1", 1000 * MS), "A flight to", "item_1", 1000 * MS, 1200 * MS) is None
+    assert turn.on_transcript(("item_1", 1000 * MS), "A flight to", "item_1", 1000 * MS, 1300 * MS) is None
     # The user speaks again before the words' answer: it is stale.
     ask = _asked(turn, 2000)
     turn.on_score(ask.ref, 0.02, "item_1", 2000 * MS, 2032 * MS)
@@ -62,7 +62,7 @@ def test_open_words_stale_answers_and_no_cue_ask_nothing_more() -> None:
     plain = SemanticTurn()
     ask = _asked(plain, 1000)
     plain.on_score(ask.ref, 0.02, "item_1", 1000 * MS, 1032 * MS)
-    assert plain.on_transcript(("item_1", 1000 * MS), "Done.", "item_1", 1000 * MS, 1200 * MS) is None
+    assert plain.on_transcript(("item_1", 1000 * MS), "Done.", "item_1", 1000 * MS, 1300 * MS) is None
 
 
 def test_a_words_answer_sooner_than_the_shortest_pause_ends_on_the_frame_that_gets_there() -> None:
@@ -99,7 +99,7 @@ def _left_open(h: Harness) -> PrepareTranscript:
     """A second of speech, a pause, and Smart Turn's "unfinished" (0.03) for it: the pause's
     words ask (`PrepareTranscript`)."""
     h.append(tone(1.0))
-    h.append(silence(0.2))
+    h.append(silence(0.4))
     (prepare,) = [e for e in h.effects if isinstance(e, PrepareTranscript)]
     (ask,) = _controls(h, "score_turn")
     h.take(h.core.on_turn_score(ask.params["ref"], 0.03, h.now))
